@@ -1,0 +1,17 @@
+"""unison: data-parallel training for PyTorch, TensorFlow/Keras and MXNet.
+
+This root package holds what every framework shares: init and the
+rank/size queries, the op constants, and the errors. Collectives live in the
+front ends: unison.numpy, unison.torch, unison.tensorflow, unison.mxnet.
+"""
+from unison.basics import (  # noqa: F401
+    Adasum, Average, Max, Min, Product, Sum, backend_name, built_backends, ccl_built,
+    cross_rank, cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled, init,
+    is_initialized, local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported,
+    nccl_built, rank, rocm_built, shutdown, size)
+from unison.exceptions import (  # noqa: F401
+    HorovodInternalError, InvalidArgumentError, MismatchError, NotInitializedError,
+    RankFailedError, ShutDownError, StalledError, UnisonError, UnisonInternalError,
+    UnsupportedError)
+
+__version__ = "0.1.0"

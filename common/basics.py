@@ -1,0 +1,134 @@
+"""The process-wide basics over the native core: init, shutdown, the
+rank and size queries, build queries, and turning status codes into
+exceptions. Every adapter imports these from here."""
+import atexit
+
+from unison import exceptions
+from unison._native import ffi, lib
+
+# Reduce operations, with Horovod's names.
+Sum = lib.UNISON_SUM
+Average = lib.UNISON_AVERAGE
+Min = lib.UNISON_MIN
+Max = lib.UNISON_MAX
+Product = lib.UNISON_PRODUCT
+Adasum = lib.UNISON_ADASUM  # reserved: asking for it raises UnsupportedError
+
+_ERRORS = {
+    lib.UNISON_ERR_INVALID_ARGUMENT: exceptions.InvalidArgumentError,
+    lib.UNISON_ERR_NOT_INITIALIZED: exceptions.NotInitializedError,
+    lib.UNISON_ERR_MISMATCH: exceptions.MismatchError,
+    lib.UNISON_ERR_RANK_FAILED: exceptions.RankFailedError,
+    lib.UNISON_ERR_SHUT_DOWN: exceptions.ShutDownError,
+    lib.UNISON_ERR_STALLED: exceptions.StalledError,
+    lib.UNISON_ERR_UNSUPPORTED: exceptions.UnsupportedError,
+    lib.UNISON_ERR_INTERNAL: exceptions.UnisonInternalError,
+}
+
+
+def error_for(code, message):
+    return _ERRORS.get(code, exceptions.UnisonError)(message)
+
+
+def check(code):
+    """Raises the exception for a failed call's status code."""
+    if code != lib.UNISON_OK:
+        raise error_for(code, ffi.string(lib.unison_last_error()).decode(errors="replace"))
+
+
+def init():
+    """Starts unison in this process. Rank and size come from the launcher's
+    environment; a process started on its own is rank 0 of 1."""
+    check(lib.unison_init())
+
+
+def shutdown():
+    """Stops unison here and tells the other ranks. init() may follow."""
+    lib.unison_shutdown()
+
+
+atexit.register(shutdown)
+
+
+def is_initialized():
+    return bool(lib.unison_is_initialized())
+
+
+def _query(function):
+    out = ffi.new("int*")
+    check(function(out))
+    return out[0]
+
+
+def rank():
+    return _query(lib.unison_rank)
+
+
+def size():
+    return _query(lib.unison_size)
+
+
+def local_rank():
+    return _query(lib.unison_local_rank)
+
+
+def local_size():
+    return _query(lib.unison_local_size)
+
+
+def cross_rank():
+    return _query(lib.unison_cross_rank)
+
+
+def cross_size():
+    return _query(lib.unison_cross_size)
+
+
+def backend_name():
+    """The data plane in use: 'shm' (several local ranks) or 'solo' (one)."""
+    return ffi.string(lib.unison_backend_name()).decode()
+
+
+def built_backends():
+    return ffi.string(lib.unison_built_backends()).decode().split(",")
+
+
+# Build queries, under Horovod's names.
+def mpi_built():
+    return "mpi" in built_backends()
+
+
+def gloo_built():
+    return False
+
+
+def nccl_built():
+    return False
+
+
+def ddl_built():
+    return False
+
+
+def ccl_built():
+    return False
+
+
+def cuda_built():
+    return False
+
+
+def rocm_built():
+    return False
+
+
+def mpi_enabled():
+    return False
+
+
+def gloo_enabled():
+    return False
+
+
+def mpi_threads_supported():
+    return False

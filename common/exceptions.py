@@ -1,0 +1,47 @@
+"""Errors raised by unison.
+
+Everything unison raises is a UnisonError. Failures of a collective after it
+was accepted (ranks disagreeing, a rank dying, a peer shutting down) are
+UnisonInternalError, which is also importable as HorovodInternalError so
+that code catching Horovod's error keeps working. Bad input caught before
+anything is sent is InvalidArgumentError, also a ValueError.
+"""
+
+
+class UnisonError(RuntimeError):
+    """Base of every unison error."""
+
+
+class InvalidArgumentError(UnisonError, ValueError):
+    """The call was wrong on this rank alone (dtype, shape, root, name in flight...)."""
+
+
+class NotInitializedError(InvalidArgumentError):
+    """unison.init() has not been called, or shutdown() has."""
+
+
+class UnsupportedError(InvalidArgumentError):
+    """A valid request that this build or version cannot serve."""
+
+
+class UnisonInternalError(UnisonError):
+    """A collective failed after it was accepted."""
+
+
+class MismatchError(UnisonInternalError):
+    """Ranks submitted the same tensor name with different parameters."""
+
+
+class RankFailedError(UnisonInternalError):
+    """A peer rank died or stopped answering."""
+
+
+class ShutDownError(UnisonInternalError):
+    """A rank shut down while the op was pending."""
+
+
+class StalledError(UnisonInternalError):
+    """The stall inspector failed an op that some ranks never submitted."""
+
+
+HorovodInternalError = UnisonInternalError

@@ -1,0 +1,84 @@
+"""Handles of asynchronous ops, shared by every front end.
+
+A Handle keeps the buffers of its op alive until the op has completed:
+the core reads and writes them from its own thread, so they must not be
+freed under it even if the caller drops the handle.
+"""
+from unison import basics
+from unison._native import ffi, lib
+
+# Handles whose op may still be running, so their buffers stay alive even
+# when the caller drops the Handle without synchronizing.
+_in_flight = {}
+
+
+class Handle:
+    __slots__ = ("id", "name", "_buffers", "_finish", "_result", "_done", "__weakref__")
+
+    def __init__(self, handle_id, name, buffers, finish):
+        self.id = handle_id
+        self.name = name
+        self._buffers = buffers
+        self._finish = finish
+        self._done = False
+        self._result = None
+        _in_flight[handle_id] = self
+
+    def __repr__(self):
+        return "<unison.Handle %d %r%s>" % (self.id, self.name, " done" if self._done else "")
+
+
+def poll(handle):
+    """True once the op has completed; synchronize() will then not block."""
+    if handle._done:
+        return True
+    done = ffi.new("int*")
+    basics.check(lib.unison_poll(handle.id, done))
+    return bool(done[0])
+
+
+def synchronize(handle):
+    """Waits for the op and returns its result; raises if it failed."""
+    if handle._done:
+        return handle._result
+    while True:
+        # Wait in slices so that Ctrl-C reaches Python between them.
+        code = lib.unison_wait(handle.id, 0.2)
+        if code != lib.UNISON_ERR_TIMEOUT:
+            break
+    _in_flight.pop(handle.id, None)
+    try:
+        if code != lib.UNISON_OK:
+            message = ffi.new("char[]", 4096)
+            lib.unison_handle_error(handle.id, message, 4096)
+            raise basics.error_for(code, ffi.string(message).decode(errors="replace"))
+        handle._result = handle._finish(handle.id)
+        handle._done = True
+        return handle._result
+    finally:
+        handle._buffers = None
+        lib.unison_release(handle.id)
+
+
+def result_buffer(handle_id):
+    """(cdata pointer owned by Python, byte count, shape) of a completed op
+    whose output the core allocated; the memory is freed with the pointer."""
+    data = ffi.new("void**")
+    nbytes = ffi.new("int64_t*")
+    ndim = ffi.new("int*")
+    shape = ffi.new("int64_t[32]")
+    basics.check(lib.unison_handle_result(handle_id, 1, data, nbytes, ndim, shape))
+    owned = ffi.gc(data[0], lib.unison_free)
+    return owned, nbytes[0], tuple(shape[i] for i in range(ndim[0]))
+
+
+def received_splits(handle_id, count):
+    out = ffi.new("int64_t[]", count)
+    basics.check(lib.unison_handle_received_splits(handle_id, out, count))
+    return list(out)
+
+
+def join_rank(handle_id):
+    out = ffi.new("int*")
+    basics.check(lib.unison_handle_join_rank(handle_id, out))
+    return out[0]

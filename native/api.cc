@@ -1,0 +1,149 @@
+// api.cc: the C ABI of unison.h over one process-wide Engine.
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "engine.h"
+#include "unison.h"
+
+namespace unison {
+namespace {
+
+std::mutex lifecycle_mutex;  // init and shutdown
+std::unique_ptr<Engine> engine;
+Config config;
+HandleTable handles;
+int generation = 0;  // counts inits, so a re-init gets fresh shared memory
+thread_local std::string last_error;
+
+int report(const Status& s) {
+  if (!s.ok()) last_error = s.message;
+  return s.code;
+}
+
+int not_initialized() {
+  return report(Status::Error(UNISON_ERR_NOT_INITIALIZED,
+                              "unison: not initialized; call init() first (or again after shutdown())"));
+}
+
+int query(int* out, int value) {
+  if (engine == nullptr) return not_initialized();
+  if (out == nullptr) return report(Status::Error(UNISON_ERR_INVALID_ARGUMENT, "unison: NULL output pointer"));
+  *out = value;
+  return UNISON_OK;
+}
+
+}  // namespace
+}  // namespace unison
+
+using namespace unison;
+
+extern "C" {
+
+int unison_init(void) {
+  std::lock_guard<std::mutex> lock(lifecycle_mutex);
+  if (engine != nullptr) return UNISON_OK;  // as Horovod: a second init is harmless
+  Config c = Config::from_environment();
+  if (c.size < 1 || c.rank < 0 || c.rank >= c.size)
+    return report(Status::Error(UNISON_ERR_INVALID_ARGUMENT, "unison: rank " + std::to_string(c.rank) +
+                                                                 " of size " + std::to_string(c.size) +
+                                                                 " from the environment is impossible"));
+  std::unique_ptr<Backend> backend;
+  if (c.size == 1) {
+    backend = make_solo_backend();
+  } else if (c.local_size != c.size) {
+    return report(Status::Error(UNISON_ERR_UNSUPPORTED,
+                                "unison: this job spans " + std::to_string(c.size / std::max(c.local_size, 1)) +
+                                    " hosts, but this build has only the shared-memory data plane, which "
+                                    "works within one host"));
+  } else {
+    Status s = make_shm_backend(c, generation, &backend);
+    if (!s.ok()) return report(s);
+  }
+  ++generation;
+  config = c;
+  engine = std::make_unique<Engine>(c, std::move(backend), &handles);
+  return UNISON_OK;
+}
+
+int unison_shutdown(void) {
+  std::lock_guard<std::mutex> lock(lifecycle_mutex);
+  if (engine != nullptr) engine->stop();
+  engine.reset();
+  return UNISON_OK;
+}
+
+int unison_is_initialized(void) { return engine != nullptr ? 1 : 0; }
+
+int unison_rank(int* out) { return query(out, config.rank); }
+int unison_size(int* out) { return query(out, config.size); }
+int unison_local_rank(int* out) { return query(out, config.local_rank); }
+int unison_local_size(int* out) { return query(out, config.local_size); }
+int unison_cross_rank(int* out) { return query(out, config.cross_rank); }
+int unison_cross_size(int* out) { return query(out, config.cross_size); }
+
+const char* unison_backend_name(void) { return engine != nullptr ? engine->backend().name() : ""; }
+
+const char* unison_built_backends(void) { return "solo,shm"; }
+
+int unison_enqueue(const unison_op_options* options, unison_handle* out) {
+  if (engine == nullptr) return not_initialized();
+  if (options == nullptr || out == nullptr)
+    return report(Status::Error(UNISON_ERR_INVALID_ARGUMENT, "unison: NULL options or handle pointer"));
+  return report(engine->enqueue(*options, out));
+}
+
+int unison_poll(unison_handle handle, int* done) {
+  bool d = false;
+  Status s = handles.poll(handle, &d);
+  if (s.ok() && done != nullptr) *done = d ? 1 : 0;
+  return report(s);
+}
+
+int unison_wait(unison_handle handle, double timeout_seconds) {
+  return report(handles.wait(handle, timeout_seconds));
+}
+
+int unison_handle_error(unison_handle handle, char* buffer, int64_t capacity) {
+  if (buffer == nullptr || capacity <= 0)
+    return report(Status::Error(UNISON_ERR_INVALID_ARGUMENT, "unison: no buffer for the error message"));
+  return report(handles.with_result(handle, [&](const Status& status, const OpResult&) {
+    std::strncpy(buffer, status.message.c_str(), (size_t)capacity - 1);
+    buffer[capacity - 1] = '\0';
+  }));
+}
+
+int unison_handle_result(unison_handle handle, int take_ownership, void** data, int64_t* nbytes,
+                         int* ndim, int64_t* shape) {
+  return report(handles.with_result(handle, [&](const Status&, const OpResult& const_result) {
+    OpResult& result = const_cast<OpResult&>(const_result);
+    if (data) *data = result.data;
+    if (nbytes) *nbytes = result.bytes;
+    if (ndim) *ndim = (int)result.shape.size();
+    if (shape)
+      for (size_t i = 0; i < result.shape.size() && i < UNISON_MAX_DIMS; ++i) shape[i] = result.shape[i];
+    if (take_ownership && result.core_allocated) result.core_allocated = false;
+  }));
+}
+
+int unison_handle_received_splits(unison_handle handle, int64_t* splits, int n) {
+  return report(handles.with_result(handle, [&](const Status&, const OpResult& result) {
+    for (int i = 0; i < n && i < (int)result.received_splits.size(); ++i) splits[i] = result.received_splits[i];
+  }));
+}
+
+int unison_handle_join_rank(unison_handle handle, int* last_rank) {
+  return report(handles.with_result(handle, [&](const Status&, const OpResult& result) {
+    if (last_rank) *last_rank = result.join_rank;
+  }));
+}
+
+int unison_release(unison_handle handle) { return report(handles.release(handle)); }
+
+void unison_free(void* data) { std::free(data); }
+
+const char* unison_last_error(void) { return last_error.c_str(); }
+
+}  // extern "C"

@@ -1,0 +1,66 @@
+#include "config.h"
+
+#include <cstdlib>
+#include <string>
+
+namespace unison {
+namespace {
+
+// The first of the names that is set, or nullptr.
+const char* lookup(const char* unison_name, const char* horovod_name) {
+  const char* value = std::getenv(unison_name);
+  if (value == nullptr && horovod_name != nullptr) value = std::getenv(horovod_name);
+  return (value != nullptr && *value != '\0') ? value : nullptr;
+}
+
+void read_int(int* field, const char* unison_name, const char* horovod_name = nullptr) {
+  if (const char* v = lookup(unison_name, horovod_name)) *field = std::atoi(v);
+}
+
+void read_size(size_t* field, const char* unison_name, const char* horovod_name = nullptr) {
+  if (const char* v = lookup(unison_name, horovod_name)) *field = (size_t)std::strtoull(v, nullptr, 10);
+}
+
+void read_double(double* field, const char* unison_name, const char* horovod_name = nullptr) {
+  if (const char* v = lookup(unison_name, horovod_name)) *field = std::strtod(v, nullptr);
+}
+
+}  // namespace
+
+Config Config::from_environment() {
+  Config c;
+  read_int(&c.rank, "UNISON_RANK", "HOROVOD_RANK");
+  read_int(&c.size, "UNISON_SIZE", "HOROVOD_SIZE");
+  c.local_rank = c.rank;
+  c.local_size = c.size;
+  read_int(&c.local_rank, "UNISON_LOCAL_RANK", "HOROVOD_LOCAL_RANK");
+  read_int(&c.local_size, "UNISON_LOCAL_SIZE", "HOROVOD_LOCAL_SIZE");
+  read_int(&c.cross_rank, "UNISON_CROSS_RANK", "HOROVOD_CROSS_RANK");
+  read_int(&c.cross_size, "UNISON_CROSS_SIZE", "HOROVOD_CROSS_SIZE");
+  if (const char* v = lookup("UNISON_JOB_ID", nullptr)) c.job_id = v;
+
+  read_size(&c.fusion_threshold_bytes, "UNISON_FUSION_THRESHOLD", "HOROVOD_FUSION_THRESHOLD");
+  read_double(&c.cycle_time_ms, "UNISON_CYCLE_TIME", "HOROVOD_CYCLE_TIME");
+  read_int(&c.cache_capacity, "UNISON_CACHE_CAPACITY", "HOROVOD_CACHE_CAPACITY");
+  int disable = 0;
+  read_int(&disable, "UNISON_STALL_CHECK_DISABLE", "HOROVOD_STALL_CHECK_DISABLE");
+  c.stall_check_enabled = disable == 0;
+  read_double(&c.stall_warning_seconds, "UNISON_STALL_CHECK_TIME_SECONDS",
+              "HOROVOD_STALL_CHECK_TIME_SECONDS");
+  read_double(&c.stall_shutdown_seconds, "UNISON_STALL_SHUTDOWN_TIME_SECONDS",
+              "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS");
+  read_double(&c.peer_timeout_seconds, "UNISON_PEER_TIMEOUT_SECONDS");
+  read_double(&c.start_timeout_seconds, "UNISON_START_TIMEOUT", "HOROVOD_START_TIMEOUT");
+  read_size(&c.shm_slot_bytes, "UNISON_SHM_SLOT_BYTES");
+  read_size(&c.control_message_bytes, "UNISON_CONTROL_MESSAGE_BYTES");
+  read_size(&c.small_allreduce_bytes, "UNISON_SMALL_ALLREDUCE_BYTES");
+  read_double(&c.spin_microseconds, "UNISON_SPIN_MICROSECONDS");
+  read_int(&c.log_level, "UNISON_LOG_LEVEL", "HOROVOD_LOG_LEVEL");
+
+  if (c.cache_capacity < 0) c.cache_capacity = 0;
+  if (c.shm_slot_bytes < 4096) c.shm_slot_bytes = 4096;
+  if (c.control_message_bytes < 4096) c.control_message_bytes = 4096;
+  return c;
+}
+
+}  // namespace unison

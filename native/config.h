@@ -1,0 +1,76 @@
+// config.h: every knob of the core, read from the environment once at init.
+//
+// Each setting has a UNISON_* name; where Horovod has the same knob its
+// HOROVOD_* name is accepted too, so an existing job script keeps working.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace unison {
+
+struct Config {
+  // Identity, set by the launcher. A process started without it is rank 0 of 1.
+  int rank = 0;
+  int size = 1;
+  int local_rank = 0;
+  int local_size = 1;
+  int cross_rank = 0;
+  int cross_size = 1;
+  std::string job_id;
+
+  // Allreduces (and allgathers, reducescatters) ready in the same cycle are
+  // packed together up to this many bytes. 64 MiB is Horovod's default: large
+  // enough that a whole model's gradients usually go as one collective.
+  size_t fusion_threshold_bytes = 64u << 20;
+
+  // 0 (the default) starts a negotiation cycle the moment a request arrives,
+  // so a lone small op pays no waiting. A positive value (milliseconds) makes
+  // cycles start at most that often, batching more tensors per negotiation,
+  // which is what Horovod's HOROVOD_CYCLE_TIME does.
+  double cycle_time_ms = 0.0;
+
+  // Negotiated responses remembered so that later steps with the same
+  // tensors agree through one bit each. Horovod's default; 0 disables.
+  int cache_capacity = 1024;
+
+  // The stall inspector warns when some ranks have waited this long on a
+  // tensor that others never submitted, and fails those ops after the
+  // shutdown time when that is positive.
+  bool stall_check_enabled = true;
+  double stall_warning_seconds = 60.0;
+  double stall_shutdown_seconds = 0.0;
+
+  // A peer that shows no sign of life for this long is declared failed.
+  // Exits are seen at once through pidfds; this bound catches a peer that is
+  // alive but frozen (stopped, deadlocked).
+  double peer_timeout_seconds = 10.0;
+
+  // How long init waits for all local ranks to attach to shared memory.
+  double start_timeout_seconds = 60.0;
+
+  // Shared-memory staging area per rank. It is split into two halves so
+  // one round can be filled while the previous one is still being read;
+  // a collective larger than a half moves in rounds. 8 MiB halves keep a
+  // round's working set inside this class of machine's L3 cache.
+  size_t shm_slot_bytes = 16u << 20;
+
+  // Control messages (requests, responses) per rank per cycle.
+  size_t control_message_bytes = 1u << 20;
+
+  // Reductions of at most this many bytes are done whole by every rank (one
+  // barrier) instead of split across ranks (two barriers): below it the
+  // saved barrier is worth more than the duplicated arithmetic.
+  size_t small_allreduce_bytes = 64u << 10;
+
+  // A waiting thread spins this long before it sleeps in the kernel. Short,
+  // so that a rank waiting for a slow peer gives its core back.
+  double spin_microseconds = 50.0;
+
+  int log_level = 0;  // 0 warnings, 1 info, 2 debug
+
+  static Config from_environment();
+};
+
+}  // namespace unison

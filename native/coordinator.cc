@@ -1,0 +1,203 @@
+#include "coordinator.h"
+
+#include <algorithm>
+#include <functional>
+#include <sstream>
+
+#include "dtype.h"
+
+namespace unison {
+namespace {
+
+// "rank 0 float32, rank 1 int32": each rank's value of one field.
+std::string per_rank(const std::vector<const Request*>& requests,
+                     const std::function<std::string(const Request&)>& field) {
+  std::string out;
+  for (const Request* r : requests) {
+    if (!out.empty()) out += ", ";
+    out += "rank " + std::to_string(r->rank) + " " + field(*r);
+  }
+  return out;
+}
+
+std::string number(double v) {
+  std::ostringstream s;
+  s << v;
+  return s.str();
+}
+
+std::vector<int64_t> tail(const std::vector<int64_t>& shape) {
+  return shape.empty() ? shape : std::vector<int64_t>(shape.begin() + 1, shape.end());
+}
+
+}  // namespace
+
+bool Coordinator::complete(const Pending& p) const {
+  for (int r = 0; r < size_; ++r)
+    if (!p.submitted[r] && !joined_[r]) return false;
+  return true;
+}
+
+void Coordinator::add(const Request& request, double now) {
+  if (request.op == UNISON_JOIN) {
+    if (!joined_[request.rank]) {
+      joined_[request.rank] = true;
+      ++joined_count_;
+    }
+    last_joined_ = request.rank;
+    // Tensors that waited only for the ranks now joined can run.
+    std::vector<std::string> names = arrival_order_;
+    for (const std::string& name : names)
+      if (complete(table_[name])) finish(name);
+    if (joined_count_ == size_) {
+      Response r;
+      r.op = UNISON_JOIN;
+      r.last_joined_rank = last_joined_;
+      r.cacheable = false;
+      r.tensors.push_back(TensorPlan{request.name, {}, {}, {}});
+      ready_.push_back(r);
+      joined_.assign(size_, false);
+      joined_count_ = 0;
+    }
+    return;
+  }
+  auto [it, inserted] = table_.try_emplace(request.name);
+  Pending& p = it->second;
+  if (inserted) {
+    p.requests.resize(size_);
+    p.submitted.assign(size_, false);
+    p.since = now;
+    arrival_order_.push_back(request.name);
+  }
+  if (!p.submitted[request.rank]) {
+    p.submitted[request.rank] = true;
+    ++p.count;
+  }
+  p.requests[request.rank] = request;
+  if (complete(p)) finish(request.name);
+}
+
+void Coordinator::finish(const std::string& name) {
+  ready_.push_back(build(table_[name]));
+  table_.erase(name);
+  arrival_order_.erase(std::find(arrival_order_.begin(), arrival_order_.end(), name));
+}
+
+Response Coordinator::build(const Pending& p) const {
+  std::vector<const Request*> present;
+  for (int r = 0; r < size_; ++r)
+    if (p.submitted[r]) present.push_back(&p.requests[r]);
+  const Request& first = *present[0];
+
+  Response response;
+  response.op = first.op;
+  response.dtype = first.dtype;
+  response.reduce_op = first.reduce_op;
+  response.prescale = first.prescale;
+  response.postscale = first.postscale;
+  response.root = first.root;
+  response.device = first.device;
+  response.cacheable = joined_count_ == 0;
+  TensorPlan plan;
+  plan.name = first.name;
+  plan.shape = first.shape;
+
+  auto fail = [&](const std::string& what, const std::function<std::string(const Request&)>& field) {
+    response.error_code = UNISON_ERR_MISMATCH;
+    response.error = std::string("unison: ") + op_name(first.op) + " '" + first.name +
+                     "': ranks disagree on " + what + ": " + per_rank(present, field);
+    response.tensors.assign(1, plan);
+    return response;
+  };
+  auto differs = [&](const std::function<bool(const Request&)>& same) {
+    for (const Request* r : present)
+      if (!same(*r)) return true;
+    return false;
+  };
+
+  if (differs([&](const Request& r) { return r.op == first.op; }))
+    return fail("the operation", [](const Request& r) { return std::string(op_name(r.op)); });
+  if (differs([&](const Request& r) { return r.dtype == first.dtype; }))
+    return fail("dtype", [](const Request& r) { return std::string(dtype_name(r.dtype)); });
+  if (differs([&](const Request& r) { return r.device == first.device; }))
+    return fail("device", [](const Request& r) { return std::to_string(r.device); });
+  const bool reduces = first.op == UNISON_ALLREDUCE || first.op == UNISON_REDUCESCATTER;
+  if (reduces) {
+    if (differs([&](const Request& r) { return r.reduce_op == first.reduce_op; }))
+      return fail("the reduce op", [](const Request& r) { return std::string(reduce_op_name(r.reduce_op)); });
+    if (differs([&](const Request& r) { return r.prescale == first.prescale; }))
+      return fail("prescale_factor", [](const Request& r) { return number(r.prescale); });
+    if (differs([&](const Request& r) { return r.postscale == first.postscale; }))
+      return fail("postscale_factor", [](const Request& r) { return number(r.postscale); });
+  }
+  if (first.op == UNISON_BROADCAST) {
+    if (differs([&](const Request& r) { return r.root == first.root; }))
+      return fail("the root rank", [](const Request& r) { return std::to_string(r.root); });
+    if (joined_[first.root]) {
+      response.error_code = UNISON_ERR_MISMATCH;
+      response.error = "unison: broadcast '" + first.name + "': root rank " +
+                       std::to_string(first.root) + " has already joined";
+      response.tensors.assign(1, plan);
+      return response;
+    }
+  }
+  const bool ragged = first.op == UNISON_ALLGATHER || first.op == UNISON_ALLTOALL;
+  auto shape_text = [](const Request& r) { return shape_string(r.shape); };
+  if (ragged) {
+    if (differs([&](const Request& r) { return r.shape.size() == first.shape.size() && tail(r.shape) == tail(first.shape); }))
+      return fail("shape (all but the first dimension must match)", shape_text);
+    plan.first_dims.assign(size_, 0);
+    for (const Request* r : present) plan.first_dims[r->rank] = r->shape.empty() ? 0 : r->shape[0];
+    if (first.op == UNISON_ALLTOALL) {
+      plan.splits.assign((size_t)size_ * size_, 0);
+      for (const Request* r : present)
+        std::copy(r->splits.begin(), r->splits.end(), plan.splits.begin() + (size_t)r->rank * size_);
+    }
+  } else if (first.op != UNISON_BARRIER) {
+    if (differs([&](const Request& r) { return r.shape == first.shape; }))
+      return fail("shape", shape_text);
+  }
+  response.tensors.push_back(plan);
+  return response;
+}
+
+std::vector<Response> Coordinator::take_ready(size_t budget_bytes, bool* more) {
+  std::vector<Response> out;
+  size_t used = 0;
+  while (!ready_.empty()) {
+    size_t bytes = encoded_size(ready_.front());
+    if (!out.empty() && used + bytes > budget_bytes) break;
+    used += bytes;
+    out.push_back(std::move(ready_.front()));
+    ready_.pop_front();
+  }
+  *more = !ready_.empty();
+  return out;
+}
+
+std::vector<Waiting> Coordinator::waiting() const {
+  std::vector<Waiting> out;
+  for (const std::string& name : arrival_order_) {
+    const Pending& p = table_.at(name);
+    int op = 0;
+    for (int r = 0; r < size_; ++r)
+      if (p.submitted[r]) op = p.requests[r].op;
+    out.push_back(Waiting{name, op, p.submitted, p.since});
+  }
+  return out;
+}
+
+void Coordinator::fail(const std::string& name, int code, const std::string& message) {
+  auto it = table_.find(name);
+  if (it == table_.end()) return;
+  Response r;
+  r.error_code = code;
+  r.error = message;
+  r.cacheable = false;
+  r.tensors.push_back(TensorPlan{name, {}, {}, {}});
+  ready_.push_back(r);
+  table_.erase(it);
+  arrival_order_.erase(std::find(arrival_order_.begin(), arrival_order_.end(), name));
+}
+
+}  // namespace unison

@@ -1,0 +1,72 @@
+#include "handles.h"
+
+#include <chrono>
+#include <cstdlib>
+#include <string>
+
+namespace unison {
+
+Status HandleTable::unknown(int64_t handle) {
+  return Status::Error(UNISON_ERR_INVALID_ARGUMENT,
+                       "unison: unknown handle " + std::to_string(handle) +
+                           " (never issued, or already released)");
+}
+
+int64_t HandleTable::create() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  int64_t h = next_++;
+  states_.emplace(h, State());
+  return h;
+}
+
+void HandleTable::complete(int64_t handle, const Status& status, OpResult result) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = states_.find(handle);
+    if (it == states_.end()) {
+      if (result.core_allocated) std::free(result.data);
+      return;
+    }
+    it->second.done = true;
+    it->second.status = status;
+    it->second.result = std::move(result);
+  }
+  completed_.notify_all();
+}
+
+Status HandleTable::poll(int64_t handle, bool* done) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = states_.find(handle);
+  if (it == states_.end()) return unknown(handle);
+  *done = it->second.done;
+  return Status::OK();
+}
+
+Status HandleTable::wait(int64_t handle, double timeout_seconds) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  auto it = states_.find(handle);
+  if (it == states_.end()) return unknown(handle);
+  auto is_done = [&] {
+    auto found = states_.find(handle);
+    return found == states_.end() || found->second.done;
+  };
+  if (timeout_seconds < 0) {
+    completed_.wait(lock, is_done);
+  } else if (!completed_.wait_for(lock, std::chrono::duration<double>(timeout_seconds), is_done)) {
+    return Status::Error(UNISON_ERR_TIMEOUT, "unison: op still running");
+  }
+  it = states_.find(handle);
+  if (it == states_.end()) return unknown(handle);
+  return it->second.status;
+}
+
+Status HandleTable::release(int64_t handle) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = states_.find(handle);
+  if (it == states_.end()) return unknown(handle);
+  if (it->second.result.core_allocated) std::free(it->second.result.data);
+  states_.erase(it);
+  return Status::OK();
+}
+
+}  // namespace unison

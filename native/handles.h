@@ -1,0 +1,59 @@
+// handles.h: what the caller holds while an op runs, and what it reads
+// back when the op is done. Waiting happens here, on a condition variable,
+// with no lock held by the engine while it moves bytes.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+#include "status.h"
+
+namespace unison {
+
+struct OpResult {
+  void* data = nullptr;         // the output buffer
+  bool core_allocated = false;  // data was allocated by the core (malloc)
+  int64_t bytes = 0;
+  std::vector<int64_t> shape;
+  std::vector<int64_t> received_splits;
+  int join_rank = -1;
+};
+
+class HandleTable {
+ public:
+  int64_t create();
+  void complete(int64_t handle, const Status& status, OpResult result = OpResult());
+  // UNISON_ERR_INVALID_ARGUMENT for an unknown handle.
+  Status poll(int64_t handle, bool* done);
+  // The op's status, or UNISON_ERR_TIMEOUT while it still runs.
+  Status wait(int64_t handle, double timeout_seconds);
+  // Reads a completed op's result under the lock; fn(status, result).
+  template <typename Fn>
+  Status with_result(int64_t handle, Fn&& fn) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = states_.find(handle);
+    if (it == states_.end()) return unknown(handle);
+    if (!it->second.done)
+      return Status::Error(UNISON_ERR_INVALID_ARGUMENT, "unison: handle " + std::to_string(handle) + " has not completed");
+    fn(it->second.status, it->second.result);
+    return Status::OK();
+  }
+  Status release(int64_t handle);
+
+ private:
+  struct State {
+    bool done = false;
+    Status status;
+    OpResult result;
+  };
+  static Status unknown(int64_t handle);
+  std::mutex mutex_;
+  std::condition_variable completed_;
+  std::unordered_map<int64_t, State> states_;
+  int64_t next_ = 1;
+};
+
+}  // namespace unison

@@ -1,0 +1,153 @@
+#include "reduce.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+#include "dtype.h"
+
+namespace unison {
+namespace {
+
+// How a stored element becomes a value to compute with, and back.
+template <typename T>
+struct NativeCodec {
+  using Storage = T;
+  using Compute = T;
+  static Compute load(T v) { return v; }
+  static T store(Compute c) { return c; }
+};
+struct HalfCodec {
+  using Storage = uint16_t;
+  using Compute = float;
+  static float load(uint16_t v) { return half_to_float(v); }
+  static uint16_t store(float c) { return float_to_half(c); }
+};
+struct BFloat16Codec {
+  using Storage = uint16_t;
+  using Compute = float;
+  static float load(uint16_t v) { return bfloat16_to_float(v); }
+  static uint16_t store(float c) { return float_to_bfloat16(c); }
+};
+
+template <typename C>
+inline C scale(C v, double factor) {
+  if constexpr (std::is_floating_point_v<C>) {
+    return v * (C)factor;
+  } else {
+    return (C)((double)v * factor);  // integers: scale in double, truncate
+  }
+}
+
+// Wrapping integer arithmetic without signed-overflow undefined behaviour.
+template <typename C>
+inline C add(C a, C b) {
+  if constexpr (std::is_floating_point_v<C>) {
+    return a + b;
+  } else {
+    using U = std::make_unsigned_t<C>;
+    return (C)(U)((U)a + (U)b);
+  }
+}
+template <typename C>
+inline C multiply(C a, C b) {
+  if constexpr (std::is_floating_point_v<C>) {
+    return a * b;
+  } else {
+    using U = std::make_unsigned_t<C>;
+    return (C)(U)((U)a * (U)b);
+  }
+}
+// Min and max propagate NaN, as numpy and torch do (a != a only for NaN).
+template <typename C>
+inline C minimum(C a, C b) { return (a < b || a != a) ? a : b; }
+template <typename C>
+inline C maximum(C a, C b) { return (a > b || a != a) ? a : b; }
+
+struct Sum { template <typename C> static C apply(C a, C b) { return add(a, b); } };
+struct Min { template <typename C> static C apply(C a, C b) { return minimum(a, b); } };
+struct Max { template <typename C> static C apply(C a, C b) { return maximum(a, b); } };
+struct Product { template <typename C> static C apply(C a, C b) { return multiply(a, b); } };
+struct Or { template <typename C> static C apply(C a, C b) { return (C)((a != 0) | (b != 0)); } };
+struct And { template <typename C> static C apply(C a, C b) { return (C)((a != 0) & (b != 0)); } };
+
+// The accumulator block stays in L1 while every input streams past it once.
+constexpr size_t kBlock = 512;
+
+template <typename Codec, typename Combine>
+void reduce_typed(const ReduceSpec& spec, const void* const* inputs, int n_inputs, void* out,
+                  size_t count) {
+  using T = typename Codec::Storage;
+  using C = typename Codec::Compute;
+  const bool prescale = spec.prescale != 1.0;
+  const bool postscale = spec.postscale != 1.0;
+  const bool average = spec.reduce_op == UNISON_AVERAGE && spec.ranks > 1;
+  C acc[kBlock];
+  for (size_t base = 0; base < count; base += kBlock) {
+    const size_t m = std::min(kBlock, count - base);
+    const T* first = static_cast<const T*>(inputs[0]) + base;
+    for (size_t j = 0; j < m; ++j) acc[j] = Codec::load(first[j]);
+    if (prescale) for (size_t j = 0; j < m; ++j) acc[j] = scale(acc[j], spec.prescale);
+    for (int k = 1; k < n_inputs; ++k) {
+      const T* in = static_cast<const T*>(inputs[k]) + base;
+      if (prescale) {
+        for (size_t j = 0; j < m; ++j)
+          acc[j] = Combine::apply(acc[j], scale(Codec::load(in[j]), spec.prescale));
+      } else {
+        for (size_t j = 0; j < m; ++j) acc[j] = Combine::apply(acc[j], Codec::load(in[j]));
+      }
+    }
+    if (average) {
+      const C ranks = (C)spec.ranks;
+      for (size_t j = 0; j < m; ++j) acc[j] = acc[j] / ranks;
+    }
+    if (postscale) for (size_t j = 0; j < m; ++j) acc[j] = scale(acc[j], spec.postscale);
+    T* o = static_cast<T*>(out) + base;
+    for (size_t j = 0; j < m; ++j) o[j] = Codec::store(acc[j]);
+  }
+}
+
+template <typename Codec>
+void reduce_with_op(const ReduceSpec& spec, const void* const* inputs, int n, void* out,
+                    size_t count) {
+  switch (spec.reduce_op) {
+    case UNISON_SUM:
+    case UNISON_AVERAGE: return reduce_typed<Codec, Sum>(spec, inputs, n, out, count);
+    case UNISON_MIN: return reduce_typed<Codec, Min>(spec, inputs, n, out, count);
+    case UNISON_MAX: return reduce_typed<Codec, Max>(spec, inputs, n, out, count);
+    case UNISON_PRODUCT: return reduce_typed<Codec, Product>(spec, inputs, n, out, count);
+  }
+}
+
+void reduce_bool(const ReduceSpec& spec, const void* const* inputs, int n, void* out, size_t count) {
+  // Sum and Max mean "any"; Min and Product mean "all". Average is refused
+  // at enqueue, and scale factors have no meaning here.
+  ReduceSpec plain = spec;
+  plain.prescale = plain.postscale = 1.0;
+  if (spec.reduce_op == UNISON_SUM || spec.reduce_op == UNISON_MAX) {
+    reduce_typed<NativeCodec<uint8_t>, Or>(plain, inputs, n, out, count);
+  } else {
+    reduce_typed<NativeCodec<uint8_t>, And>(plain, inputs, n, out, count);
+  }
+}
+
+}  // namespace
+
+void reduce(const ReduceSpec& spec, const void* const* inputs, int n_inputs, void* out,
+            size_t count) {
+  if (count == 0 || n_inputs == 0) return;
+  switch (spec.dtype) {
+    case UNISON_UINT8: return reduce_with_op<NativeCodec<uint8_t>>(spec, inputs, n_inputs, out, count);
+    case UNISON_INT8: return reduce_with_op<NativeCodec<int8_t>>(spec, inputs, n_inputs, out, count);
+    case UNISON_INT16: return reduce_with_op<NativeCodec<int16_t>>(spec, inputs, n_inputs, out, count);
+    case UNISON_INT32: return reduce_with_op<NativeCodec<int32_t>>(spec, inputs, n_inputs, out, count);
+    case UNISON_INT64: return reduce_with_op<NativeCodec<int64_t>>(spec, inputs, n_inputs, out, count);
+    case UNISON_FLOAT16: return reduce_with_op<HalfCodec>(spec, inputs, n_inputs, out, count);
+    case UNISON_BFLOAT16: return reduce_with_op<BFloat16Codec>(spec, inputs, n_inputs, out, count);
+    case UNISON_FLOAT32: return reduce_with_op<NativeCodec<float>>(spec, inputs, n_inputs, out, count);
+    case UNISON_FLOAT64: return reduce_with_op<NativeCodec<double>>(spec, inputs, n_inputs, out, count);
+    case UNISON_BOOL: return reduce_bool(spec, inputs, n_inputs, out, count);
+  }
+}
+
+}  // namespace unison

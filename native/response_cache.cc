@@ -1,0 +1,88 @@
+#include "response_cache.h"
+
+#include "unison.h"
+
+namespace unison {
+namespace {
+
+// Whether `request` is what `rank` would send for the cached response.
+bool matches(const Response& cached, const Request& request, int size) {
+  if (cached.op != request.op || cached.dtype != request.dtype || cached.device != request.device)
+    return false;
+  const TensorPlan& plan = cached.tensors[0];
+  switch (request.op) {
+    case UNISON_ALLREDUCE:
+    case UNISON_REDUCESCATTER:
+      return cached.reduce_op == request.reduce_op && cached.prescale == request.prescale &&
+             cached.postscale == request.postscale && plan.shape == request.shape;
+    case UNISON_BROADCAST:
+      return cached.root == request.root && plan.shape == request.shape;
+    case UNISON_ALLGATHER:
+    case UNISON_ALLTOALL: {
+      if (request.shape.empty() || plan.shape.size() != request.shape.size()) return false;
+      for (size_t d = 1; d < request.shape.size(); ++d)
+        if (plan.shape[d] != request.shape[d]) return false;
+      if ((int)plan.first_dims.size() != size || plan.first_dims[request.rank] != request.shape[0])
+        return false;
+      if (request.op == UNISON_ALLTOALL) {
+        for (int r = 0; r < size; ++r)
+          if (plan.splits[(size_t)request.rank * size + r] != request.splits[r]) return false;
+      }
+      return true;
+    }
+    default:
+      return false;  // barrier and join are never cached
+  }
+}
+
+}  // namespace
+
+ResponseCache::Lookup ResponseCache::lookup(const Request& request, int size, int* position) const {
+  auto it = by_name_.find(request.name);
+  if (it == by_name_.end()) return Lookup::kMiss;
+  *position = it->second;
+  return matches(entries_[it->second].response, request, size) ? Lookup::kHit : Lookup::kStale;
+}
+
+void ResponseCache::put(const Response& response) {
+  if (entries_.empty()) return;
+  const std::string& name = response.tensors[0].name;
+  auto it = by_name_.find(name);
+  int position = -1;
+  if (it != by_name_.end()) {
+    position = it->second;
+  } else {
+    uint64_t oldest = UINT64_MAX;
+    for (int p = 0; p < (int)entries_.size(); ++p) {
+      if (!entries_[p].occupied) { position = p; break; }
+      if (entries_[p].last_used < oldest) { oldest = entries_[p].last_used; position = p; }
+    }
+    if (entries_[position].occupied) erase(position);
+  }
+  Entry& e = entries_[position];
+  e.occupied = true;
+  e.response = response;
+  e.last_used = ++clock_;
+  by_name_[name] = position;
+}
+
+void ResponseCache::erase(int position) {
+  Entry& e = entries_[position];
+  if (!e.occupied) return;
+  by_name_.erase(e.response.tensors[0].name);
+  e.occupied = false;
+  e.response = Response();
+}
+
+void set_bit(std::vector<uint64_t>* bits, int position) {
+  size_t word = (size_t)position / 64;
+  if (bits->size() <= word) bits->resize(word + 1, 0);
+  (*bits)[word] |= 1ull << (position % 64);
+}
+
+bool test_bit(const std::vector<uint64_t>& bits, int position) {
+  size_t word = (size_t)position / 64;
+  return word < bits.size() && (bits[word] >> (position % 64)) & 1;
+}
+
+}  // namespace unison

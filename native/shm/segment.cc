@@ -1,0 +1,165 @@
+#include "segment.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <new>
+#include <thread>
+
+namespace unison {
+namespace {
+
+constexpr uint64_t kMagic = 0x756e69736f6e3031ull;  // "unison01"
+
+size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
+
+std::string errno_text() { return std::strerror(errno); }
+
+void pause_briefly() { std::this_thread::sleep_for(std::chrono::milliseconds(1)); }
+
+}  // namespace
+
+int64_t monotonic_nanoseconds() {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+ShmSegment::~ShmSegment() {
+  if (base_ != nullptr) munmap(base_, mapped_bytes_);
+  // Only reached unlinked==false if init failed part-way; don't leave it.
+  if (!unlinked_ && !name_.empty() && header_ != nullptr) shm_unlink(name_.c_str());
+}
+
+Status ShmSegment::open(const Config& config, int generation) {
+  name_ = "/unison-" + config.job_id + "-" + std::to_string(config.local_size) + "-g" +
+          std::to_string(generation);
+  const size_t size = (size_t)config.local_size;
+  const size_t message_half = round_up(config.control_message_bytes, 4096);
+  const size_t slot_half = round_up(config.shm_slot_bytes / 2, 4096);
+  const size_t header_bytes = round_up(sizeof(Header) + size * sizeof(RankArea), 4096);
+  mailbox_offset_ = header_bytes;
+  slot_offset_ = mailbox_offset_ + size * 2 * message_half;
+  const size_t total = slot_offset_ + size * 2 * slot_half;
+  const double deadline = monotonic_seconds() + config.start_timeout_seconds;
+
+  Status s = config.local_rank == 0 ? create(total, deadline) : attach(total, deadline);
+  if (!s.ok()) return s;
+  if (config.local_rank == 0) {
+    header_->size = (uint32_t)size;
+    header_->slot_half_bytes = slot_half;
+    header_->message_half_bytes = message_half;
+    header_->total_bytes = total;
+    header_->magic.store(kMagic, std::memory_order_release);
+  } else {
+    while (header_->magic.load(std::memory_order_acquire) != kMagic) {
+      if (monotonic_seconds() > deadline)
+        return Status::Error(UNISON_ERR_INTERNAL, "unison: shared memory " + name_ +
+                                                      " was never initialised by local rank 0");
+      pause_briefly();
+    }
+    if (header_->size != size || header_->total_bytes != total)
+      return Status::Error(UNISON_ERR_INVALID_ARGUMENT,
+                           "unison: local rank 0 laid out shared memory for " +
+                               std::to_string(header_->size) + " ranks and " +
+                               std::to_string(header_->total_bytes) + " bytes, this rank expected " +
+                               std::to_string(size) + " ranks and " + std::to_string(total) +
+                               " bytes: are all ranks started with the same UNISON_* settings?");
+  }
+  areas_ = reinterpret_cast<RankArea*>(base_ + sizeof(Header));
+  return wait_for_everyone(config, deadline);
+}
+
+Status ShmSegment::create(size_t total, double deadline) {
+  int fd = shm_open(name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  if (fd < 0 && errno == EEXIST) {  // left by a crashed earlier attempt of this job
+    shm_unlink(name_.c_str());
+    fd = shm_open(name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  }
+  if (fd < 0) return Status::Error(UNISON_ERR_INTERNAL, "unison: cannot create shared memory " + name_ + ": " + errno_text());
+  if (ftruncate(fd, (off_t)total) != 0) {
+    std::string why = errno_text();
+    close(fd);
+    shm_unlink(name_.c_str());
+    return Status::Error(UNISON_ERR_INTERNAL, "unison: cannot size shared memory " + name_ + " to " +
+                                                  std::to_string(total) + " bytes: " + why);
+  }
+  void* p = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  if (p == MAP_FAILED) {
+    shm_unlink(name_.c_str());
+    return Status::Error(UNISON_ERR_INTERNAL, "unison: cannot map shared memory: " + errno_text());
+  }
+  (void)deadline;
+  base_ = static_cast<char*>(p);
+  mapped_bytes_ = total;
+  // ftruncate zero-filled the memory, which is a valid state for every
+  // atomic in it; construct the objects formally all the same.
+  header_ = new (base_) Header();
+  return Status::OK();
+}
+
+Status ShmSegment::attach(size_t total, double deadline) {
+  for (;;) {
+    int fd = shm_open(name_.c_str(), O_RDWR, 0600);
+    if (fd >= 0) {
+      struct stat st;
+      if (fstat(fd, &st) == 0 && (size_t)st.st_size == total) {
+        void* p = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        close(fd);
+        if (p == MAP_FAILED)
+          return Status::Error(UNISON_ERR_INTERNAL, "unison: cannot map shared memory: " + errno_text());
+        base_ = static_cast<char*>(p);
+        mapped_bytes_ = total;
+        header_ = reinterpret_cast<Header*>(base_);
+        unlinked_ = true;  // not ours to remove
+        return Status::OK();
+      }
+      close(fd);  // created but not yet sized: try again
+    }
+    if (monotonic_seconds() > deadline)
+      return Status::Error(UNISON_ERR_INTERNAL, "unison: local rank 0 did not create shared memory " + name_ +
+                                                    " in time (see UNISON_START_TIMEOUT)");
+    pause_briefly();
+  }
+}
+
+Status ShmSegment::wait_for_everyone(const Config& config, double deadline) {
+  RankArea* me = rank_area(config.local_rank);
+  me->pid.store((int32_t)getpid());
+  me->heartbeat_ns.store(monotonic_nanoseconds());
+  me->attached.store(1, std::memory_order_release);
+  for (;;) {
+    std::string missing;
+    for (int r = 0; r < config.local_size; ++r)
+      if (rank_area(r)->attached.load(std::memory_order_acquire) == 0)
+        missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+    if (missing.empty()) break;
+    if (monotonic_seconds() > deadline)
+      return Status::Error(UNISON_ERR_RANK_FAILED, "unison: local ranks [" + missing +
+                                                       "] did not start within " +
+                                                       std::to_string((int)config.start_timeout_seconds) +
+                                                       " s (see UNISON_START_TIMEOUT)");
+    pause_briefly();
+  }
+  // Nobody returns from init while the name still exists, so a job that is
+  // running never has anything in /dev/shm to leak.
+  if (config.local_rank == 0) {
+    shm_unlink(name_.c_str());
+    header_->name_removed.store(1, std::memory_order_release);
+  }
+  while (header_->name_removed.load(std::memory_order_acquire) == 0) {
+    if (monotonic_seconds() > deadline)
+      return Status::Error(UNISON_ERR_RANK_FAILED, "unison: local rank 0 stopped during start-up");
+    pause_briefly();
+  }
+  unlinked_ = true;
+  return Status::OK();
+}
+
+}  // namespace unison

@@ -1,0 +1,434 @@
+// The shared-memory backend: the ranks of one host exchange everything
+// through one POSIX shared-memory segment (segment.h), and wait for each
+// other on futexes in it.
+//
+// Every collective is a sequence of rounds. In a round each rank stages
+// (part of) its data into its own slot, all ranks meet at a barrier, and
+// each then reads what it needs straight out of the others' slots. The
+// fusion buffer is the slot itself: fused tensors are copied into it once,
+// piece by piece, and never packed anywhere else first.
+//
+// How many times each byte moves in an allreduce of S bytes on N ranks:
+//   stage:   the (N-1)/N of the input that other ranks reduce is copied into
+//            the slot once;
+//   reduce:  each rank reads its own 1/N chunk from its tensor and the same
+//            chunk from the N-1 other slots, and writes the result once;
+//   gather:  every result byte is copied once into the output.
+// So each input byte is copied in at most once and each output byte written
+// once, which is within a factor of two of a single memcpy of the tensor.
+// Small allreduces (config.small_allreduce_bytes) skip the split: everyone
+// stages everything and reduces everything, saving one barrier.
+#include <errno.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "../backend.h"
+#include "../byte_stream.h"
+#include "../dtype.h"
+#include "segment.h"
+
+namespace unison {
+namespace {
+
+size_t round_down(size_t n, size_t to) { return n / to * to; }
+
+class ShmBackend final : public Backend {
+ public:
+  explicit ShmBackend(const Config& config) : config_(config) {}
+  ~ShmBackend() override {
+    for (int fd : pidfds_)
+      if (fd >= 0) close(fd);
+  }
+
+  Status start(int generation) {
+    Status s = segment_.open(config_, generation);
+    if (!s.ok()) return s;
+    rank_ = config_.local_rank;
+    size_ = config_.local_size;
+    half_bytes_ = segment_.header()->slot_half_bytes;
+    me_ = segment_.rank_area(rank_);
+    // Peer exits are noticed through pidfds, which become readable the
+    // moment a process ends, child of ours or not. Kernels without them
+    // fall back to kill(pid, 0) and the heartbeat.
+    pidfds_.assign(size_, -1);
+    for (int r = 0; r < size_; ++r)
+      if (r != rank_) pidfds_[r] = (int)syscall(SYS_pidfd_open, segment_.rank_area(r)->pid.load(), 0);
+    return Status::OK();
+  }
+
+  const char* name() const override { return "shm"; }
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+
+  // ---- control plane -------------------------------------------------------
+
+  Status exchange(const std::string& mine, std::vector<std::string>* everyone) override {
+    const int half = next_mailbox_half();
+    Status s = post_message(mine, half);
+    if (s.ok()) s = arrive_and_wait();
+    if (!s.ok()) return s;
+    everyone->resize(size_);
+    for (int r = 0; r < size_; ++r)
+      (*everyone)[r].assign(segment_.mailbox(r, half),
+                            segment_.rank_area(r)->message_bytes[half].load(std::memory_order_acquire));
+    return Status::OK();
+  }
+
+  Status broadcast_message(std::string* message, int root) override {
+    const int half = next_mailbox_half();
+    Status s = rank_ == root ? post_message(*message, half) : Status::OK();
+    if (s.ok()) s = arrive_and_wait();
+    if (!s.ok()) return s;
+    if (rank_ != root)
+      message->assign(segment_.mailbox(root, half),
+                      segment_.rank_area(root)->message_bytes[half].load(std::memory_order_acquire));
+    return Status::OK();
+  }
+
+  size_t max_message_bytes() const override { return segment_.header()->message_half_bytes; }
+
+  // ---- cycle scheduling ----------------------------------------------------
+
+  uint64_t requested_cycles() const override {
+    return segment_.header()->requested_cycles.load(std::memory_order_acquire);
+  }
+
+  void request_cycles(uint64_t count) override {
+    std::atomic<uint64_t>& requested = segment_.header()->requested_cycles;
+    uint64_t seen = requested.load();
+    while (seen < count && !requested.compare_exchange_weak(seen, count)) {
+    }
+    for (int r = 0; r < size_; ++r) segment_.rank_area(r)->bell.ring();
+  }
+
+  uint32_t activity_token() const override { return me_->bell.token(); }
+
+  void wait_for_activity(uint32_t token, double timeout_seconds) override {
+    beat();
+    // A short spin first: when cycles come back to back (a training step's
+    // gradients), the next request usually arrives within microseconds.
+    const double spin_until = monotonic_seconds() + config_.spin_microseconds * 1e-6;
+    while (monotonic_seconds() < spin_until) {
+      for (int i = 0; i < 64; ++i) {
+        if (me_->bell.token() != token) return;
+        cpu_relax();
+      }
+    }
+    me_->bell.sleep(token, timeout_seconds);
+    beat();
+  }
+
+  void wake() override { me_->bell.ring(); }
+
+  // ---- liveness ------------------------------------------------------------
+
+  Status check_peers() override {
+    if (!broken_.ok()) return broken_;
+    beat();
+    std::vector<struct pollfd> fds;
+    for (int r = 0; r < size_; ++r)
+      if (pidfds_[r] >= 0) fds.push_back({pidfds_[r], POLLIN, 0});
+    if (!fds.empty() && poll(fds.data(), fds.size(), 0) > 0) {
+      for (const auto& f : fds)
+        if (f.revents != 0)
+          for (int r = 0; r < size_; ++r)
+            if (pidfds_[r] == f.fd) return fail(r, "exited");
+    }
+    const int64_t now = monotonic_nanoseconds();
+    for (int r = 0; r < size_; ++r) {
+      if (r == rank_) continue;
+      RankArea* peer = segment_.rank_area(r);
+      if (pidfds_[r] < 0 && kill(peer->pid.load(), 0) != 0 && errno == ESRCH) return fail(r, "exited");
+      double silent = (double)(now - peer->heartbeat_ns.load()) * 1e-9;
+      if (silent > config_.peer_timeout_seconds)
+        return fail(r, "has shown no sign of life for " + std::to_string((int)silent) +
+                           " s (UNISON_PEER_TIMEOUT_SECONDS is " +
+                           std::to_string((int)config_.peer_timeout_seconds) + ")");
+    }
+    return Status::OK();
+  }
+
+  // ---- data plane ----------------------------------------------------------
+
+  Status allreduce(const AllreduceOptions& o) override {
+    ByteStream in, out;
+    for (const Segment& s : o.segments) {
+      in.append(s.input, s.bytes);
+      out.append(s.output, s.bytes);
+    }
+    const size_t element = dtype_size(o.reduce.dtype);
+    const size_t window = round_down(half_bytes_, element * size_);
+    for (size_t lo = 0; lo < in.size(); lo += window) {
+      const size_t hi = std::min(in.size(), lo + window);
+      const int half = next_slot_half();
+      Status s = hi - lo <= config_.small_allreduce_bytes
+                     ? reduce_everywhere(o.reduce, in, out, lo, hi, half)
+                     : reduce_scatter_gather(o.reduce, in, out, lo, hi, half);
+      if (!s.ok()) return s;
+    }
+    return Status::OK();
+  }
+
+  Status allgather(const AllgatherOptions& o) override {
+    // Rank r's bytes form one stream: its part of each tensor in turn. Its
+    // readers scatter that stream into their outputs at r's offsets.
+    ByteStream mine;
+    std::vector<ByteStream> destinations(size_);
+    for (const auto& t : o.tensors) {
+      size_t offset = 0;
+      for (int r = 0; r < size_; ++r) {
+        destinations[r].append(static_cast<char*>(t.output) + offset, t.bytes_per_rank[r]);
+        offset += t.bytes_per_rank[r];
+      }
+      mine.append(t.input, t.bytes_per_rank[rank_]);
+    }
+    size_t longest = 0;
+    for (const ByteStream& d : destinations) longest = std::max(longest, d.size());
+    copy_own_part(mine, destinations[rank_]);
+    for (size_t lo = 0; lo < longest; lo += half_bytes_) {
+      const size_t hi = std::min(longest, lo + half_bytes_);
+      const int half = next_slot_half();
+      if (lo < mine.size()) mine.read(lo, std::min(hi, mine.size()), segment_.slot(rank_, half));
+      Status s = arrive_and_wait();
+      if (!s.ok()) return s;
+      for (int r = 0; r < size_; ++r) {
+        if (r == rank_ || lo >= destinations[r].size()) continue;
+        destinations[r].write(lo, std::min(hi, destinations[r].size()), segment_.slot(r, half));
+      }
+    }
+    return Status::OK();
+  }
+
+  Status broadcast(const BroadcastOptions& o) override {
+    char* buffer = static_cast<char*>(o.buffer);
+    for (size_t lo = 0; lo < o.bytes; lo += half_bytes_) {
+      const size_t n = std::min(o.bytes - lo, half_bytes_);
+      const int half = next_slot_half();
+      if (rank_ == o.root) std::memcpy(segment_.slot(rank_, half), buffer + lo, n);
+      Status s = arrive_and_wait();
+      if (!s.ok()) return s;
+      if (rank_ != o.root) std::memcpy(buffer + lo, segment_.slot(o.root, half), n);
+    }
+    return Status::OK();
+  }
+
+  Status alltoall(const AlltoallOptions& o) override {
+    const size_t n = (size_t)size_;
+    auto bytes = [&](size_t sender, size_t receiver) { return o.bytes[sender * n + receiver]; };
+    // Where each sender's part for this rank starts in the sender's stream,
+    // and where it lands in this rank's output.
+    std::vector<size_t> send_offset(n, 0), receive_offset(n, 0), stream_bytes(n, 0);
+    size_t received = 0;
+    for (size_t s = 0; s < n; ++s) {
+      for (size_t r = 0; r < n; ++r) {
+        if (r < (size_t)rank_) send_offset[s] += bytes(s, r);
+        stream_bytes[s] += bytes(s, r);
+      }
+      receive_offset[s] = received;
+      received += bytes(s, rank_);
+    }
+    const char* input = static_cast<const char*>(o.input);
+    char* output = static_cast<char*>(o.output);
+    if (bytes(rank_, rank_) > 0)
+      std::memmove(output + receive_offset[rank_], input + send_offset[rank_], bytes(rank_, rank_));
+    const size_t longest = *std::max_element(stream_bytes.begin(), stream_bytes.end());
+    for (size_t lo = 0; lo < longest; lo += half_bytes_) {
+      const size_t hi = std::min(longest, lo + half_bytes_);
+      const int half = next_slot_half();
+      if (lo < stream_bytes[rank_])
+        std::memcpy(segment_.slot(rank_, half), input + lo, std::min(hi, stream_bytes[rank_]) - lo);
+      Status s = arrive_and_wait();
+      if (!s.ok()) return s;
+      for (size_t sender = 0; sender < n; ++sender) {
+        if (sender == (size_t)rank_) continue;
+        const size_t begin = std::max(lo, send_offset[sender]);
+        const size_t end = std::min(hi, send_offset[sender] + bytes(sender, rank_));
+        if (begin < end)
+          std::memcpy(output + receive_offset[sender] + (begin - send_offset[sender]),
+                      segment_.slot(sender, half) + (begin - lo), end - begin);
+      }
+    }
+    return Status::OK();
+  }
+
+  Status reducescatter(const ReducescatterOptions& o) override {
+    // The tensors form one stream; this rank owns one range of each.
+    struct Owned {
+      size_t begin, end;
+      char* output;
+    };
+    ByteStream in;
+    std::vector<Owned> owned;
+    for (const auto& t : o.tensors) {
+      size_t start = in.size(), total = 0;
+      for (int r = 0; r < size_; ++r) {
+        if (r == rank_) start += total;
+        total += t.bytes_per_rank[r];
+      }
+      owned.push_back({start, start + t.bytes_per_rank[rank_], static_cast<char*>(t.output)});
+      in.append(t.input, total);
+    }
+    const size_t element = dtype_size(o.reduce.dtype);
+    const size_t window = round_down(half_bytes_, element);
+    std::vector<const void*> inputs(size_);
+    for (size_t lo = 0; lo < in.size(); lo += window) {
+      const size_t hi = std::min(in.size(), lo + window);
+      const int half = next_slot_half();
+      in.read(lo, hi, segment_.slot(rank_, half));
+      Status s = arrive_and_wait();
+      if (!s.ok()) return s;
+      for (const Owned& part : owned) {
+        const size_t begin = std::max(lo, part.begin), end = std::min(hi, part.end);
+        if (begin >= end) continue;
+        for (int r = 0; r < size_; ++r) inputs[r] = segment_.slot(r, half) + (begin - lo);
+        reduce(o.reduce, inputs.data(), size_, part.output + (begin - part.begin),
+               (end - begin) / element);
+      }
+    }
+    return Status::OK();
+  }
+
+ private:
+  // Every rank reduces the whole window from every slot: one barrier.
+  Status reduce_everywhere(const ReduceSpec& spec, const ByteStream& in, const ByteStream& out,
+                           size_t lo, size_t hi, int half) {
+    in.read(lo, hi, segment_.slot(rank_, half));
+    Status s = arrive_and_wait();
+    if (!s.ok()) return s;
+    const size_t element = dtype_size(spec.dtype);
+    std::vector<const void*> inputs(size_);
+    out.for_each(lo, hi, [&](size_t at, char* p, size_t n) {
+      for (int r = 0; r < size_; ++r) inputs[r] = segment_.slot(r, half) + (at - lo);
+      reduce(spec, inputs.data(), size_, p, n / element);
+    });
+    return Status::OK();
+  }
+
+  // Rank r reduces chunk r of the window into its own slot, then everyone
+  // copies every chunk out: two barriers, each byte reduced once.
+  Status reduce_scatter_gather(const ReduceSpec& spec, const ByteStream& in, const ByteStream& out,
+                               size_t lo, size_t hi, int half) {
+    const size_t element = dtype_size(spec.dtype);
+    const size_t count = (hi - lo) / element;
+    std::vector<size_t> bounds(size_ + 1);
+    for (int r = 0; r <= size_; ++r) bounds[r] = lo + count * r / size_ * element;
+    char* mine = segment_.slot(rank_, half);
+    const size_t my_begin = bounds[rank_], my_end = bounds[rank_ + 1];
+    in.read(lo, my_begin, mine);
+    in.read(my_end, hi, mine + (my_end - lo));
+    Status s = arrive_and_wait();
+    if (!s.ok()) return s;
+    std::vector<const void*> inputs(size_);
+    in.for_each(my_begin, my_end, [&](size_t at, char* p, size_t n) {
+      for (int r = 0; r < size_; ++r) inputs[r] = r == rank_ ? p : segment_.slot(r, half) + (at - lo);
+      reduce(spec, inputs.data(), size_, mine + (at - lo), n / element);
+    });
+    s = arrive_and_wait();
+    if (!s.ok()) return s;
+    for (int r = 0; r < size_; ++r)
+      out.write(bounds[r], bounds[r + 1], segment_.slot(r, half) + (bounds[r] - lo));
+    return Status::OK();
+  }
+
+  void copy_own_part(const ByteStream& from, const ByteStream& to) {
+    from.for_each(0, from.size(), [&](size_t at, char* p, size_t n) {
+      to.for_each(at, at + n, [&](size_t at2, char* q, size_t m) {
+        if (q != p + (at2 - at)) std::memmove(q, p + (at2 - at), m);
+      });
+    });
+  }
+
+  Status post_message(const std::string& message, int half) {
+    if (message.size() > segment_.header()->message_half_bytes)
+      return Status::Error(UNISON_ERR_INTERNAL, "unison: control message of " +
+                                                    std::to_string(message.size()) +
+                                                    " bytes exceeds UNISON_CONTROL_MESSAGE_BYTES");
+    std::memcpy(segment_.mailbox(rank_, half), message.data(), message.size());
+    me_->message_bytes[half].store((uint32_t)message.size(), std::memory_order_release);
+    return Status::OK();
+  }
+
+  int next_mailbox_half() { return (int)(mailbox_calls_++ & 1); }
+  int next_slot_half() { return (int)(slot_rounds_++ & 1); }
+
+  // The barrier: announce this step, then wait until every rank has.
+  Status arrive_and_wait() {
+    if (!broken_.ok()) return broken_;
+    const uint64_t step = ++step_;
+    me_->arrived.store(step, std::memory_order_release);
+    segment_.header()->barrier_bell.ring();
+    auto everyone_arrived = [&] {
+      for (int r = 0; r < size_; ++r)
+        if (segment_.rank_area(r)->arrived.load(std::memory_order_acquire) < step) return false;
+      return true;
+    };
+    if (everyone_arrived()) return Status::OK();
+    const double spin_until = monotonic_seconds() + config_.spin_microseconds * 1e-6;
+    while (monotonic_seconds() < spin_until) {
+      for (int i = 0; i < 32; ++i) {
+        if (everyone_arrived()) return Status::OK();
+        cpu_relax();
+      }
+    }
+    Doorbell& bell = segment_.header()->barrier_bell;
+    for (;;) {
+      const uint32_t token = bell.token();
+      if (everyone_arrived()) return Status::OK();
+      bell.sleep(token, kLivenessInterval);
+      if (everyone_arrived()) return Status::OK();
+      Status s = check_peers();
+      if (!s.ok()) return s;
+    }
+  }
+
+  void beat() { me_->heartbeat_ns.store(monotonic_nanoseconds(), std::memory_order_relaxed); }
+
+  Status fail(int rank, const std::string& what) {
+    broken_ = Status::Error(UNISON_ERR_RANK_FAILED,
+                            "unison: rank " + std::to_string(rank) + " (pid " +
+                                std::to_string(segment_.rank_area(rank)->pid.load()) + ") " + what +
+                                "; collectives with it can no longer complete");
+    return broken_;
+  }
+
+  // How often a waiting rank looks at its peers: a dead peer is noticed
+  // within this long (pidfd) or within the peer timeout (a frozen one).
+  static constexpr double kLivenessInterval = 0.05;
+
+  Config config_;
+  ShmSegment segment_;
+  int rank_ = 0;
+  int size_ = 1;
+  size_t half_bytes_ = 0;
+  RankArea* me_ = nullptr;
+  std::vector<int> pidfds_;
+  uint64_t step_ = 0;
+  uint64_t mailbox_calls_ = 0;
+  uint64_t slot_rounds_ = 0;
+  Status broken_;
+};
+
+}  // namespace
+
+bool shm_backend_available() { return true; }
+
+Status make_shm_backend(const Config& config, int generation, std::unique_ptr<Backend>* out) {
+  if (config.job_id.empty())
+    return Status::Error(UNISON_ERR_INVALID_ARGUMENT,
+                         "unison: UNISON_SIZE is " + std::to_string(config.size) +
+                             " but UNISON_JOB_ID is not set; start multi-rank jobs with unisonrun");
+  auto backend = std::make_unique<ShmBackend>(config);
+  Status s = backend->start(generation);
+  if (!s.ok()) return s;
+  *out = std::move(backend);
+  return Status::OK();
+}
+
+}  // namespace unison

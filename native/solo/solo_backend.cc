@@ -1,0 +1,81 @@
+// The single-process backend: a null object, so that a script run without
+// the launcher (rank 0 of 1) goes through the same engine with no
+// `if size == 1` anywhere. Every collective is a local copy, with the
+// reduction's scaling still applied.
+#include <atomic>
+#include <cstring>
+
+#include "../backend.h"
+#include "../dtype.h"
+#include "../futex.h"
+
+namespace unison {
+namespace {
+
+void copy_if_distinct(void* out, const void* in, size_t bytes) {
+  if (out != in && bytes > 0) std::memcpy(out, in, bytes);
+}
+
+class SoloBackend final : public Backend {
+ public:
+  const char* name() const override { return "solo"; }
+  int rank() const override { return 0; }
+  int size() const override { return 1; }
+
+  Status exchange(const std::string& mine, std::vector<std::string>* everyone) override {
+    everyone->assign(1, mine);
+    return Status::OK();
+  }
+  Status broadcast_message(std::string*, int) override { return Status::OK(); }
+  size_t max_message_bytes() const override { return 64u << 20; }
+
+  uint64_t requested_cycles() const override { return requested_.load(); }
+  void request_cycles(uint64_t count) override {
+    uint64_t seen = requested_.load();
+    while (seen < count && !requested_.compare_exchange_weak(seen, count)) {
+    }
+    doorbell_.ring();
+  }
+  uint32_t activity_token() const override { return doorbell_.token(); }
+  void wait_for_activity(uint32_t token, double timeout_seconds) override {
+    doorbell_.sleep(token, timeout_seconds);
+  }
+  void wake() override { doorbell_.ring(); }
+
+  Status allreduce(const AllreduceOptions& o) override {
+    const size_t element = dtype_size(o.reduce.dtype);
+    for (const Segment& s : o.segments) {
+      const void* inputs[1] = {s.input};
+      reduce(o.reduce, inputs, 1, s.output, s.bytes / element);
+    }
+    return Status::OK();
+  }
+  Status allgather(const AllgatherOptions& o) override {
+    for (const auto& t : o.tensors) copy_if_distinct(t.output, t.input, t.bytes_per_rank[0]);
+    return Status::OK();
+  }
+  Status broadcast(const BroadcastOptions&) override { return Status::OK(); }
+  Status alltoall(const AlltoallOptions& o) override {
+    copy_if_distinct(o.output, o.input, o.bytes[0]);
+    return Status::OK();
+  }
+  Status reducescatter(const ReducescatterOptions& o) override {
+    const size_t element = dtype_size(o.reduce.dtype);
+    for (const auto& t : o.tensors) {
+      const void* inputs[1] = {t.input};
+      reduce(o.reduce, inputs, 1, t.output, t.bytes_per_rank[0] / element);
+    }
+    return Status::OK();
+  }
+  Status check_peers() override { return Status::OK(); }
+
+ private:
+  std::atomic<uint64_t> requested_{0};
+  mutable Doorbell doorbell_;
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_solo_backend() { return std::make_unique<SoloBackend>(); }
+
+}  // namespace unison

@@ -1,0 +1,59 @@
+#include "stall_inspector.h"
+
+#include <cstdio>
+
+#include "dtype.h"
+
+namespace unison {
+namespace {
+
+std::string ranks_where(const std::vector<bool>& submitted, bool value) {
+  std::string out;
+  for (size_t r = 0; r < submitted.size(); ++r)
+    if (submitted[r] == value) out += (out.empty() ? "" : ", ") + std::to_string(r);
+  return "[" + out + "]";
+}
+
+}  // namespace
+
+bool StallInspector::due(const std::vector<Waiting>& waiting, double now) const {
+  if (!config_.stall_check_enabled) return false;
+  for (const Waiting& w : waiting) {
+    double age = now - w.since;
+    if (age >= config_.stall_warning_seconds && now - last_report_ >= config_.stall_warning_seconds)
+      return true;
+    if (config_.stall_shutdown_seconds > 0 && age >= config_.stall_shutdown_seconds) return true;
+  }
+  return false;
+}
+
+std::vector<std::pair<std::string, std::string>> StallInspector::inspect(
+    const std::vector<Waiting>& waiting, double now) {
+  std::vector<std::pair<std::string, std::string>> failures;
+  if (!config_.stall_check_enabled) return failures;
+  std::string report;
+  for (const Waiting& w : waiting) {
+    double age = now - w.since;
+    std::string line = std::string(op_name(w.op)) + " '" + w.name + "' waited " +
+                       std::to_string((int)age) + " s: submitted by ranks " +
+                       ranks_where(w.submitted, true) + ", missing from ranks " +
+                       ranks_where(w.submitted, false);
+    if (config_.stall_shutdown_seconds > 0 && age >= config_.stall_shutdown_seconds) {
+      failures.emplace_back(w.name, "unison: stalled: " + line + " (failed after UNISON_STALL_SHUTDOWN_TIME_SECONDS=" +
+                                        std::to_string((int)config_.stall_shutdown_seconds) + ")");
+    } else if (age >= config_.stall_warning_seconds) {
+      report += "  " + line + "\n";
+    }
+  }
+  if (!report.empty() && now - last_report_ >= config_.stall_warning_seconds) {
+    std::fprintf(stderr,
+                 "unison: warning: some ranks have waited more than %d s for others to submit "
+                 "these tensors; a rank may have taken a different code path:\n%s",
+                 (int)config_.stall_warning_seconds, report.c_str());
+    std::fflush(stderr);
+    last_report_ = now;
+  }
+  return failures;
+}
+
+}  // namespace unison

@@ -1,0 +1,29 @@
+// stall_inspector.h: rank 0 watches for tensors that some ranks submitted
+// and others never did, the usual cause of a hung job (a rank took another
+// branch, or skipped a step). It reports which tensors wait for which ranks
+// and, when told to, fails them instead of waiting forever.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "config.h"
+#include "coordinator.h"
+
+namespace unison {
+
+class StallInspector {
+ public:
+  explicit StallInspector(const Config& config) : config_(config) {}
+  // Whether anything in `waiting` is old enough to look at now.
+  bool due(const std::vector<Waiting>& waiting, double now) const;
+  // Prints a warning for what waited past the warning time; returns the
+  // names waiting past the shutdown time (when that is set), with messages.
+  std::vector<std::pair<std::string, std::string>> inspect(const std::vector<Waiting>& waiting, double now);
+
+ private:
+  Config config_;
+  double last_report_ = 0;
+};
+
+}  // namespace unison

@@ -1,0 +1,159 @@
+/*
+ * unison.h: the one public C interface of the unison core.
+ *
+ * The core knows no framework. It sees pointers, dtypes, shapes and names,
+ * negotiates with the other ranks which named tensors are ready, fuses them
+ * and moves the bytes on a background thread. Every function returns a
+ * status code (UNISON_OK on success); on failure unison_last_error() holds a
+ * message for the calling thread.
+ *
+ * The block between BEGIN CDEF and END CDEF is read verbatim by the cffi
+ * builder (native/build_ffi.py), so it holds plain declarations only.
+ */
+#ifndef UNISON_H
+#define UNISON_H
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* BEGIN CDEF */
+
+/* Status codes. */
+enum {
+  UNISON_OK = 0,
+  UNISON_ERR_INVALID_ARGUMENT = 1,  /* bad input caught before negotiation */
+  UNISON_ERR_NOT_INITIALIZED = 2,   /* use before init or after shutdown */
+  UNISON_ERR_MISMATCH = 3,          /* ranks disagree on a tensor */
+  UNISON_ERR_RANK_FAILED = 4,       /* a peer died or stopped answering */
+  UNISON_ERR_TIMEOUT = 5,           /* unison_wait ran out of time; op continues */
+  UNISON_ERR_SHUT_DOWN = 6,         /* a rank shut down while the op was pending */
+  UNISON_ERR_STALLED = 7,           /* the stall inspector failed the op */
+  UNISON_ERR_UNSUPPORTED = 8,       /* valid request this build cannot do */
+  UNISON_ERR_INTERNAL = 9
+};
+
+/* Element types. */
+enum {
+  UNISON_UINT8 = 0,
+  UNISON_INT8 = 1,
+  UNISON_INT16 = 2,
+  UNISON_INT32 = 3,
+  UNISON_INT64 = 4,
+  UNISON_FLOAT16 = 5,
+  UNISON_BFLOAT16 = 6,
+  UNISON_FLOAT32 = 7,
+  UNISON_FLOAT64 = 8,
+  UNISON_BOOL = 9
+};
+
+/* Collectives. */
+enum {
+  UNISON_ALLREDUCE = 0,
+  UNISON_ALLGATHER = 1,
+  UNISON_BROADCAST = 2,
+  UNISON_ALLTOALL = 3,
+  UNISON_REDUCESCATTER = 4,
+  UNISON_BARRIER = 5,
+  UNISON_JOIN = 6
+};
+
+/* Reduce operations. Adasum is reserved: asking for it fails with
+   UNISON_ERR_UNSUPPORTED. */
+enum {
+  UNISON_SUM = 0,
+  UNISON_AVERAGE = 1,
+  UNISON_MIN = 2,
+  UNISON_MAX = 3,
+  UNISON_PRODUCT = 4,
+  UNISON_ADASUM = 5
+};
+
+#define UNISON_CPU_DEVICE -1
+#define UNISON_GLOBAL_PROCESS_SET 0
+#define UNISON_MAX_DIMS 32
+
+typedef int64_t unison_handle;
+
+/* Everything one collective needs. Fields an op does not use are ignored.
+   Zero-initialise the struct and fill what the op needs: adding a field
+   later does not change any signature. */
+typedef struct {
+  const char* name;         /* unique among this rank's ops in flight */
+  int op;                   /* UNISON_ALLREDUCE, ... */
+  int dtype;                /* UNISON_FLOAT32, ... */
+  int ndim;                 /* 0 for a scalar, at most UNISON_MAX_DIMS */
+  const int64_t* shape;     /* ndim entries, each >= 0 */
+  const void* input;
+  /* Output buffer. Allreduce and broadcast write here (it may equal input).
+     Allgather, alltoall and reducescatter may pass NULL: their output size
+     is known only after negotiation, and the core allocates it; read it
+     with unison_handle_result(). */
+  void* output;
+  int reduce_op;            /* allreduce, reducescatter */
+  double prescale_factor;   /* multiplies each input before reducing; 0 means 1 */
+  double postscale_factor;  /* multiplies the result; 0 means 1 */
+  int root_rank;            /* broadcast */
+  const int64_t* splits;    /* alltoall: rows sent to each rank, or NULL for even */
+  int nsplits;
+  int process_set_id;       /* only UNISON_GLOBAL_PROCESS_SET for now */
+  int device;               /* UNISON_CPU_DEVICE for now */
+  void* stream;             /* reserved for GPU streams */
+} unison_op_options;
+
+/* Lifecycle. Rank, size and the job id come from the environment the
+   launcher sets (UNISON_RANK, UNISON_SIZE, ...); without it a process is
+   rank 0 of 1. Init after shutdown starts a fresh session. */
+int unison_init(void);
+int unison_shutdown(void);
+int unison_is_initialized(void);
+
+/* Queries; each fails with UNISON_ERR_NOT_INITIALIZED before init. */
+int unison_rank(int* out);
+int unison_size(int* out);
+int unison_local_rank(int* out);
+int unison_local_size(int* out);
+int unison_cross_rank(int* out);
+int unison_cross_size(int* out);
+/* Name of the data plane in use ("shm", "solo"). */
+const char* unison_backend_name(void);
+/* Comma-separated list of the data planes this build contains. */
+const char* unison_built_backends(void);
+
+/* Start a collective. Validates what one rank can check alone (dtype,
+   shape, pointers, root, splits, name not already in flight) and returns
+   at once; everything else is decided by negotiation. */
+int unison_enqueue(const unison_op_options* options, unison_handle* out);
+
+/* Handles. */
+int unison_poll(unison_handle handle, int* done);
+/* Waits up to timeout_seconds (negative: forever). Returns the op's status,
+   UNISON_ERR_TIMEOUT if it is still running. Releases no resources. */
+int unison_wait(unison_handle handle, double timeout_seconds);
+/* Copies the failed op's message (NUL-terminated, truncated to capacity). */
+int unison_handle_error(unison_handle handle, char* buffer, int64_t capacity);
+/* The result of a completed op: data, its byte count and its shape.
+   For ops that wrote into the caller's output this is that buffer. For
+   core-allocated results ownership passes to the caller if take_ownership
+   is set (free it with unison_free), else it dies with the handle. */
+int unison_handle_result(unison_handle handle, int take_ownership, void** data,
+                         int64_t* nbytes, int* ndim, int64_t* shape);
+/* Alltoall: rows received from each rank (size entries). */
+int unison_handle_received_splits(unison_handle handle, int64_t* splits, int n);
+/* Join: the last rank to join. */
+int unison_handle_join_rank(unison_handle handle, int* last_rank);
+int unison_release(unison_handle handle);
+void unison_free(void* data);
+
+/* The message of the last failed call on this thread. */
+const char* unison_last_error(void);
+
+/* END CDEF */
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* UNISON_H */

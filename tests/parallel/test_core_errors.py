@@ -1,0 +1,132 @@
+"""Bad input: a clear exception on every rank that names the tensor and
+each rank's value, and the job stays usable afterwards."""
+import numpy as np
+import pytest
+
+import unison
+import unison.numpy as unp
+from unison import collective
+from unison._native import ffi, lib
+
+
+@pytest.fixture(autouse=True)
+def still_usable_afterwards():
+    yield
+    n = unison.size()
+    assert unp.allreduce(np.ones(2), op=unison.Sum, name="usable")[0] == n
+
+
+def test_allreduce_mismatched_shapes_names_every_rank():
+    me = unison.rank()
+    with pytest.raises(unison.MismatchError) as error:
+        unp.allreduce(np.ones(2 + me), name="bad.shape")
+    message = str(error.value)
+    assert "'bad.shape'" in message and "shape" in message
+    for r in range(unison.size()):
+        assert "rank %d [%d]" % (r, 2 + r) in message
+
+
+def test_allreduce_mismatched_dtypes():
+    dtype = np.float32 if unison.rank() == 0 else np.int32
+    with pytest.raises(unison.MismatchError, match=r"dtype: rank 0 float32, rank 1 int32"):
+        unp.allreduce(np.ones(3, dtype=dtype), name="bad.dtype")
+
+
+def test_allreduce_mismatched_reduce_ops():
+    op = unison.Sum if unison.rank() == 0 else unison.Max
+    with pytest.raises(unison.MismatchError, match=r"reduce op: rank 0 Sum, rank 1 Max"):
+        unp.allreduce(np.ones(3), op=op, name="bad.op")
+
+
+def test_mismatched_scale_factors():
+    with pytest.raises(unison.MismatchError, match=r"prescale_factor: rank 0 1, rank 1 2"):
+        unp.allreduce(np.ones(3), prescale_factor=1.0 + unison.rank(), name="bad.scale")
+
+
+def test_broadcast_mismatched_roots():
+    with pytest.raises(unison.MismatchError, match=r"root rank: rank 0 0, rank 1 1"):
+        unp.broadcast(np.ones(3), unison.rank() % 2, name="bad.root")
+
+
+def test_different_operations_under_one_name():
+    with pytest.raises(unison.MismatchError, match=r"operation: rank 0 allreduce, rank 1 allgather"):
+        if unison.rank() == 0:
+            unp.allreduce(np.ones(3), name="bad.kind")
+        else:
+            unp.allgather(np.ones(3), name="bad.kind")
+
+
+def test_allgather_mismatched_trailing_dims():
+    with pytest.raises(unison.MismatchError, match="all but the first dimension"):
+        unp.allgather(np.ones((2, 2 + unison.rank())), name="bad.gather")
+
+
+def test_cached_tensor_changing_shape_is_renegotiated():
+    n = unison.size()
+    for _ in range(2):  # the second time goes through the response cache
+        assert unp.allreduce(np.ones(4), op=unison.Sum, name="reshaped")[0] == n
+    result = unp.allreduce(np.ones(6), op=unison.Sum, name="reshaped")
+    np.testing.assert_array_equal(result, np.full(6, n))
+    with pytest.raises(unison.MismatchError, match="shape"):
+        unp.allreduce(np.ones(6 + unison.rank()), op=unison.Sum, name="reshaped")
+
+
+def test_name_in_flight_twice_fails_at_enqueue():
+    # Each rank's own name cannot complete before the others submit it, and
+    # they do so only after the barrier, so it is surely still in flight.
+    me, n = unison.rank(), unison.size()
+    own = unp.allreduce_async(np.ones(2), op=unison.Sum, name="twice.%d" % me)
+    with pytest.raises(unison.InvalidArgumentError, match="'twice.%d'.*already in flight on rank %d" % (me, me)):
+        unp.allreduce_async(np.ones(2), op=unison.Sum, name="twice.%d" % me)
+    unp.barrier()
+    others = [unp.allreduce_async(np.ones(2), op=unison.Sum, name="twice.%d" % r) for r in range(n) if r != me]
+    for h in [own] + others:
+        assert unp.synchronize(h)[0] == n
+
+
+def test_unsupported_dtype():
+    with pytest.raises(unison.InvalidArgumentError, match="'cplx' has dtype complex64"):
+        unp.allreduce(np.ones(2, dtype=np.complex64), name="cplx")
+
+
+def test_negative_size():
+    with pytest.raises(unison.InvalidArgumentError, match=r"negative size in shape \[2, -1\]"):
+        collective.enqueue(lib.UNISON_ALLREDUCE, "neg", lib.UNISON_FLOAT32, (2, -1))
+
+
+def test_null_pointers():
+    with pytest.raises(unison.InvalidArgumentError, match="input pointer is NULL"):
+        collective.enqueue(lib.UNISON_ALLREDUCE, "null", lib.UNISON_FLOAT32, (4,))
+
+
+def test_invalid_root_rank():
+    with pytest.raises(unison.InvalidArgumentError, match="root rank 7 is outside"):
+        unp.broadcast(np.ones(2), 7, name="root7")
+
+
+def test_bad_splits():
+    with pytest.raises(unison.InvalidArgumentError, match="add up to"):
+        unp.alltoall(np.ones(5), splits=[1] * unison.size(), name="splits")
+    with pytest.raises(unison.InvalidArgumentError, match="negative split"):
+        unp.alltoall(np.ones(1), splits=[2, -1] + [0] * (unison.size() - 2), name="splits")
+
+
+def test_average_of_bool_is_refused():
+    with pytest.raises(unison.InvalidArgumentError, match="bool"):
+        unp.allreduce(np.ones(2, dtype=bool), op=unison.Average, name="boolavg")
+
+
+def test_adasum_reserved():
+    with pytest.raises(unison.UnsupportedError, match="Adasum"):
+        unp.allreduce(np.ones(2), op=unison.Adasum, name="adasum")
+
+
+def test_bad_handle():
+    with pytest.raises(unison.InvalidArgumentError, match="unknown handle"):
+        unp.poll(unp.Handle(10 ** 9, "fake", (), None))
+    lib.unison_release(10 ** 9)
+
+
+def test_gpu_device_without_gpu_build():
+    with pytest.raises(unison.UnsupportedError, match="CPU memory only"):
+        collective.enqueue(lib.UNISON_ALLREDUCE, "gpu", lib.UNISON_FLOAT32, (0,), device=0)

@@ -1,0 +1,157 @@
+"""The launcher and failure handling, seen from outside the ranks."""
+import glob
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def run(tmp_path, script, np_=2, extra=(), timeout=90):
+    path = tmp_path / "script.py"
+    path.write_text(textwrap.dedent(script))
+    command = [sys.executable, "-m", "unison.run", "-np", str(np_), *extra, sys.executable, str(path)]
+    return subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=timeout,
+                          cwd=str(tmp_path))
+
+
+def shm_segments():
+    return set(glob.glob("/dev/shm/unison-*"))
+
+
+def test_output_is_prefixed_and_identity_is_set(tmp_path):
+    proc = run(tmp_path, """
+        import unison
+        unison.init()
+        print("hello from", unison.rank(), "of", unison.size(), unison.backend_name())
+    """, np_=3)
+    out = proc.stdout.decode()
+    assert proc.returncode == 0, proc.stderr.decode()
+    for r in range(3):
+        assert "[%d]<stdout>:hello from %d of 3 shm" % (r, r) in out
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+@pytest.mark.parametrize("how", ["os._exit(3)", "os.kill(os.getpid(), signal.SIGKILL)"])
+def test_rank_dies_mid_run_and_survivors_fail_fast(tmp_path, np_, how):
+    before = shm_segments()
+    proc = run(tmp_path, """
+        import os, signal, sys, time
+        import numpy as np
+        import unison, unison.numpy as unp
+        unison.init()
+        for step in range(5):
+            unp.allreduce(np.ones(1000), name="w")
+        if unison.rank() == 1:
+            %s
+        start = time.monotonic()
+        try:
+            for step in range(100):
+                unp.allreduce(np.ones(1000), name="w")
+        except unison.RankFailedError as e:
+            print("survivor %%d failed after %%.2f s: %%s" %% (unison.rank(), time.monotonic() - start, e))
+            sys.exit(17)
+    """ % how, np_=np_)
+    out, err = proc.stdout.decode(), proc.stderr.decode()
+    assert proc.returncode != 0
+    survivors = [line for line in out.splitlines() if "survivor" in line]
+    assert len(survivors) == np_ - 1, out + err
+    for line in survivors:
+        seconds = float(line.split("after ")[1].split(" s")[0])
+        assert seconds < 10, line
+        assert "rank 1 (pid" in line and "exited" in line
+    assert "unisonrun: job failed: rank 1" in err
+    assert ("exited with status 3" in err) if "_exit" in how else ("killed by signal 9 (SIGKILL)" in err)
+    assert shm_segments() - before == set()
+
+
+def test_pending_op_fails_when_peer_dies_while_waiting(tmp_path):
+    # Rank 0 waits on a tensor rank 1 never submits; rank 1 dies instead.
+    proc = run(tmp_path, """
+        import os, sys, time
+        import numpy as np
+        import unison, unison.numpy as unp
+        unison.init()
+        if unison.rank() == 1:
+            time.sleep(0.5)
+            os._exit(5)
+        start = time.monotonic()
+        try:
+            unp.allreduce(np.ones(3), name="never")
+        except unison.RankFailedError as e:
+            print("waited %.2f s: %s" % (time.monotonic() - start, e))
+            sys.exit(0)
+    """)
+    out = proc.stdout.decode()
+    assert "waited" in out and "rank 1" in out, out + proc.stderr.decode()
+    waited = float(out.split("waited ")[1].split(" s")[0])
+    assert waited < 10
+    assert proc.returncode == 5
+
+
+def test_failed_rank_exit_status_is_the_launchers(tmp_path):
+    proc = run(tmp_path, """
+        import sys, unison
+        unison.init()
+        sys.exit(4 if unison.rank() == 0 else 0)
+    """)
+    assert proc.returncode == 4
+    assert "rank 0 exited with status 4" in proc.stderr.decode()
+
+
+def test_sigterm_is_forwarded_to_every_rank(tmp_path):
+    script = tmp_path / "sleepy.py"
+    script.write_text(textwrap.dedent("""
+        import signal, sys, time, unison
+        unison.init()
+        def bye(signum, frame):
+            print("rank", unison.rank(), "got", signum, flush=True)
+            sys.exit(0)
+        signal.signal(signal.SIGTERM, bye)
+        print("ready", flush=True)
+        time.sleep(60)
+    """))
+    proc = subprocess.Popen([sys.executable, "-m", "unison.run", "-np", "2", sys.executable, str(script)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 30
+    seen = b""
+    while seen.count(b"ready") < 2 and time.monotonic() < deadline:
+        seen += proc.stdout.readline()
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=30)
+    out = (seen + out).decode()
+    assert "rank 0 got 15" in out and "rank 1 got 15" in out
+
+
+def test_check_build_lists_data_planes():
+    proc = subprocess.run([sys.executable, "-m", "unison.run", "--check-build"], stdout=subprocess.PIPE, timeout=60)
+    out = proc.stdout.decode()
+    assert proc.returncode == 0
+    assert "[X] Shared memory" in out and "[X] NumPy" in out and "[ ] MPI" in out
+
+
+def test_output_files(tmp_path):
+    proc = run(tmp_path, """
+        import unison
+        unison.init()
+        print("line from", unison.rank())
+    """, extra=("--output-filename", str(tmp_path / "logs")))
+    assert proc.returncode == 0
+    for r in range(2):
+        assert (tmp_path / "logs" / ("rank.%d" % r) / "stdout").read_text() == "line from %d\n" % r
+
+
+def test_shared_memory_is_private_and_gone_after_init(tmp_path):
+    proc = run(tmp_path, """
+        import glob, os, unison
+        unison.init()
+        job = os.environ["UNISON_JOB_ID"]
+        print("segments", len(glob.glob("/dev/shm/unison-%s-*" % job)))
+    """)
+    assert proc.returncode == 0
+    assert proc.stdout.decode().count("segments 0") == 2

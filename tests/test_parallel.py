@@ -1,0 +1,27 @@
+"""Runs each suite in tests/parallel under the launcher with 2 and 3 ranks
+(odd sizes find bugs). Each rank runs pytest on the same file; a test that
+hangs is failed by pytest-timeout inside the ranks and by the timeout here."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SUITES = sorted(f for f in os.listdir(os.path.join(HERE, "parallel")) if f.startswith("test_"))
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("np_", [2, 3], ids=lambda n: "np%d" % n)
+@pytest.mark.parametrize("suite", SUITES)
+def test_suite_under_launcher(suite, np_):
+    command = [sys.executable, "-m", "unison.run", "-np", str(np_), sys.executable, "-m", "pytest",
+               "-q", "-p", "no:cacheprovider", "--timeout=120", "-x",
+               os.path.join(HERE, "parallel", suite)]
+    proc = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=580,
+                          cwd=HERE)
+    output = proc.stdout.decode(errors="replace")
+    summaries = [line for line in output.splitlines() if " passed" in line or " failed" in line]
+    print("\n".join(summaries))
+    assert proc.returncode == 0, output[-20000:]
+    assert len([s for s in summaries if "passed" in s and "failed" not in s]) == np_, output[-5000:]

@@ -1,0 +1,50 @@
+"""A process started without the launcher is rank 0 of 1, and lifecycle
+misuse gives clear errors."""
+import numpy as np
+import pytest
+
+import unison
+import unison.numpy as unp
+
+
+@pytest.fixture
+def solo():
+    unison.init()
+    yield
+    unison.shutdown()
+
+
+def test_size_one_without_launcher(solo):
+    assert (unison.rank(), unison.size(), unison.local_rank(), unison.local_size()) == (0, 1, 0, 1)
+    assert unison.backend_name() == "solo"
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    np.testing.assert_array_equal(unp.allreduce(x), x)
+    np.testing.assert_array_equal(unp.allreduce(x, op=unison.Sum, prescale_factor=2, postscale_factor=0.5), x)
+    np.testing.assert_array_equal(unp.allgather(x), x)
+    np.testing.assert_array_equal(unp.broadcast(x, 0), x)
+    out, received = unp.alltoall(x, splits=[2])
+    np.testing.assert_array_equal(out, x)
+    np.testing.assert_array_equal(received, [2])
+    np.testing.assert_array_equal(unp.reducescatter(x, op=unison.Sum), x)
+    unp.barrier()
+    assert unp.join() == 0
+
+
+def test_use_before_init_and_after_shutdown():
+    unison.shutdown()
+    with pytest.raises(unison.NotInitializedError, match="init"):
+        unison.rank()
+    with pytest.raises(unison.NotInitializedError):
+        unp.allreduce(np.ones(2))
+    unison.init()
+    assert unison.is_initialized()
+    unison.shutdown()
+    with pytest.raises(unison.NotInitializedError):
+        unp.allgather(np.ones(2))
+
+
+def test_shutdown_fails_pending_work_cleanly(solo):
+    assert unp.allreduce(np.ones(2), name="x")[0] == 1
+    unison.shutdown()
+    unison.init()
+    assert unp.allreduce(np.ones(2), name="x")[0] == 1

@@ -1,0 +1,1 @@
+"""Reserved: this adapter arrives with its own issue."""
