@@ -1,0 +1,138 @@
+"""Allreduce: unison against torch.distributed (gloo), side by side.
+
+    unisonrun -np 2 python benchmarks/allreduce.py
+
+Every rank joins both a unison job and a gloo process group, and the two
+are timed in alternating blocks in the same processes, so both see the same
+machine noise; each figure is the median over blocks. Rank 0 prints the
+table, the ratios and whether the targets of the core's issue are met.
+"""
+import argparse
+import hashlib
+import os
+import statistics
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import unison
+import unison.numpy as unp
+
+SIZES = [("4 KiB", 4 << 10), ("64 KiB", 64 << 10), ("1 MiB", 1 << 20), ("16 MiB", 16 << 20), ("64 MiB", 64 << 20)]
+
+
+def setup_gloo():
+    job = os.environ.get("UNISON_JOB_ID", "solo")
+    port = os.environ.get("BENCH_GLOO_PORT") or str(20000 + int(hashlib.md5(job.encode()).hexdigest(), 16) % 20000)
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%s" % port, rank=unison.rank(),
+                            world_size=unison.size())
+
+
+def timed(fn, iterations):
+    start = time.perf_counter()
+    for _ in range(iterations):
+        fn()
+    return (time.perf_counter() - start) / iterations
+
+
+def agree(seconds):
+    """The slowest rank's time, so every rank reports the same figure."""
+    return float(unp.allreduce(np.array(seconds), op=unison.Max, name="bench.agree"))
+
+
+def compare(unison_fn, gloo_fn, iterations, blocks):
+    unison_fn(), gloo_fn()  # warm-up: buffers, caches, negotiation cache
+    u, g = [], []
+    for _ in range(blocks):
+        unp.barrier()
+        u.append(agree(timed(unison_fn, iterations)))
+        dist.barrier()
+        g.append(agree(timed(gloo_fn, iterations)))
+    return statistics.median(u), statistics.median(g)
+
+
+def memcpy_bandwidth(nbytes=64 << 20):
+    a = np.ones(nbytes, dtype=np.uint8)
+    b = np.empty_like(a)
+    np.copyto(b, a)
+    return nbytes / min(timed(lambda: np.copyto(b, a), 10) for _ in range(5))
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--blocks", type=int, default=7)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    unison.init()
+    setup_gloo()
+    rank, size = unison.rank(), unison.size()
+    report = []
+
+    def say(line=""):
+        if rank == 0:
+            print(line, flush=True)
+            report.append(line)
+
+    copy_bw = memcpy_bandwidth() if rank == 0 else 0.0
+    unp.barrier()
+    say("allreduce of float32, %d ranks, median of %d alternating blocks" % (size, args.blocks))
+    say("single-core memcpy bandwidth (the ceiling): %.2f GB/s" % (copy_bw / 1e9))
+    say()
+    say("| size | unison latency | gloo latency | unison algbw | gloo algbw | unison / gloo speed |")
+    say("| --- | --- | --- | --- | --- | --- |")
+    results = {}
+    for label, nbytes in SIZES:
+        n = nbytes // 4
+        x = np.ones(n, dtype=np.float32)
+        t = torch.ones(n, dtype=torch.float32)
+        iterations = max(3, min(2000, int(2e8 // max(nbytes, 1) // 50)))
+        u, g = compare(lambda: unp.allreduce_(x, op=unison.Sum, name="bench.%d" % nbytes),
+                       lambda: dist.all_reduce(t), iterations, args.blocks)
+        results[label] = (u, g)
+        say("| %s | %.1f us | %.1f us | %.2f GB/s | %.2f GB/s | %.2fx |"
+            % (label, u * 1e6, g * 1e6, nbytes / u / 1e9, nbytes / g / 1e9, g / u))
+
+    # 200 tensors of 40 KB allreduced asynchronously against one allreduce of
+    # the same 8 MB: what fusion and negotiation cost per tensor.
+    count, each = 200, 40_000 // 4
+    small = [np.ones(each, dtype=np.float32) for _ in range(count)]
+    names = ["bench.small.%d" % i for i in range(count)]
+    big = np.ones(count * each, dtype=np.float32)
+    small_t = [torch.ones(each) for _ in range(count)]
+
+    def unison_many():
+        handles = [unp.allreduce_async_(a, op=unison.Sum, name=nm) for a, nm in zip(small, names)]
+        for h in handles:
+            unp.synchronize(h)
+
+    def gloo_many():
+        for w in [dist.all_reduce(a, async_op=True) for a in small_t]:
+            w.wait()
+
+    many, gloo_many_t = compare(unison_many, gloo_many, 10, args.blocks)
+    one, _ = compare(lambda: unp.allreduce_(big, op=unison.Sum, name="bench.one"),
+                     lambda: dist.all_reduce(torch.ones(1)), 10, args.blocks)
+    say()
+    say("200 x 40 KB async: unison %.2f ms, gloo %.2f ms; one 8 MB allreduce: unison %.2f ms; "
+        "200 small / one large = %.2fx" % (many * 1e3, gloo_many_t * 1e3, one * 1e3, many / one))
+
+    say()
+    say("targets (2 ranks): 16 and 64 MiB >= 3x gloo bandwidth; 4 KiB <= 1/4 of gloo latency; "
+        "200 small within 1.5x of one large")
+    checks = [("16 MiB bandwidth", results["16 MiB"][1] / results["16 MiB"][0], 3.0, "x gloo"),
+              ("64 MiB bandwidth", results["64 MiB"][1] / results["64 MiB"][0], 3.0, "x gloo"),
+              ("4 KiB latency", results["4 KiB"][1] / results["4 KiB"][0], 4.0, "x faster than gloo")]
+    for what, value, target, unit in checks:
+        verdict = "met" if value >= target else "MISSED by %.0f%%" % (100 * (1 - value / target))
+        say("  %s: %.2f%s (target %.1f): %s" % (what, value, unit, target, verdict))
+    ratio = many / one
+    say("  200 small vs one large: %.2fx (target <= 1.5): %s"
+        % (ratio, "met" if ratio <= 1.5 else "MISSED by %.0f%%" % (100 * (ratio / 1.5 - 1))))
+    dist.destroy_process_group()
+    unison.shutdown()
+
+
+if __name__ == "__main__":
+    main()
