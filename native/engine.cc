@@ -190,7 +190,7 @@ void Engine::loop() {
       continue;
     }
     const double now = monotonic_seconds();
-    if (backend_->rank() == 0 && stall_inspector_.due(stalled_candidates(now), now)) {
+    if (backend_->rank() == 0 && stall_inspector_.due(stalled_candidates(), now)) {
       backend_->request_cycles(cycles_done_ + 1);
       continue;
     }
@@ -261,7 +261,7 @@ Status Engine::run_cycle() {
   // responses back or the stall inspector has something to fail.
   bool coordinator_news = false;
   if (rank == 0)
-    coordinator_news = another_cycle_ || stall_inspector_.due(stalled_candidates(now), now);
+    coordinator_news = another_cycle_ || stall_inspector_.due(stalled_candidates(), now);
   if (coordinator_news) mine.flags |= CycleMessage::kMoreQueued;
 
   std::vector<std::string> raw;
@@ -315,7 +315,7 @@ Status Engine::run_cycle() {
   for (int p = 0; p < cache_.capacity(); ++p) {
     if (!test_bit(invalid, p)) continue;
     cache_.erase(p);
-    partial_bits_since_.erase(p);
+    partial_bits_.erase(p);
   }
   if (!any_joined) {
     for (int p = 0; p < cache_.capacity(); ++p) {
@@ -323,9 +323,13 @@ Status Engine::run_cycle() {
       if (test_bit(agreed, p)) {
         responses.push_back(cache_.response(p));
         cache_.touch(p);
-        partial_bits_since_.erase(p);
-      } else if (rank == 0 && !partial_bits_since_.count(p)) {
-        partial_bits_since_[p] = now;
+        partial_bits_.erase(p);
+      } else if (rank == 0) {
+        // Remember who has it ready, for the stall inspector's report.
+        auto [it, fresh] = partial_bits_.try_emplace(p);
+        if (fresh) it->second = Waiting{cache_.response(p).tensors[0].name, cache_.response(p).op, {}, now};
+        it->second.submitted.assign(size, false);
+        for (int r = 0; r < size; ++r) it->second.submitted[r] = test_bit(all[r].ready_bits, p);
       }
     }
   }
@@ -337,18 +341,18 @@ Status Engine::run_cycle() {
     if (rank == 0) {
       for (const CycleMessage& m : all)
         for (const Request& r : m.requests) coordinator_.add(r, now);
-      if (stall_inspector_.due(stalled_candidates(now), now)) {
-        for (const auto& [name, message] : stall_inspector_.inspect(stalled_candidates(now), now)) {
+      if (stall_inspector_.due(stalled_candidates(), now)) {
+        for (const auto& [name, message] : stall_inspector_.inspect(stalled_candidates(), now)) {
           coordinator_.fail(name, UNISON_ERR_STALLED, message);
-          for (auto it = partial_bits_since_.begin(); it != partial_bits_since_.end();) {
-            if (cache_.occupied(it->first) && cache_.response(it->first).tensors[0].name == name) {
+          for (auto it = partial_bits_.begin(); it != partial_bits_.end();) {
+            if (it->second.name == name) {
               Response r;
               r.error_code = UNISON_ERR_STALLED;
               r.error = message;
               r.cacheable = false;
               r.tensors.push_back(TensorPlan{name, {}, {}, {}});
               decided.responses.push_back(r);
-              it = partial_bits_since_.erase(it);
+              it = partial_bits_.erase(it);
             } else {
               ++it;
             }
@@ -389,15 +393,9 @@ Status Engine::run_cycle() {
   return Status::OK();
 }
 
-std::vector<Waiting> Engine::stalled_candidates(double now) {
-  (void)now;
+std::vector<Waiting> Engine::stalled_candidates() {
   std::vector<Waiting> waiting = coordinator_.waiting();
-  for (const auto& [position, since] : partial_bits_since_) {
-    if (!cache_.occupied(position)) continue;
-    const Response& r = cache_.response(position);
-    // Which ranks had the bit is not kept; report the tensor and its age.
-    waiting.push_back(Waiting{r.tensors[0].name, r.op, std::vector<bool>(backend_->size(), false), since});
-  }
+  for (const auto& [position, partial] : partial_bits_) waiting.push_back(partial);
   return waiting;
 }
 

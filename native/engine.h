@@ -64,7 +64,7 @@ class Engine {
   void execute(const std::vector<const Response*>& group);
   void complete(const std::string& name, const Status& status, OpResult result = OpResult());
   void fail_everything(const Status& status);
-  std::vector<Waiting> stalled_candidates(double now);
+  std::vector<Waiting> stalled_candidates();
 
   const Config config_;
   std::unique_ptr<Backend> backend_;
@@ -84,7 +84,7 @@ class Engine {
   ResponseCache cache_;
   Coordinator coordinator_;                         // used on rank 0
   StallInspector stall_inspector_;
-  std::map<int, double> partial_bits_since_;        // rank 0: cache bits set on some ranks
+  std::map<int, Waiting> partial_bits_;             // rank 0: cache bits set on some ranks only
   uint64_t cycles_done_ = 0;
   bool another_cycle_ = false;  // the last cycle left work for the next
   bool joined_ = false;         // this rank waits in join

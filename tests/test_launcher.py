@@ -155,3 +155,32 @@ def test_shared_memory_is_private_and_gone_after_init(tmp_path):
     """)
     assert proc.returncode == 0
     assert proc.stdout.decode().count("segments 0") == 2
+
+
+def test_stall_inspector_warns_then_fails_naming_the_missing_rank(tmp_path):
+    # Rank 1 never submits 'fresh' (a full request) nor 'w' (a cached one).
+    proc = run(tmp_path, """
+        import time
+        import numpy as np
+        import unison, unison.numpy as unp
+        unison.init()
+        for _ in range(2):
+            unp.allreduce(np.ones(2), name="w")
+        if unison.rank() == 0:
+            for name in ["fresh", "w"]:
+                try:
+                    unp.allreduce(np.ones(2), name=name)
+                except unison.StalledError as e:
+                    print("stalled:", e, flush=True)
+        else:
+            time.sleep(7)
+        unp.barrier()
+        print("still usable", unison.rank(), flush=True)
+    """, extra=("--stall-check-warning-time-seconds", "1", "--stall-check-shutdown-time-seconds", "2.5"))
+    out, err = proc.stdout.decode(), proc.stderr.decode()
+    assert proc.returncode == 0, out + err
+    for name in ("fresh", "w"):
+        assert ("allreduce '%s' waited" % name) in out, out
+    assert out.count("submitted by ranks [0], missing from ranks [1]") == 2, out
+    assert "some ranks have waited more than 1 s" in err
+    assert "still usable 0" in out and "still usable 1" in out
