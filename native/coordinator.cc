@@ -190,12 +190,7 @@ std::vector<Waiting> Coordinator::waiting() const {
 void Coordinator::fail(const std::string& name, int code, const std::string& message) {
   auto it = table_.find(name);
   if (it == table_.end()) return;
-  Response r;
-  r.error_code = code;
-  r.error = message;
-  r.cacheable = false;
-  r.tensors.push_back(TensorPlan{name, {}, {}, {}});
-  ready_.push_back(r);
+  ready_.push_back(error_response(name, code, message));
   table_.erase(it);
   arrival_order_.erase(std::find(arrival_order_.begin(), arrival_order_.end(), name));
 }

@@ -260,8 +260,11 @@ Status Engine::run_cycle() {
   // Rank 0 owes the others a response list when its coordinator holds
   // responses back or the stall inspector has something to fail.
   bool coordinator_news = false;
-  if (rank == 0)
-    coordinator_news = another_cycle_ || stall_inspector_.due(stalled_candidates(), now);
+  bool stall_check = false;
+  if (rank == 0) {
+    stall_check = stall_inspector_.due(stalled_candidates(), now);
+    coordinator_news = another_cycle_ || stall_check;
+  }
   if (coordinator_news) mine.flags |= CycleMessage::kMoreQueued;
 
   std::vector<std::string> raw;
@@ -341,17 +344,12 @@ Status Engine::run_cycle() {
     if (rank == 0) {
       for (const CycleMessage& m : all)
         for (const Request& r : m.requests) coordinator_.add(r, now);
-      if (stall_inspector_.due(stalled_candidates(), now)) {
+      if (stall_check) {
         for (const auto& [name, message] : stall_inspector_.inspect(stalled_candidates(), now)) {
           coordinator_.fail(name, UNISON_ERR_STALLED, message);
           for (auto it = partial_bits_.begin(); it != partial_bits_.end();) {
             if (it->second.name == name) {
-              Response r;
-              r.error_code = UNISON_ERR_STALLED;
-              r.error = message;
-              r.cacheable = false;
-              r.tensors.push_back(TensorPlan{name, {}, {}, {}});
-              decided.responses.push_back(r);
+              decided.responses.push_back(error_response(name, UNISON_ERR_STALLED, message));
               it = partial_bits_.erase(it);
             } else {
               ++it;

@@ -190,6 +190,15 @@ size_t encoded_size(const Response& r) {
   return out.size();
 }
 
+Response error_response(const std::string& name, int code, const std::string& message) {
+  Response r;
+  r.error_code = code;
+  r.error = message;
+  r.cacheable = false;
+  r.tensors.push_back(TensorPlan{name, {}, {}, {}});
+  return r;
+}
+
 std::string shape_string(const std::vector<int64_t>& shape) {
   std::string s = "[";
   for (size_t i = 0; i < shape.size(); ++i) {

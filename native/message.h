@@ -53,6 +53,9 @@ struct Response {
   bool is_error() const { return error_code != 0; }
 };
 
+// A response that fails one tensor on every rank that submitted it.
+Response error_response(const std::string& name, int code, const std::string& message);
+
 // What every rank contributes to a cycle.
 struct CycleMessage {
   enum Flags : uint32_t {

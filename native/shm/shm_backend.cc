@@ -132,25 +132,31 @@ class ShmBackend final : public Backend {
   Status check_peers() override {
     if (!broken_.ok()) return broken_;
     beat();
+    // Name every peer that has exited, not just the first found: when one
+    // rank dies, the survivors that notice first exit too, and a slower
+    // survivor must still name the rank that started it.
+    std::vector<bool> exited(size_, false);
     std::vector<struct pollfd> fds;
     for (int r = 0; r < size_; ++r)
       if (pidfds_[r] >= 0) fds.push_back({pidfds_[r], POLLIN, 0});
-    if (!fds.empty() && poll(fds.data(), fds.size(), 0) > 0) {
+    if (!fds.empty() && poll(fds.data(), fds.size(), 0) > 0)
       for (const auto& f : fds)
-        if (f.revents != 0)
-          for (int r = 0; r < size_; ++r)
-            if (pidfds_[r] == f.fd) return fail(r, "exited");
+        for (int r = 0; r < size_; ++r)
+          if (f.revents != 0 && pidfds_[r] == f.fd) exited[r] = true;
+    std::string dead;
+    for (int r = 0; r < size_; ++r) {
+      if (r == rank_) continue;
+      if (pidfds_[r] < 0 && kill(segment_.rank_area(r)->pid.load(), 0) != 0 && errno == ESRCH) exited[r] = true;
+      if (exited[r]) dead += (dead.empty() ? "" : ", ") + describe(r);
     }
+    if (!dead.empty()) return fail(dead + " exited");
     const int64_t now = monotonic_nanoseconds();
     for (int r = 0; r < size_; ++r) {
       if (r == rank_) continue;
-      RankArea* peer = segment_.rank_area(r);
-      if (pidfds_[r] < 0 && kill(peer->pid.load(), 0) != 0 && errno == ESRCH) return fail(r, "exited");
-      double silent = (double)(now - peer->heartbeat_ns.load()) * 1e-9;
+      double silent = (double)(now - segment_.rank_area(r)->heartbeat_ns.load()) * 1e-9;
       if (silent > config_.peer_timeout_seconds)
-        return fail(r, "has shown no sign of life for " + std::to_string((int)silent) +
-                           " s (UNISON_PEER_TIMEOUT_SECONDS is " +
-                           std::to_string((int)config_.peer_timeout_seconds) + ")");
+        return fail(describe(r) + " has shown no sign of life for " + std::to_string((int)silent) +
+                    " s (UNISON_PEER_TIMEOUT_SECONDS is " + std::to_string((int)config_.peer_timeout_seconds) + ")");
     }
     return Status::OK();
   }
@@ -390,11 +396,13 @@ class ShmBackend final : public Backend {
 
   void beat() { me_->heartbeat_ns.store(monotonic_nanoseconds(), std::memory_order_relaxed); }
 
-  Status fail(int rank, const std::string& what) {
+  std::string describe(int rank) const {
+    return "rank " + std::to_string(rank) + " (pid " + std::to_string(segment_.rank_area(rank)->pid.load()) + ")";
+  }
+
+  Status fail(const std::string& what) {
     broken_ = Status::Error(UNISON_ERR_RANK_FAILED,
-                            "unison: rank " + std::to_string(rank) + " (pid " +
-                                std::to_string(segment_.rank_area(rank)->pid.load()) + ") " + what +
-                                "; collectives with it can no longer complete");
+                            "unison: " + what + "; collectives with it can no longer complete");
     return broken_;
   }
 
