@@ -372,7 +372,10 @@ Status Engine::run_cycle() {
   }
   for (const Response& r : decided.responses) responses.push_back(r);
 
-  for (const auto& group : fuse(responses)) execute(group);
+  for (const auto& group : fuse(responses)) {
+    execute(group);
+    publish_completions();
+  }
 
   // Every rank remembers the same new responses in the same order, so the
   // caches stay identical. A put may evict a position some rank still waits
@@ -440,13 +443,19 @@ void Engine::complete(const std::string& name, const Status& status, OpResult re
     if (result.core_allocated) std::free(result.data);
     return;
   }
-  int64_t handle = it->second.handle;
+  finished_.push_back(Completion{it->second.handle, status, std::move(result)});
+  finished_names_.push_back(name);
   pending_.erase(it);
+}
+
+void Engine::publish_completions() {
+  if (finished_.empty()) return;
   {
     std::lock_guard<std::mutex> lock(queue_mutex_);
-    in_flight_.erase(name);
+    for (const std::string& name : finished_names_) in_flight_.erase(name);
   }
-  handles_->complete(handle, status, std::move(result));
+  finished_names_.clear();
+  handles_->complete(&finished_);
 }
 
 void Engine::execute(const std::vector<const Response*>& group) {
@@ -584,6 +593,7 @@ void Engine::execute(const std::vector<const Response*>& group) {
 }
 
 void Engine::fail_everything(const Status& status) {
+  publish_completions();
   std::vector<Entry> queued;
   {
     std::lock_guard<std::mutex> lock(queue_mutex_);

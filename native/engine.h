@@ -62,7 +62,10 @@ class Engine {
   void take_new_requests(CycleMessage* message);
   std::vector<std::vector<const Response*>> fuse(const std::vector<Response>& responses) const;
   void execute(const std::vector<const Response*>& group);
+  // Finishes this rank's op `name`; its handle completes at the next
+  // publish_completions(), together with the rest of its group.
   void complete(const std::string& name, const Status& status, OpResult result = OpResult());
+  void publish_completions();
   void fail_everything(const Status& status);
   std::vector<Waiting> stalled_candidates();
 
@@ -85,6 +88,8 @@ class Engine {
   Coordinator coordinator_;                         // used on rank 0
   StallInspector stall_inspector_;
   std::map<int, Waiting> partial_bits_;             // rank 0: cache bits set on some ranks only
+  std::vector<Completion> finished_;                // completed, not yet published
+  std::vector<std::string> finished_names_;
   uint64_t cycles_done_ = 0;
   bool another_cycle_ = false;  // the last cycle left work for the next
   bool joined_ = false;         // this rank waits in join

@@ -19,19 +19,31 @@ int64_t HandleTable::create() {
   return h;
 }
 
-void HandleTable::complete(int64_t handle, const Status& status, OpResult result) {
+void HandleTable::complete(std::vector<Completion>* batch) {
+  if (batch->empty()) return;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    auto it = states_.find(handle);
-    if (it == states_.end()) {
-      if (result.core_allocated) std::free(result.data);
-      return;
+    for (Completion& c : *batch) {
+      auto it = states_.find(c.handle);
+      if (it == states_.end()) {
+        if (c.result.core_allocated) std::free(c.result.data);
+        continue;
+      }
+      it->second.done = true;
+      it->second.status = std::move(c.status);
+      it->second.result = std::move(c.result);
     }
-    it->second.done = true;
-    it->second.status = status;
-    it->second.result = std::move(result);
   }
+  batch->clear();
   completed_.notify_all();
+}
+
+void HandleTable::complete(int64_t handle, const Status& status, OpResult result) {
+  std::vector<Completion> one(1);
+  one[0].handle = handle;
+  one[0].status = status;
+  one[0].result = std::move(result);
+  complete(&one);
 }
 
 Status HandleTable::poll(int64_t handle, bool* done) {

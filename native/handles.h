@@ -22,9 +22,19 @@ struct OpResult {
   int join_rank = -1;
 };
 
+// One finished op, as the engine hands it over.
+struct Completion {
+  int64_t handle = 0;
+  Status status;
+  OpResult result;
+};
+
 class HandleTable {
  public:
   int64_t create();
+  // Marks the ops done and wakes the waiters once for the whole batch: a
+  // fused group of 200 tensors must not wake a waiting caller 200 times.
+  void complete(std::vector<Completion>* batch);
   void complete(int64_t handle, const Status& status, OpResult result = OpResult());
   // UNISON_ERR_INVALID_ARGUMENT for an unknown handle.
   Status poll(int64_t handle, bool* done);

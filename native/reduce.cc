@@ -1,6 +1,7 @@
 #include "reduce.h"
 
 #include <algorithm>
+#include <cstring>
 #include <cstdint>
 #include <type_traits>
 
@@ -76,7 +77,7 @@ constexpr size_t kBlock = 512;
 
 template <typename Codec, typename Combine>
 void reduce_typed(const ReduceSpec& spec, const void* const* inputs, int n_inputs, void* out,
-                  size_t count) {
+                  size_t count, void* also_out) {
   using T = typename Codec::Storage;
   using C = typename Codec::Compute;
   const bool prescale = spec.prescale != 1.0;
@@ -104,49 +105,51 @@ void reduce_typed(const ReduceSpec& spec, const void* const* inputs, int n_input
     if (postscale) for (size_t j = 0; j < m; ++j) acc[j] = scale(acc[j], spec.postscale);
     T* o = static_cast<T*>(out) + base;
     for (size_t j = 0; j < m; ++j) o[j] = Codec::store(acc[j]);
+    if (also_out != nullptr) std::memcpy(static_cast<T*>(also_out) + base, o, m * sizeof(T));
   }
 }
 
 template <typename Codec>
 void reduce_with_op(const ReduceSpec& spec, const void* const* inputs, int n, void* out,
-                    size_t count) {
+                    size_t count, void* also) {
   switch (spec.reduce_op) {
     case UNISON_SUM:
-    case UNISON_AVERAGE: return reduce_typed<Codec, Sum>(spec, inputs, n, out, count);
-    case UNISON_MIN: return reduce_typed<Codec, Min>(spec, inputs, n, out, count);
-    case UNISON_MAX: return reduce_typed<Codec, Max>(spec, inputs, n, out, count);
-    case UNISON_PRODUCT: return reduce_typed<Codec, Product>(spec, inputs, n, out, count);
+    case UNISON_AVERAGE: return reduce_typed<Codec, Sum>(spec, inputs, n, out, count, also);
+    case UNISON_MIN: return reduce_typed<Codec, Min>(spec, inputs, n, out, count, also);
+    case UNISON_MAX: return reduce_typed<Codec, Max>(spec, inputs, n, out, count, also);
+    case UNISON_PRODUCT: return reduce_typed<Codec, Product>(spec, inputs, n, out, count, also);
   }
 }
 
-void reduce_bool(const ReduceSpec& spec, const void* const* inputs, int n, void* out, size_t count) {
+void reduce_bool(const ReduceSpec& spec, const void* const* inputs, int n, void* out, size_t count,
+                 void* also) {
   // Sum and Max mean "any"; Min and Product mean "all". Average is refused
   // at enqueue, and scale factors have no meaning here.
   ReduceSpec plain = spec;
   plain.prescale = plain.postscale = 1.0;
   if (spec.reduce_op == UNISON_SUM || spec.reduce_op == UNISON_MAX) {
-    reduce_typed<NativeCodec<uint8_t>, Or>(plain, inputs, n, out, count);
+    reduce_typed<NativeCodec<uint8_t>, Or>(plain, inputs, n, out, count, also);
   } else {
-    reduce_typed<NativeCodec<uint8_t>, And>(plain, inputs, n, out, count);
+    reduce_typed<NativeCodec<uint8_t>, And>(plain, inputs, n, out, count, also);
   }
 }
 
 }  // namespace
 
 void reduce(const ReduceSpec& spec, const void* const* inputs, int n_inputs, void* out,
-            size_t count) {
+            size_t count, void* also_out) {
   if (count == 0 || n_inputs == 0) return;
   switch (spec.dtype) {
-    case UNISON_UINT8: return reduce_with_op<NativeCodec<uint8_t>>(spec, inputs, n_inputs, out, count);
-    case UNISON_INT8: return reduce_with_op<NativeCodec<int8_t>>(spec, inputs, n_inputs, out, count);
-    case UNISON_INT16: return reduce_with_op<NativeCodec<int16_t>>(spec, inputs, n_inputs, out, count);
-    case UNISON_INT32: return reduce_with_op<NativeCodec<int32_t>>(spec, inputs, n_inputs, out, count);
-    case UNISON_INT64: return reduce_with_op<NativeCodec<int64_t>>(spec, inputs, n_inputs, out, count);
-    case UNISON_FLOAT16: return reduce_with_op<HalfCodec>(spec, inputs, n_inputs, out, count);
-    case UNISON_BFLOAT16: return reduce_with_op<BFloat16Codec>(spec, inputs, n_inputs, out, count);
-    case UNISON_FLOAT32: return reduce_with_op<NativeCodec<float>>(spec, inputs, n_inputs, out, count);
-    case UNISON_FLOAT64: return reduce_with_op<NativeCodec<double>>(spec, inputs, n_inputs, out, count);
-    case UNISON_BOOL: return reduce_bool(spec, inputs, n_inputs, out, count);
+    case UNISON_UINT8: return reduce_with_op<NativeCodec<uint8_t>>(spec, inputs, n_inputs, out, count, also_out);
+    case UNISON_INT8: return reduce_with_op<NativeCodec<int8_t>>(spec, inputs, n_inputs, out, count, also_out);
+    case UNISON_INT16: return reduce_with_op<NativeCodec<int16_t>>(spec, inputs, n_inputs, out, count, also_out);
+    case UNISON_INT32: return reduce_with_op<NativeCodec<int32_t>>(spec, inputs, n_inputs, out, count, also_out);
+    case UNISON_INT64: return reduce_with_op<NativeCodec<int64_t>>(spec, inputs, n_inputs, out, count, also_out);
+    case UNISON_FLOAT16: return reduce_with_op<HalfCodec>(spec, inputs, n_inputs, out, count, also_out);
+    case UNISON_BFLOAT16: return reduce_with_op<BFloat16Codec>(spec, inputs, n_inputs, out, count, also_out);
+    case UNISON_FLOAT32: return reduce_with_op<NativeCodec<float>>(spec, inputs, n_inputs, out, count, also_out);
+    case UNISON_FLOAT64: return reduce_with_op<NativeCodec<double>>(spec, inputs, n_inputs, out, count, also_out);
+    case UNISON_BOOL: return reduce_bool(spec, inputs, n_inputs, out, count, also_out);
   }
 }
 

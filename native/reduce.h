@@ -21,10 +21,15 @@ struct ReduceSpec {
 // rounded once; integers wrap on overflow like the frameworks' own integer
 // tensors, and their Average truncates toward zero.
 //
+// `also_out`, when not null, receives a second copy of the result in the
+// same pass: the shared-memory allreduce needs its reduced chunk both in
+// its slot (for the peers) and in the caller's output, and writing both
+// from registers saves reading the chunk back later.
+//
 // The kernel takes void pointers and dispatches on dtype inside: one call
 // per chunk costs nothing next to the chunk's memory traffic, and it keeps
 // the callers free of templates.
 void reduce(const ReduceSpec& spec, const void* const* inputs, int n_inputs, void* out,
-            size_t count);
+            size_t count, void* also_out = nullptr);
 
 }  // namespace unison

@@ -12,8 +12,10 @@
 //   stage:   the (N-1)/N of the input that other ranks reduce is copied into
 //            the slot once;
 //   reduce:  each rank reads its own 1/N chunk from its tensor and the same
-//            chunk from the N-1 other slots, and writes the result once;
-//   gather:  every result byte is copied once into the output.
+//            chunk from the N-1 other slots, and writes the result to its
+//            slot and, in the same pass, to its output;
+//   gather:  the (N-1)/N of the result reduced by others is copied once
+//            into the output.
 // So each input byte is copied in at most once and each output byte written
 // once, which is within a factor of two of a single memcpy of the tensor.
 // Small allreduces (config.small_allreduce_bytes) skip the split: everyone
@@ -331,15 +333,21 @@ class ShmBackend final : public Backend {
     in.read(my_end, hi, mine + (my_end - lo));
     Status s = arrive_and_wait();
     if (!s.ok()) return s;
+    // The reduced chunk goes to this rank's slot for the peers and, in the
+    // same pass, to its own output, so the gather skips it. Input and
+    // output streams are cut at the same tensor boundaries, so a piece of
+    // one is exactly one piece of the other.
     std::vector<const void*> inputs(size_);
     in.for_each(my_begin, my_end, [&](size_t at, char* p, size_t n) {
       for (int r = 0; r < size_; ++r) inputs[r] = r == rank_ ? p : segment_.slot(r, half) + (at - lo);
-      reduce(spec, inputs.data(), size_, mine + (at - lo), n / element);
+      out.for_each(at, at + n, [&](size_t, char* q, size_t) {
+        reduce(spec, inputs.data(), size_, mine + (at - lo), n / element, q);
+      });
     });
     s = arrive_and_wait();
     if (!s.ok()) return s;
     for (int r = 0; r < size_; ++r)
-      out.write(bounds[r], bounds[r + 1], segment_.slot(r, half) + (bounds[r] - lo));
+      if (r != rank_) out.write(bounds[r], bounds[r + 1], segment_.slot(r, half) + (bounds[r] - lo));
     return Status::OK();
   }
 

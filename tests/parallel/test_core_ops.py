@@ -74,6 +74,24 @@ def test_allreduce_in_place_and_large_multi_round():
     np.testing.assert_array_equal(x, expected)
 
 
+
+def test_fused_large_allreduces_in_and_out_of_place_across_rounds():
+    # Uneven sizes, some in place and some not, fused into one stream that
+    # spans more than one shared-memory round: each rank's reduced chunk
+    # lands in several tensors, and boundaries fall mid-chunk.
+    n, rank = unison.size(), unison.rank()
+    sizes = [1_000_003, 17, 2_500_001, 333_333, 1_200_007]
+    arrays = [np.arange(s, dtype=np.float64) % 1000 + rank for s in sizes]
+    handles = []
+    for i, a in enumerate(arrays):
+        if i % 2:
+            handles.append(unp.allreduce_async_(a, op=unison.Sum, name="fused.large.%d" % i))
+        else:
+            handles.append(unp.allreduce_async(a, op=unison.Sum, name="fused.large.%d" % i))
+    for s, a, h in zip(sizes, arrays, handles):
+        expected = (np.arange(s, dtype=np.float64) % 1000) * n + n * (n - 1) / 2
+        np.testing.assert_array_equal(unp.synchronize(h), expected)
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16, np.int32])
 def test_allreduce_prescale_and_postscale(dtype):
     mine = rank_values((11,), dtype, unison.rank())
