@@ -13,5 +13,7 @@ from unison.exceptions import (  # noqa: F401
     HorovodInternalError, InvalidArgumentError, MismatchError, NotInitializedError,
     RankFailedError, ShutDownError, StalledError, UnisonError, UnisonInternalError,
     UnsupportedError)
+from unison.process_sets import (  # noqa: F401
+    ProcessSet, add_process_set, global_process_set, remove_process_set)
 
 __version__ = "0.1.0"

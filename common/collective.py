@@ -1,6 +1,7 @@
 """Building the core's op options, shared by every front end: a front end
 turns its tensors into (pointer, dtype code, shape) and calls enqueue()."""
 from unison import basics
+from unison.process_sets import process_set_id
 from unison.exceptions import InvalidArgumentError
 from unison._native import ffi, lib
 
@@ -21,7 +22,7 @@ def resolve_op(op, average, default=basics.Average):
 
 def enqueue(op, name, dtype=0, shape=(), input=NULL, output=NULL, reduce_op=0,
             prescale_factor=1.0, postscale_factor=1.0, root_rank=0, splits=None,
-            process_set_id=0, device=-1):
+            process_set=None, device=-1):
     """Starts one collective and returns the core's handle id.
 
     input and output are cffi pointers (or NULL); `name` may be None for an
@@ -44,7 +45,7 @@ def enqueue(op, name, dtype=0, shape=(), input=NULL, output=NULL, reduce_op=0,
         splits_array = ffi.new("int64_t[]", [int(s) for s in splits])
         options.splits = splits_array
         options.nsplits = len(splits)
-    options.process_set_id = process_set_id
+    options.process_set_id = process_set_id(process_set)
     options.device = device
     handle = ffi.new("unison_handle*")
     basics.check(lib.unison_enqueue(options, handle))

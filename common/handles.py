@@ -28,8 +28,23 @@ class Handle:
         return "<unison.Handle %d %r%s>" % (self.id, self.name, " done" if self._done else "")
 
 
+class HandleGroup:
+    """The handles of a grouped op, waited on together: synchronize()
+    returns the list of their results, in order."""
+    __slots__ = ("handles", "_finish")
+
+    def __init__(self, handles, finish=None):
+        self.handles = list(handles)
+        self._finish = finish
+
+    def __repr__(self):
+        return "<unison.HandleGroup of %d>" % len(self.handles)
+
+
 def poll(handle):
     """True once the op has completed; synchronize() will then not block."""
+    if isinstance(handle, HandleGroup):
+        return all(poll(h) for h in handle.handles)
     if handle._done:
         return True
     done = ffi.new("int*")
@@ -39,6 +54,18 @@ def poll(handle):
 
 def synchronize(handle):
     """Waits for the op and returns its result; raises if it failed."""
+    if isinstance(handle, HandleGroup):
+        # Wait for every member even if one fails, so none is left running
+        # on buffers the caller may free; then raise the first failure.
+        results, failure = [], None
+        for h in handle.handles:
+            try:
+                results.append(synchronize(h))
+            except Exception as e:  # noqa: BLE001 - re-raised below
+                failure = failure or e
+        if failure is not None:
+            raise failure
+        return handle._finish(results) if handle._finish else results
     if handle._done:
         return handle._result
     while True:

@@ -74,46 +74,48 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
                     postscale_factor=1.0, process_set=None):
     array = _contiguous(tensor)
     output = np.empty_like(array)
-    return _allreduce(array, output, average, name, op, prescale_factor, postscale_factor)
+    return _allreduce(array, output, average, name, op, prescale_factor, postscale_factor, process_set)
 
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                      postscale_factor=1.0, process_set=None):
     array = _in_place_target(tensor, name)
-    return _allreduce(array, array, average, name, op, prescale_factor, postscale_factor)
+    return _allreduce(array, array, average, name, op, prescale_factor, postscale_factor, process_set)
 
 
-def _allreduce(array, output, average, name, op, prescale_factor, postscale_factor):
+def _allreduce(array, output, average, name, op, prescale_factor, postscale_factor, process_set):
     reduce_op = collective.resolve_op(op, average)
     handle_id = collective.enqueue(
         lib.UNISON_ALLREDUCE, name, _dtype_code(array, name), array.shape,
         _pointer(array), _pointer(output), reduce_op=reduce_op,
-        prescale_factor=prescale_factor, postscale_factor=postscale_factor)
+        prescale_factor=prescale_factor, postscale_factor=postscale_factor, process_set=process_set)
     return Handle(handle_id, name, (array, output), lambda _: output)
 
 
 def allreduce(tensor, average=None, name=None, op=None, prescale_factor=1.0,
               postscale_factor=1.0, process_set=None):
     """Reduces `tensor` across all ranks (Average by default, as Horovod)."""
-    return synchronize(allreduce_async(tensor, average, name, op, prescale_factor, postscale_factor))
+    return synchronize(allreduce_async(tensor, average, name, op, prescale_factor, postscale_factor,
+                                       process_set))
 
 
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                postscale_factor=1.0, process_set=None):
-    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor))
+    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor,
+                                        process_set))
 
 
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                             postscale_factor=1.0, process_set=None):
     base = name or "grouped_allreduce"
     return [allreduce_async(t, average, "%s.%d" % (base, i) if name else None, op,
-                            prescale_factor, postscale_factor) for i, t in enumerate(tensors)]
+                            prescale_factor, postscale_factor, process_set) for i, t in enumerate(tensors)]
 
 
 def grouped_allreduce(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                       postscale_factor=1.0, process_set=None):
     return [synchronize(h) for h in grouped_allreduce_async(
-        tensors, average, name, op, prescale_factor, postscale_factor)]
+        tensors, average, name, op, prescale_factor, postscale_factor, process_set)]
 
 
 # ---- allgather ----------------------------------------------------------------
@@ -121,14 +123,14 @@ def grouped_allreduce(tensors, average=None, name=None, op=None, prescale_factor
 def allgather_async(tensor, name=None, process_set=None):
     array = _contiguous(tensor)
     handle_id = collective.enqueue(lib.UNISON_ALLGATHER, name, _dtype_code(array, name), array.shape,
-                                   _pointer(array))
+                                   _pointer(array), process_set=process_set)
     return Handle(handle_id, name, (array,), _core_allocated(array.dtype))
 
 
 def allgather(tensor, name=None, process_set=None):
     """Concatenates every rank's tensor along the first dimension, which may
     differ between ranks."""
-    return synchronize(allgather_async(tensor, name))
+    return synchronize(allgather_async(tensor, name, process_set))
 
 
 # ---- broadcast ----------------------------------------------------------------
@@ -136,26 +138,27 @@ def allgather(tensor, name=None, process_set=None):
 def broadcast_async(tensor, root_rank, name=None, process_set=None):
     array = _contiguous(tensor)
     output = np.empty_like(array)
-    return _broadcast(array, output, root_rank, name)
+    return _broadcast(array, output, root_rank, name, process_set)
 
 
 def broadcast_async_(tensor, root_rank, name=None, process_set=None):
     array = _in_place_target(tensor, name)
-    return _broadcast(array, array, root_rank, name)
+    return _broadcast(array, array, root_rank, name, process_set)
 
 
-def _broadcast(array, output, root_rank, name):
+def _broadcast(array, output, root_rank, name, process_set):
     handle_id = collective.enqueue(lib.UNISON_BROADCAST, name, _dtype_code(array, name), array.shape,
-                                   _pointer(array), _pointer(output), root_rank=root_rank)
+                                   _pointer(array), _pointer(output), root_rank=root_rank,
+                                   process_set=process_set)
     return Handle(handle_id, name, (array, output), lambda _: output)
 
 
 def broadcast(tensor, root_rank, name=None, process_set=None):
-    return synchronize(broadcast_async(tensor, root_rank, name))
+    return synchronize(broadcast_async(tensor, root_rank, name, process_set))
 
 
 def broadcast_(tensor, root_rank, name=None, process_set=None):
-    return synchronize(broadcast_async_(tensor, root_rank, name))
+    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
 
 
 # ---- alltoall -----------------------------------------------------------------
@@ -164,7 +167,7 @@ def alltoall_async(tensor, splits=None, name=None, process_set=None):
     array = _contiguous(tensor)
     split_list = None if splits is None else [int(s) for s in np.asarray(splits).reshape(-1)]
     handle_id = collective.enqueue(lib.UNISON_ALLTOALL, name, _dtype_code(array, name), array.shape,
-                                   _pointer(array), splits=split_list)
+                                   _pointer(array), splits=split_list, process_set=process_set)
     gather = _core_allocated(array.dtype)
     count = size()
 
@@ -180,7 +183,7 @@ def alltoall(tensor, splits=None, name=None, process_set=None):
     """Sends rows splits[i] of `tensor` to rank i and concatenates what every
     rank sent here. Without splits the first dimension is divided evenly and
     only the output is returned; with splits, (output, received_splits)."""
-    return synchronize(alltoall_async(tensor, splits, name))
+    return synchronize(alltoall_async(tensor, splits, name, process_set))
 
 
 # ---- reducescatter -------------------------------------------------------------
@@ -190,7 +193,7 @@ def reducescatter_async(tensor, op=Average, name=None, prescale_factor=1.0, post
     array = _contiguous(tensor)
     handle_id = collective.enqueue(lib.UNISON_REDUCESCATTER, name, _dtype_code(array, name), array.shape,
                                    _pointer(array), reduce_op=op, prescale_factor=prescale_factor,
-                                   postscale_factor=postscale_factor)
+                                   postscale_factor=postscale_factor, process_set=process_set)
     return Handle(handle_id, name, (array,), _core_allocated(array.dtype))
 
 
@@ -199,20 +202,21 @@ def reducescatter(tensor, op=Average, name=None, prescale_factor=1.0, postscale_
     """Reduces `tensor` across ranks and returns this rank's rows of the
     result: the first dimension split as evenly as possible, the first ranks
     taking one more row when it does not divide."""
-    return synchronize(reducescatter_async(tensor, op, name, prescale_factor, postscale_factor))
+    return synchronize(reducescatter_async(tensor, op, name, prescale_factor, postscale_factor, process_set))
 
 
 def grouped_reducescatter(tensors, op=Average, name=None, prescale_factor=1.0, postscale_factor=1.0,
                           process_set=None):
     base = name or "grouped_reducescatter"
     handles = [reducescatter_async(t, op, "%s.%d" % (base, i) if name else None, prescale_factor,
-                                   postscale_factor) for i, t in enumerate(tensors)]
+                                   postscale_factor, process_set) for i, t in enumerate(tensors)]
     return [synchronize(h) for h in handles]
 
 
 def grouped_allgather(tensors, name=None, process_set=None):
     base = name or "grouped_allgather"
-    handles = [allgather_async(t, "%s.%d" % (base, i) if name else None) for i, t in enumerate(tensors)]
+    handles = [allgather_async(t, "%s.%d" % (base, i) if name else None, process_set)
+               for i, t in enumerate(tensors)]
     return [synchronize(h) for h in handles]
 
 
@@ -220,7 +224,8 @@ def grouped_allgather(tensors, name=None, process_set=None):
 
 def barrier(process_set=None):
     """Returns once every rank has called barrier()."""
-    synchronize(Handle(collective.enqueue(lib.UNISON_BARRIER, "barrier"), "barrier", (), lambda _: None))
+    handle_id = collective.enqueue(lib.UNISON_BARRIER, "barrier", process_set=process_set)
+    synchronize(Handle(handle_id, "barrier", (), lambda _: None))
 
 
 def join(process_set=None):
@@ -228,5 +233,5 @@ def join(process_set=None):
     joined, it takes part in the others' collectives with zeros (allreduce,
     reducescatter) or nothing (allgather, alltoall). Returns the rank that
     joined last. Average still divides by the full size."""
-    handle_id = collective.enqueue(lib.UNISON_JOIN, "join")
+    handle_id = collective.enqueue(lib.UNISON_JOIN, "join", process_set=process_set)
     return synchronize(Handle(handle_id, "join", (), _handles.join_rank))

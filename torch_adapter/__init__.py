@@ -1,1 +1,20 @@
-"""Reserved: this adapter arrives with its own issue."""
+"""unison.torch: Horovod's PyTorch API. `import unison.torch as hvd` in place
+of `import horovod.torch as hvd` runs a Horovod training script unchanged."""
+from unison.basics import (  # noqa: F401
+    ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled, init,
+    is_initialized, local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported,
+    nccl_built, rank, rocm_built, shutdown, size)
+from unison.exceptions import HorovodInternalError, UnisonError  # noqa: F401
+from unison.process_sets import (  # noqa: F401
+    ProcessSet, add_process_set, global_process_set, remove_process_set)
+from unison.torch.compression import Compression  # noqa: F401
+from unison.torch.functions import (  # noqa: F401
+    allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters)
+from unison.torch.ops import (  # noqa: F401
+    Adasum, Average, Max, Min, Product, Sum, allgather, allgather_async, allreduce, allreduce_,
+    allreduce_async, allreduce_async_, alltoall, alltoall_async, barrier, broadcast, broadcast_,
+    broadcast_async, broadcast_async_, grouped_allgather, grouped_allgather_async, grouped_allreduce,
+    grouped_allreduce_, grouped_allreduce_async, grouped_allreduce_async_, grouped_reducescatter,
+    grouped_reducescatter_async, join, poll, reducescatter, reducescatter_async,
+    sparse_allreduce_async, synchronize)
+from unison.torch.optimizer import DistributedOptimizer  # noqa: F401

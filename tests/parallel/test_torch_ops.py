@@ -1,0 +1,255 @@
+"""unison.torch collectives x dtype, async and in-place forms, gradients
+and errors, with exact values: every rank computes what every other rank
+sent."""
+import pytest
+
+torch = pytest.importorskip("torch")
+import unison.torch as hvd  # noqa: E402
+
+torch.set_num_threads(1)
+
+DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
+          torch.bfloat16, torch.float32, torch.float64]
+FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+
+
+def rank_values(shape, dtype, rank):
+    """Small integers that differ per rank and per element: exact in every dtype."""
+    n = 1
+    for d in shape:
+        n *= d
+    return ((torch.arange(n) % 5) + rank + 1).to(dtype).reshape(shape)
+
+
+def every_rank(shape, dtype):
+    return [rank_values(shape, dtype, r) for r in range(hvd.size())]
+
+
+def exact(actual, expected):
+    assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    assert torch.equal(actual, expected), (actual, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op", ["Sum", "Min", "Max", "Product", "Average"])
+def test_allreduce_every_op_and_dtype(op, dtype):
+    shape = (3, 4)
+    values = every_rank(shape, dtype)
+    wide = [v.to(torch.float64) for v in values]
+    stacked = torch.stack(wide)
+    expected = {"Sum": stacked.sum(0), "Min": stacked.min(0).values, "Max": stacked.max(0).values,
+                "Product": stacked.prod(0), "Average": stacked.sum(0) / hvd.size()}[op]
+    if op == "Average" and not dtype.is_floating_point:
+        expected = torch.trunc(expected)
+    result = hvd.allreduce(values[hvd.rank()], op=getattr(hvd, op), name="ar.%s.%s" % (op, dtype))
+    exact(result, expected.to(dtype))
+
+
+def test_allreduce_bool_is_any():
+    mine = torch.tensor([hvd.rank() == 0, False, True])
+    exact(hvd.allreduce(mine, op=hvd.Sum, name="ar.bool"), torch.tensor([True, False, True]))
+
+
+def test_allreduce_average_flag_and_default():
+    mine = torch.full((4,), float(hvd.rank()))
+    n = hvd.size()
+    exact(hvd.allreduce(mine, name="ar.default"), torch.full((4,), (n - 1) / 2))
+    exact(hvd.allreduce(mine, average=False, name="ar.flag"), torch.full((4,), float(n * (n - 1) / 2)))
+
+
+def test_allreduce_async_in_place_and_non_contiguous():
+    n = hvd.size()
+    base = torch.arange(12, dtype=torch.float32).reshape(3, 4) + hvd.rank()
+    transposed = base.clone().t()  # non-contiguous view
+    assert not transposed.is_contiguous()
+    handle = hvd.allreduce_async_(transposed, op=hvd.Sum, name="ar.noncontig")
+    assert hvd.synchronize(handle) is transposed
+    expected = (torch.arange(12, dtype=torch.float32).reshape(3, 4) * n + n * (n - 1) / 2).t()
+    exact(transposed, expected)
+    x = torch.ones(5) * (hvd.rank() + 1)
+    h = hvd.allreduce_async(x, op=hvd.Sum, name="ar.async")
+    out = hvd.synchronize(h)
+    assert hvd.poll(h)
+    exact(out, torch.full((5,), float(n * (n + 1) / 2)))
+    exact(x, torch.ones(5) * (hvd.rank() + 1))  # input untouched
+    y = torch.ones(5)
+    assert hvd.allreduce_(y, op=hvd.Sum, name="ar.inplace") is y
+    exact(y, torch.full((5,), float(n)))
+
+
+def test_prescale_postscale():
+    n = hvd.size()
+    result = hvd.allreduce(torch.full((3,), 2.0), op=hvd.Sum, prescale_factor=0.5, postscale_factor=3.0,
+                           name="ar.scaled")
+    exact(result, torch.full((3,), 3.0 * n))
+
+
+def test_grouped_allreduce_forms():
+    n, r = hvd.size(), hvd.rank()
+    tensors = [torch.full((i + 1,), float(r + i)) for i in range(5)]
+    expected = [torch.full((i + 1,), float(n * i + n * (n - 1) / 2)) for i in range(5)]
+    for got, want in zip(hvd.grouped_allreduce(tensors, op=hvd.Sum, name="gar"), expected):
+        exact(got, want)
+    handle = hvd.grouped_allreduce_async(tensors, op=hvd.Sum, name="gar.async")
+    for got, want in zip(hvd.synchronize(handle), expected):
+        exact(got, want)
+    copies = [t.clone() for t in tensors]
+    hvd.grouped_allreduce_(copies, op=hvd.Sum, name="gar.inplace")
+    for got, want in zip(copies, expected):
+        exact(got, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.bool], ids=str)
+def test_allgather_different_first_dims(dtype):
+    r = hvd.rank()
+    mine = rank_values((r + 1, 3), dtype, r) if dtype != torch.bool else torch.ones(r + 1, 3, dtype=torch.bool)
+    expected = torch.cat([rank_values((k + 1, 3), dtype, k) if dtype != torch.bool
+                          else torch.ones(k + 1, 3, dtype=torch.bool) for k in range(hvd.size())])
+    exact(hvd.allgather(mine, name="ag.%s" % dtype), expected)
+    exact(hvd.synchronize(hvd.allgather_async(mine, name="ag.async.%s" % dtype)), expected)
+
+
+def test_grouped_allgather():
+    r, n = hvd.rank(), hvd.size()
+    got = hvd.grouped_allgather([torch.full((1,), r), torch.full((2, 2), r)], name="gag")
+    exact(got[0], torch.arange(n))
+    exact(got[1], torch.arange(n).repeat_interleave(2).reshape(-1, 1).expand(-1, 2).contiguous())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_broadcast_from_every_root(dtype):
+    for root in range(hvd.size()):
+        mine = rank_values((2, 3), dtype, hvd.rank())
+        exact(hvd.broadcast(mine, root, name="bc.%s.%d" % (dtype, root)), rank_values((2, 3), dtype, root))
+        copy = mine.clone()
+        hvd.broadcast_(copy, root, name="bc_.%s.%d" % (dtype, root))
+        exact(copy, rank_values((2, 3), dtype, root))
+        h = hvd.broadcast_async(mine, root, name="bca.%s.%d" % (dtype, root))
+        exact(hvd.synchronize(h), rank_values((2, 3), dtype, root))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_alltoall_with_splits(dtype):
+    r, n = hvd.rank(), hvd.size()
+    # Rank r sends k+1 rows to rank k, each row filled with 10*r + k.
+    splits = torch.tensor([k + 1 for k in range(n)], dtype=torch.int32)
+    rows = torch.cat([torch.full((k + 1, 2), 10 * r + k) for k in range(n)]).to(dtype)
+    output, received = hvd.alltoall(rows, splits=splits, name="a2a.%s" % dtype)
+    expected = torch.cat([torch.full((r + 1, 2), 10 * s + r) for s in range(n)]).to(dtype)
+    exact(output, expected)
+    exact(received, torch.full((n,), r + 1, dtype=torch.int32))
+    output, received = hvd.synchronize(hvd.alltoall_async(rows, splits=splits, name="a2a.async.%s" % dtype))
+    exact(output, expected)
+
+
+def test_alltoall_even_returns_output_only():
+    r, n = hvd.rank(), hvd.size()
+    out = hvd.alltoall(torch.full((n,), r), name="a2a.even")
+    exact(out, torch.arange(n))
+
+
+@pytest.mark.parametrize("dtype", FLOATS + [torch.int32], ids=str)
+def test_reducescatter_uneven(dtype):
+    r, n = hvd.rank(), hvd.size()
+    rows = 2 * n + 1
+    mine = (torch.arange(rows * 2).reshape(rows, 2) % 7 + r).to(dtype)
+    total = sum((torch.arange(rows * 2).reshape(rows, 2) % 7 + k).to(torch.float64) for k in range(n))
+    counts = [rows // n + (1 if k < rows % n else 0) for k in range(n)]
+    start = sum(counts[:r])
+    got = hvd.reducescatter(mine, op=hvd.Sum, name="rs.%s" % dtype)
+    exact(got, total[start:start + counts[r]].to(dtype))
+    grouped = hvd.grouped_reducescatter([mine, mine], op=hvd.Sum, name="grs.%s" % dtype)
+    exact(grouped[1], total[start:start + counts[r]].to(dtype))
+
+
+def test_gradients_of_each_differentiable_op():
+    r, n = hvd.rank(), hvd.size()
+    # allreduce Sum: d/dx sum_k(x_k) seen from each rank's loss sum -> sum of grads.
+    x = torch.full((3,), float(r + 1), requires_grad=True)
+    (hvd.allreduce(x, op=hvd.Sum, name="g.ar") * (r + 1)).sum().backward()
+    exact(x.grad, torch.full((3,), float(n * (n + 1) / 2)))
+    # allreduce Average: grads averaged.
+    x = torch.ones(3, requires_grad=True)
+    (hvd.allreduce(x, name="g.avg") * (r + 1)).sum().backward()
+    exact(x.grad, torch.full((3,), (n + 1) / 2))
+    # allgather: this rank's rows of the rank-averaged gradient.
+    x = torch.ones(r + 1, 2, requires_grad=True)
+    gathered = hvd.allgather(x, name="g.ag")
+    weights = torch.arange(gathered.shape[0], dtype=torch.float32).reshape(-1, 1) * (r + 1)
+    (gathered * weights).sum().backward()
+    offset = sum(k + 1 for k in range(r))
+    expected_rows = torch.arange(offset, offset + r + 1, dtype=torch.float32).reshape(-1, 1) * ((n + 1) / 2)
+    exact(x.grad, expected_rows.expand(-1, 2).contiguous())
+    # broadcast: root gets the averaged gradient, others zero.
+    x = torch.ones(2, requires_grad=True)
+    (hvd.broadcast(x, 1, name="g.bc") * (r + 1)).sum().backward()
+    exact(x.grad, torch.full((2,), (n + 1) / 2 if r == 1 else 0.0))
+    # alltoall: the gradient goes back where the rows came from.
+    x = torch.ones(n, 1, requires_grad=True)
+    out = hvd.alltoall(x, name="g.a2a")
+    (out * (r + 1)).sum().backward()
+    exact(x.grad, torch.arange(1, n + 1, dtype=torch.float32).reshape(n, 1))
+    # reducescatter Sum: every rank's input gets the gathered output grads.
+    x = torch.ones(n, 1, requires_grad=True)
+    out = hvd.reducescatter(x, op=hvd.Sum, name="g.rs")
+    (out * (r + 1)).sum().backward()
+    exact(x.grad, torch.arange(1, n + 1, dtype=torch.float32).reshape(n, 1))
+
+
+def test_join_and_barrier():
+    hvd.barrier()
+    assert hvd.join() in range(hvd.size())
+
+
+def test_adasum_of_equal_vectors_is_that_vector():
+    # Parallel (here identical) updates are averaged, not added.
+    v = torch.tensor([1.0, 2.0, 3.0])
+    exact(hvd.allreduce(v, op=hvd.Adasum, name="adasum.same"), v)
+    # Orthogonal updates add up.
+    r, n = hvd.rank(), hvd.size()
+    e = torch.zeros(n)
+    e[r] = 1.0
+    exact(hvd.allreduce(e, op=hvd.Adasum, name="adasum.orth"), torch.ones(n))
+
+
+# ---- errors, raised on every rank ---------------------------------------------
+
+def test_mismatched_shapes_fail_on_every_rank_and_job_goes_on():
+    with pytest.raises(hvd.UnisonError) as info:
+        hvd.allreduce(torch.ones(hvd.rank() + 1), name="bad.shape")
+    message = str(info.value)
+    assert "bad.shape" in message and "rank 0" in message and "rank 1" in message
+    exact(hvd.allreduce(torch.ones(2), op=hvd.Sum, name="after.bad"), torch.full((2,), float(hvd.size())))
+
+
+def test_mismatched_dtypes_fail_on_every_rank():
+    dtype = torch.float32 if hvd.rank() == 0 else torch.float64
+    with pytest.raises(hvd.UnisonError, match="dtype"):
+        hvd.allreduce(torch.ones(2, dtype=dtype), name="bad.dtype")
+
+
+def test_duplicate_name_in_flight():
+    # Each rank in turn enqueues a name twice while the others hold back
+    # behind a barrier, so the first op cannot have completed yet.
+    for checker in range(hvd.size()):
+        name = "dup.%d" % checker
+        if hvd.rank() == checker:
+            h = hvd.allreduce_async(torch.ones(1), name=name)
+            with pytest.raises(ValueError, match="already in flight"):
+                hvd.allreduce_async(torch.ones(1), name=name)
+            hvd.barrier()
+        else:
+            hvd.barrier()
+            h = hvd.allreduce_async(torch.ones(1), name=name)
+        exact(hvd.synchronize(h), torch.ones(1))
+
+
+def test_wrong_types_are_refused_before_negotiation():
+    with pytest.raises(ValueError, match="torch.Tensor"):
+        hvd.allreduce_async([1, 2, 3], name="not.tensor")
+    with pytest.raises(ValueError, match="complex"):
+        hvd.allreduce_async(torch.ones(2, dtype=torch.complex64), name="complex")
+    with pytest.raises(hvd.UnisonError, match="Sum and Average only"):
+        x = torch.ones(2, requires_grad=True)
+        hvd.allreduce(x, op=hvd.Max, name="max.grad").sum().backward()

@@ -1,0 +1,299 @@
+"""DistributedOptimizer and the broadcast helpers.
+
+The numerical claim: N ranks, each training on its shard of the batch,
+end with the same parameters as one process training on the whole batch.
+Every rank computes that single-process reference itself and compares."""
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import unison.torch as hvd  # noqa: E402
+
+torch.set_num_threads(1)
+STEPS = 4
+ROWS_PER_RANK = 4
+
+
+def make_model(dtype=torch.float64, seed=7):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)).to(dtype)
+
+
+def batch(step, dtype=torch.float64):
+    g = torch.Generator().manual_seed(100 + step)
+    n = ROWS_PER_RANK * hvd.size()
+    return torch.randn(n, 6, generator=g).to(dtype), torch.randn(n, 3, generator=g).to(dtype)
+
+
+def my_rows(tensor):
+    r = hvd.rank()
+    return tensor[r * ROWS_PER_RANK:(r + 1) * ROWS_PER_RANK]
+
+
+def reference(make_optimizer, dtype=torch.float64, steps=STEPS, clip=None):
+    model = make_model(dtype)
+    optimizer = make_optimizer(model.parameters())
+    for step in range(steps):
+        x, y = batch(step, dtype)
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def distributed(make_optimizer, dtype=torch.float64, steps=STEPS, passes=1, **options):
+    model = make_model(dtype)
+    optimizer = hvd.DistributedOptimizer(make_optimizer(model.parameters()),
+                                         named_parameters=model.named_parameters(),
+                                         backward_passes_per_step=passes, **options)
+    for step in range(steps):
+        x, y = batch(step, dtype)
+        x, y = my_rows(x), my_rows(y)
+        optimizer.zero_grad()
+        for part in range(passes):
+            rows = slice(part * ROWS_PER_RANK // passes, (part + 1) * ROWS_PER_RANK // passes)
+            (torch.nn.functional.mse_loss(model(x[rows]), y[rows]) / passes).backward()
+        optimizer.step()
+    return model, optimizer
+
+
+def assert_same(model, expected, atol=1e-12):
+    for p, q in zip(model.parameters(), expected):
+        torch.testing.assert_close(p.detach(), q, rtol=0, atol=atol)
+
+
+SGD = lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)  # noqa: E731
+ADAM = lambda params: torch.optim.Adam(params, lr=0.01)  # noqa: E731
+
+
+@pytest.mark.parametrize("make_optimizer", [SGD, ADAM], ids=["sgd-momentum", "adam"])
+def test_matches_single_process(make_optimizer):
+    model, optimizer = distributed(make_optimizer)
+    assert isinstance(optimizer, type(make_optimizer([torch.zeros(1, requires_grad=True)])))
+    assert_same(model, reference(make_optimizer))
+
+
+@pytest.mark.parametrize("make_optimizer", [SGD, ADAM], ids=["sgd-momentum", "adam"])
+def test_backward_passes_per_step_2(make_optimizer):
+    model, _ = distributed(make_optimizer, passes=2)
+    assert_same(model, reference(make_optimizer))
+
+
+def test_fp16_compression_is_close():
+    model, _ = distributed(SGD, dtype=torch.float32, compression=hvd.Compression.fp16)
+    assert_same(model, reference(SGD, dtype=torch.float32), atol=2e-3)
+
+
+def test_gradient_predivide_factor():
+    model, _ = distributed(SGD, gradient_predivide_factor=float(hvd.size()))
+    assert_same(model, reference(SGD))
+
+
+@pytest.mark.parametrize("groups", [2, "explicit"])
+def test_groups(groups):
+    if groups == "explicit":
+        probe = make_model()
+        # Parameters are matched by identity, so the groups are built by
+        # the helper below from the model the optimizer wraps.
+        groups = None
+        model = make_model()
+        params = list(model.parameters())
+        optimizer = hvd.DistributedOptimizer(SGD(model.parameters()), named_parameters=model.named_parameters(),
+                                             groups=[[params[0], params[2]], [params[1]]])
+        for step in range(STEPS):
+            x, y = batch(step)
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(model(my_rows(x)), my_rows(y)).backward()
+            optimizer.step()
+        del probe
+    else:
+        model, _ = distributed(SGD, groups=groups)
+    assert_same(model, reference(SGD))
+
+
+def test_synchronize_then_clip_inside_skip_synchronize():
+    model = make_model()
+    optimizer = hvd.DistributedOptimizer(SGD(model.parameters()), named_parameters=model.named_parameters())
+    for step in range(STEPS):
+        x, y = batch(step)
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(my_rows(x)), my_rows(y)).backward()
+        optimizer.synchronize()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        with optimizer.skip_synchronize():
+            optimizer.step()
+    assert_same(model, reference(SGD, clip=0.5))
+
+
+def test_step_after_synchronize_warns():
+    model = make_model()
+    optimizer = hvd.DistributedOptimizer(SGD(model.parameters()), named_parameters=model.named_parameters())
+    x, y = batch(0)
+    torch.nn.functional.mse_loss(model(my_rows(x)), my_rows(y)).backward()
+    optimizer.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        optimizer.step()
+    assert any("skip_synchronize" in str(w.message) for w in caught)
+
+
+def test_zero_grad_between_backward_and_step_raises():
+    model = make_model()
+    optimizer = hvd.DistributedOptimizer(SGD(model.parameters()), named_parameters=model.named_parameters())
+    x, y = batch(0)
+    torch.nn.functional.mse_loss(model(my_rows(x)), my_rows(y)).backward()
+    with pytest.raises(AssertionError, match="zero_grad"):
+        optimizer.zero_grad()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def test_too_many_backward_passes_raises():
+    model = make_model()
+    optimizer = hvd.DistributedOptimizer(SGD(model.parameters()), named_parameters=model.named_parameters())
+    x, y = batch(0)
+    torch.nn.functional.mse_loss(model(my_rows(x)), my_rows(y)).backward()
+    with pytest.raises(AssertionError, match="backward_passes_per_step"):
+        torch.nn.functional.mse_loss(model(my_rows(x)), my_rows(y)).backward()
+    optimizer.step()
+
+
+def test_load_state_dict_resets_pending_state():
+    model = make_model()
+    optimizer = hvd.DistributedOptimizer(SGD(model.parameters()), named_parameters=model.named_parameters())
+    saved = optimizer.state_dict()
+    x, y = batch(0)
+    torch.nn.functional.mse_loss(model(my_rows(x)), my_rows(y)).backward()
+    optimizer.load_state_dict(saved)
+    optimizer.zero_grad()  # nothing pending any more
+    torch.nn.functional.mse_loss(model(my_rows(x)), my_rows(y)).backward()
+    optimizer.step()
+
+
+def test_parameter_unused_on_one_rank_does_not_hang():
+    model = make_model()
+    extra = torch.nn.Parameter(torch.ones(2, dtype=torch.float64))
+    named = list(model.named_parameters()) + [("extra", extra)]
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD([p for _, p in named], lr=0.1), named_parameters=named)
+    x, y = batch(0)
+    loss = torch.nn.functional.mse_loss(model(my_rows(x)), my_rows(y))
+    if hvd.rank() == 0:
+        loss = loss + extra.sum()
+    loss.backward()
+    optimizer.step()
+    # Rank 0's gradient of ones, averaged with zeros from the others.
+    expected = 1.0 - 0.1 / hvd.size()
+    torch.testing.assert_close(extra.detach(), torch.full((2,), expected, dtype=torch.float64))
+
+
+def test_named_parameters_checks():
+    model = make_model()
+    with pytest.raises(ValueError, match="tuples"):
+        hvd.DistributedOptimizer(SGD(model.parameters()), named_parameters=list(model.parameters()))
+    named = list(model.named_parameters())
+    with pytest.raises(ValueError, match="unique"):
+        hvd.DistributedOptimizer(SGD(model.parameters()), named_parameters=[(named[0][0], p) for _, p in named])
+    with pytest.raises(ValueError, match="not named"):
+        hvd.DistributedOptimizer(SGD(model.parameters()), named_parameters=named[:1])
+    with pytest.raises(ValueError, match="gradient_predivide_factor"):
+        hvd.DistributedOptimizer(SGD(model.parameters()), op=hvd.Sum, gradient_predivide_factor=2.0)
+
+
+def test_adasum_of_identical_updates_is_that_update():
+    # Every rank trains on the same whole batch: their updates are equal,
+    # and Adasum of equal updates is the update itself.
+    model = make_model()
+    optimizer = hvd.DistributedOptimizer(SGD(model.parameters()), named_parameters=model.named_parameters(),
+                                         op=hvd.Adasum)
+    for step in range(STEPS):
+        x, y = batch(step)
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+    assert_same(model, reference(SGD), atol=1e-10)
+
+
+def test_sparse_gradients_allreduced():
+    r, n = hvd.rank(), hvd.size()
+    for sparse_as_dense in (False, True):
+        embedding = torch.nn.Embedding(6, 2, sparse=True).to(torch.float64)
+        torch.nn.init.zeros_(embedding.weight)
+        optimizer = hvd.DistributedOptimizer(torch.optim.SGD(embedding.parameters(), lr=1.0),
+                                             named_parameters=embedding.named_parameters(),
+                                             sparse_as_dense=sparse_as_dense)
+        embedding(torch.tensor([r, r])).sum().backward()
+        optimizer.step()
+        expected = torch.zeros(6, 2, dtype=torch.float64)
+        expected[:n] = -2.0 / n
+        torch.testing.assert_close(embedding.weight.detach(), expected)
+
+
+# ---- broadcast helpers -------------------------------------------------------------
+
+OPTIMIZERS = {
+    "SGD": lambda ps, r: torch.optim.SGD(ps, lr=0.1 + r, momentum=0.5, nesterov=True),
+    "Adam": lambda ps, r: torch.optim.Adam(ps, lr=0.01 * (r + 1), betas=(0.8 + 0.01 * r, 0.99)),
+    "AdamW": lambda ps, r: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1 * (r + 1)),
+    "RMSprop": lambda ps, r: torch.optim.RMSprop(ps, lr=0.01, momentum=0.1 * r, centered=True),
+    "Adagrad": lambda ps, r: torch.optim.Adagrad(ps, lr=0.01 * (r + 1), lr_decay=0.001),
+    "LBFGS": lambda ps, r: torch.optim.LBFGS(ps, lr=0.5 + r, history_size=3 + r),
+}
+
+
+def plain(value):
+    """A state value in a comparable form."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.dtype, tuple(value.shape), value.detach().reshape(-1).tolist())
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    return value
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_broadcast_optimizer_state_round_trip(name):
+    r = hvd.rank()
+    model = make_model(seed=20 + r)  # every rank starts elsewhere
+    optimizer = OPTIMIZERS[name](model.parameters(), r)
+    if r == 0:  # root has stepped (state initialised); the others have not
+        x, y = batch(0)
+
+        def closure():
+            optimizer.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            return loss
+        optimizer.step(closure)
+        optimizer.step(closure)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    mine = plain(optimizer.state_dict())
+    roots = hvd.broadcast_object(mine, root_rank=0, name="state.check." + name)
+    assert mine == roots
+    params = plain([p for p in model.parameters()])
+    assert params == hvd.broadcast_object(params, root_rank=0, name="params.check." + name)
+
+
+def test_broadcast_parameters_from_named_parameters_and_list():
+    r = hvd.rank()
+    model = make_model(seed=50 + r)
+    hvd.broadcast_parameters(model.named_parameters(), root_rank=hvd.size() - 1)
+    expected = make_model(seed=50 + hvd.size() - 1)
+    assert_same(model, [p.detach() for p in expected.parameters()], atol=0)
+    tensors = [torch.full((3,), float(r)), torch.full((2, 2), float(r))]
+    hvd.broadcast_parameters(tensors, root_rank=1)
+    assert all(torch.equal(t, torch.ones_like(t)) for t in tensors)
+
+
+def test_broadcast_and_allgather_object():
+    r, n = hvd.rank(), hvd.size()
+    obj = {"rank": r, "nested": [r, (r, "x" * r)], "tensor": torch.full((2,), r)}
+    got = hvd.broadcast_object(obj, root_rank=n - 1)
+    assert got["rank"] == n - 1 and got["nested"] == [n - 1, (n - 1, "x" * (n - 1))]
+    assert torch.equal(got["tensor"], torch.full((2,), n - 1))
+    gathered = hvd.allgather_object({"rank": r, "pad": "y" * (100 * r)})
+    assert gathered == [{"rank": k, "pad": "y" * (100 * k)} for k in range(n)]

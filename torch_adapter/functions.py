@@ -1,0 +1,131 @@
+"""Broadcast helpers: make every rank start from rank root's model and
+optimizer, and move arbitrary picklable objects between ranks."""
+import io
+import pickle
+
+import torch
+
+from unison import basics
+from unison.handles import synchronize
+from unison.process_sets import global_process_set
+from unison.torch.ops import allgather, broadcast_, broadcast_async_
+
+
+def broadcast_parameters(params, root_rank, prefix="broadcast"):
+    """Overwrites every rank's parameters with root_rank's, in place. `params`
+    is a state_dict(), named_parameters(), or a list of tensors."""
+    if isinstance(params, dict):
+        items = sorted(params.items())
+    else:
+        items = [p if isinstance(p, tuple) else (None, p) for p in params]
+    handles = []
+    for i, (name, tensor) in enumerate(items):
+        if tensor is None or not isinstance(tensor, torch.Tensor):
+            continue
+        label = "%s.%s" % (prefix, name if name is not None else "param.%d" % i)
+        handles.append(broadcast_async_(tensor, root_rank, name=label))
+    for handle in handles:
+        synchronize(handle)
+
+
+def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set):
+    """root_rank's `obj` on every rank, pickled (tensors included)."""
+    name = name or "broadcast_object"
+    if basics.rank() == root_rank:
+        buffer = io.BytesIO()
+        torch.save(obj, buffer, pickle_protocol=pickle.HIGHEST_PROTOCOL)
+        payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+        length = torch.tensor([payload.numel()], dtype=torch.int64)
+    else:
+        length = torch.zeros(1, dtype=torch.int64)
+    broadcast_(length, root_rank, name=name + ".length", process_set=process_set)
+    if basics.rank() != root_rank:
+        payload = torch.empty(int(length[0]), dtype=torch.uint8)
+    broadcast_(payload, root_rank, name=name + ".payload", process_set=process_set)
+    if basics.rank() == root_rank:
+        return obj
+    return torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=False)
+
+
+def allgather_object(obj, name=None, process_set=global_process_set):
+    """The list of every rank's `obj`, in rank order."""
+    name = name or "allgather_object"
+    buffer = io.BytesIO()
+    torch.save(obj, buffer, pickle_protocol=pickle.HIGHEST_PROTOCOL)
+    payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+    lengths = allgather(torch.tensor([payload.numel()], dtype=torch.int64), name=name + ".lengths",
+                        process_set=process_set)
+    gathered = allgather(payload, name=name + ".payload", process_set=process_set)
+    objects, offset = [], 0
+    for length in lengths.tolist():
+        chunk = gathered[offset:offset + length].numpy().tobytes()
+        objects.append(torch.load(io.BytesIO(chunk), weights_only=False))
+        offset += length
+    return objects
+
+
+def _initialize_state(optimizer):
+    """Gives a fresh optimizer the state its first step would create, by a
+    step on zero gradients, leaving parameters and gradients as they were
+    (weight decay and the like would otherwise move the parameters)."""
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    saved = [(p.detach().clone(), p.grad) for p in params]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    step = optimizer.step
+    # A DistributedOptimizer's step would allreduce; the base class's does not.
+    for cls in type(optimizer).__mro__:
+        if cls.__module__.startswith("torch.optim"):
+            step = cls.step.__get__(optimizer)
+            break
+    step()
+    with torch.no_grad():
+        for p, (value, grad) in zip(params, saved):
+            p.copy_(value)
+            p.grad = grad
+
+
+def broadcast_optimizer_state(optimizer, root_rank, model=None):
+    """Makes every rank's optimizer state (hyperparameters of every param
+    group, and per-parameter state) equal to root_rank's. Works for every
+    torch.optim optimizer, LBFGS included, initialised or not."""
+    if isinstance(optimizer, torch.optim.LBFGS):
+        # LBFGS keeps lists of past directions and scalars under its one
+        # parameter: its whole state goes as one object.
+        state = broadcast_object(optimizer.state_dict(), root_rank, name="optimizer_state.lbfgs")
+        if basics.rank() != root_rank:
+            optimizer.load_state_dict(state)
+        return
+    if not optimizer.state:
+        _initialize_state(optimizer)
+
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    # What root has, tensors described by shape and dtype, the rest by value.
+    def describe(value):
+        if isinstance(value, torch.Tensor):
+            return ("tensor", tuple(value.shape), value.dtype)
+        return ("value", value)
+    layout = {
+        "groups": [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups],
+        "state": [{key: describe(value) for key, value in optimizer.state.get(p, {}).items()} for p in params],
+    }
+    layout = broadcast_object(layout, root_rank, name="optimizer_state.layout")
+
+    for group, options in zip(optimizer.param_groups, layout["groups"]):
+        group.update(options)
+    handles = []
+    for index, (p, described) in enumerate(zip(params, layout["state"])):
+        state = optimizer.state[p]
+        for key in [k for k in state if k not in described]:
+            del state[key]
+        for key, what in sorted(described.items(), key=lambda kv: str(kv[0])):
+            if what[0] == "value":
+                state[key] = what[1]
+                continue
+            _, shape, dtype = what
+            current = state.get(key)
+            if not isinstance(current, torch.Tensor) or tuple(current.shape) != shape or current.dtype != dtype:
+                current = state[key] = torch.zeros(shape, dtype=dtype)
+            handles.append(broadcast_async_(current, root_rank, name="optimizer_state.%d.%s" % (index, key)))
+    for handle in handles:
+        synchronize(handle)

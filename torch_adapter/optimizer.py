@@ -1,0 +1,296 @@
+"""DistributedOptimizer: Horovod's optimizer wrapper on torch 2.x hooks.
+
+Each parameter's gradient allreduce starts from its post-accumulate-grad
+hook, the moment backward has finished accumulating that gradient, so
+communication overlaps the rest of backward; step() waits for them all.
+The wrapper is a subclass of the wrapped optimizer's own class, so
+isinstance() checks, schedulers and state_dict() see the optimizer the
+user built.
+"""
+import contextlib
+import warnings
+import weakref
+
+import torch
+
+from unison import basics
+from unison.handles import synchronize as _wait
+from unison.process_sets import global_process_set
+from unison.torch.compression import Compression
+from unison.torch.ops import (Adasum, Average, allreduce_async_, grouped_allreduce_async_,
+                              sparse_allreduce_async)
+
+
+class _DistributedOptimizer:
+    """Mixed in before the wrapped optimizer's class."""
+
+    def __init__(self, params, named_parameters, compression, backward_passes_per_step, op,
+                 gradient_predivide_factor, groups, sparse_as_dense, process_set):
+        super().__init__(params)
+        self._compression = compression
+        self._op = op
+        self._gradient_predivide_factor = gradient_predivide_factor
+        self._sparse_as_dense = sparse_as_dense
+        self._process_set = process_set
+        self.backward_passes_per_step = backward_passes_per_step
+
+        ordered = [p for group in self.param_groups for p in group["params"]]
+        self._parameter_names = _check_names(named_parameters, ordered)
+        self._ordered = [p for p in ordered if p.requires_grad]
+        self._group_of = _assign_groups(groups, self._ordered)
+        self._group_members = {}
+        for p in self._ordered:
+            self._group_members.setdefault(self._group_of[p], []).append(p)
+        self._allreduce_delay = {p: backward_passes_per_step for p in self._ordered}
+        self._handles = {}       # parameter -> (handle or None, compression context)
+        self._group_ready = {}   # group -> members whose gradient is ready
+        self._synchronized = False
+        self._should_synchronize = True
+        self._hook_handles = []
+        if basics.size() > 1:
+            for p in self._ordered:
+                self._hook_handles.append(p.register_post_accumulate_grad_hook(self._make_hook(p)))
+
+    # ---- hooks -----------------------------------------------------------------
+
+    def _make_hook(self, p):
+        # A weak reference: a discarded optimizer's hooks must not keep it
+        # alive, nor start allreduces for it.
+        optimizer = weakref.ref(self)
+
+        def hook(_):
+            self = optimizer()
+            if self is None:
+                return
+            if self._allreduce_delay[p] <= 0:
+                raise AssertionError(
+                    "unison: gradients were computed more than backward_passes_per_step (%d) times "
+                    "before step(); increase backward_passes_per_step to accumulate gradients locally"
+                    % self.backward_passes_per_step)
+            self._allreduce_delay[p] -= 1
+            self._handles[p] = (None, None)
+            if self._allreduce_delay[p] == 0:
+                group = self._group_of[p]
+                if group is None:
+                    self._handles[p] = self._allreduce_grad_async(p)
+                else:
+                    ready = self._group_ready.setdefault(group, [])
+                    ready.append(p)
+                    if len(ready) == len(self._group_members[group]):
+                        self._start_group(group)
+        return hook
+
+    def _start_group(self, group):
+        members = self._group_members[group]
+        self._group_ready.pop(group, None)
+        tensors, contexts = [], []
+        for p in members:
+            tensor, ctx = self._wire_tensor(p)
+            tensors.append(tensor)
+            contexts.append(ctx)
+        prescale, postscale = self._scale_factors()
+        names = [self._parameter_names[p] for p in members]
+        group_handle = grouped_allreduce_async_(tensors, op=self._op, name="allreduce.group.%s" % names[0],
+                                                prescale_factor=prescale, postscale_factor=postscale,
+                                                process_set=self._process_set)
+        for p, h, ctx, tensor in zip(members, group_handle.handles, contexts, tensors):
+            self._handles[p] = (h, (ctx, tensor))
+
+    def _scale_factors(self):
+        # Average's division by the size is split around the sum, so large
+        # gradients are divided before they are added (gradient_predivide_factor).
+        if self._op == Average:
+            return 1.0 / self._gradient_predivide_factor, self._gradient_predivide_factor
+        return 1.0, 1.0
+
+    def _wire_tensor(self, p):
+        if p.grad is None:
+            # A parameter this rank did not use still takes part: every rank
+            # must allreduce the same names, or the others wait forever.
+            p.grad = torch.zeros_like(p)
+        if p.grad.is_sparse and self._sparse_as_dense:
+            p.grad = p.grad.to_dense()
+        return self._compression.compress(p.grad)
+
+    def _allreduce_grad_async(self, p):
+        name = "allreduce." + self._parameter_names[p]
+        if p.grad is not None and p.grad.is_sparse and not self._sparse_as_dense:
+            return sparse_allreduce_async(p.grad, name, self._op, self._process_set), ("sparse", None)
+        tensor, ctx = self._wire_tensor(p)
+        prescale, postscale = self._scale_factors()
+        handle = allreduce_async_(tensor, name=name, op=self._op, prescale_factor=prescale,
+                                  postscale_factor=postscale, process_set=self._process_set)
+        return handle, (ctx, tensor)
+
+    # ---- the optimizer API -------------------------------------------------------
+
+    def synchronize(self):
+        """Waits for every gradient's allreduce (starting those whose hook did
+        not fire) and writes the results into the .grad fields."""
+        if basics.size() == 1:
+            self._synchronized = True
+            return
+        for p in self._ordered:
+            if p not in self._handles or self._handles[p][0] is None:
+                group = self._group_of[p]
+                if group is not None:
+                    self._start_group(group)  # starts p and the rest of its group
+                else:
+                    self._handles[p] = self._allreduce_grad_async(p)
+        for p in self._ordered:
+            handle, (ctx, wire) = self._handles[p]
+            result = _wait(handle)
+            if ctx == "sparse":
+                p.grad = result
+            else:
+                restored = self._compression.decompress(result, ctx)
+                if restored.data_ptr() != p.grad.data_ptr():
+                    with torch.no_grad():
+                        p.grad.copy_(restored)
+            self._allreduce_delay[p] = self.backward_passes_per_step
+        self._handles.clear()
+        self._group_ready.clear()
+        self._synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """For clipping: call synchronize(), clip, then step() inside this."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure=None):
+        if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() after "
+                              "optimizer.synchronize(): the gradients are allreduced a second time. "
+                              "Wrap step() in `with optimizer.skip_synchronize():`.")
+            self.synchronize()
+        self._synchronized = False
+        return super().step(closure)
+
+    def zero_grad(self, set_to_none=True):
+        if self._handles:
+            raise AssertionError("unison: optimizer.zero_grad() was called after loss.backward() but before "
+                                 "optimizer.step() or optimizer.synchronize(); the allreduces in flight "
+                                 "would race with it")
+        return super().zero_grad(set_to_none)
+
+    def load_state_dict(self, state_dict):
+        # Gradients in flight belong to the state being replaced.
+        for handle, _ in self._handles.values():
+            if handle is not None:
+                _wait(handle)
+        self._handles.clear()
+        self._group_ready.clear()
+        self._allreduce_delay = {p: self.backward_passes_per_step for p in self._ordered}
+        self._synchronized = False
+        return super().load_state_dict(state_dict)
+
+
+class _DistributedAdasumOptimizer:
+    """op=Adasum: each rank takes its own optimizer step, and the parameter
+    deltas (not the gradients) are combined with Adasum, so that ranks
+    whose updates agree are averaged and ranks whose updates are orthogonal
+    add up."""
+
+    def __init__(self, params, named_parameters, compression, backward_passes_per_step, process_set):
+        super().__init__(params)
+        ordered = [p for group in self.param_groups for p in group["params"]]
+        self._parameter_names = _check_names(named_parameters, ordered)
+        self._ordered = [p for p in ordered if p.requires_grad]
+        self._compression = compression
+        self._process_set = process_set
+        self.backward_passes_per_step = backward_passes_per_step
+
+    def synchronize(self):
+        pass  # gradients stay local; step() combines the updates
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        yield
+
+    def step(self, closure=None):
+        start = [p.detach().clone() for p in self._ordered]
+        loss = super().step(closure)
+        deltas = []
+        for p, before in zip(self._ordered, start):
+            delta, ctx = self._compression.compress(p.detach() - before)
+            deltas.append((delta, ctx))
+        handles = [allreduce_async_(d, name="adasum." + self._parameter_names[p], op=Adasum,
+                                    process_set=self._process_set)
+                   for p, (d, _) in zip(self._ordered, deltas)]
+        with torch.no_grad():
+            for p, before, handle, (_, ctx) in zip(self._ordered, start, handles, deltas):
+                p.copy_(before + self._compression.decompress(_wait(handle), ctx).to(p.dtype))
+        return loss
+
+
+def _check_names(named_parameters, ordered):
+    """Horovod's checks on named_parameters; returns {parameter: name}."""
+    if named_parameters is None:
+        return {p: "noname.%d" % i for i, p in enumerate(ordered)}
+    named = list(named_parameters)
+    if any(not isinstance(item, tuple) or len(item) != 2 for item in named):
+        raise ValueError("named_parameters should be a sequence of tuples (name, parameter), "
+                         "usually produced by model.named_parameters()")
+    if any(not isinstance(p, torch.Tensor) for _, p in named):
+        raise ValueError("named_parameters should consistently be a sequence of tuples (name, torch.Tensor)")
+    seen, duplicates = set(), set()
+    for name, _ in named:
+        (duplicates if name in seen else seen).add(name)
+    if duplicates:
+        raise ValueError("Parameter names in named_parameters must be unique. Found duplicates: %s"
+                         % ", ".join(sorted(duplicates)))
+    names = {p: name for name, p in named}
+    unnamed = [p for p in ordered if p not in names]
+    if unnamed:
+        raise ValueError("named_parameters was specified, but one or more model parameters were not "
+                         "named. Python object ids: %s" % ", ".join(str(id(p)) for p in unnamed))
+    return names
+
+
+def _assign_groups(groups, ordered):
+    """{parameter: group index or None}. An int splits the parameters, in
+    order, into that many groups of nearly equal count; lists name groups
+    explicitly, and a parameter in none of them is allreduced on its own."""
+    if groups is None or groups == 0:
+        return {p: None for p in ordered}
+    if isinstance(groups, int):
+        if groups < 0:
+            raise ValueError("groups must be a non-negative integer or a list of lists of parameters")
+        count = len(ordered)
+        return {p: i * groups // max(count, 1) for i, p in enumerate(ordered)}
+    assignment = {p: None for p in ordered}
+    for index, members in enumerate(groups):
+        for p in members:
+            if p not in assignment:
+                raise ValueError("groups names a tensor that is not a trainable parameter of this optimizer")
+            assignment[p] = index
+    return assignment
+
+
+def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,
+                         backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0,
+                         groups=None, sparse_as_dense=False, process_set=global_process_set):
+    """Wraps a torch optimizer so that step() uses gradients averaged (op)
+    over every rank. See Horovod's documentation; the arguments mean the same."""
+    if gradient_predivide_factor != 1.0 and op != Average:
+        raise ValueError("gradient_predivide_factor not supported with op != Average")
+    if backward_passes_per_step < 1:
+        raise ValueError("backward_passes_per_step must be at least 1")
+    base = optimizer.__class__
+    if op == Adasum and basics.size() > 1:
+        cls = type(base.__name__, (_DistributedAdasumOptimizer, base), {})
+        wrapped = cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step,
+                      process_set)
+    else:
+        cls = type(base.__name__, (_DistributedOptimizer, base), {})
+        wrapped = cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
+                      gradient_predivide_factor, groups, sparse_as_dense, process_set)
+    wrapped.defaults = optimizer.defaults  # for param groups added later
+    if optimizer.state:
+        wrapped.load_state_dict(optimizer.state_dict())
+    return wrapped
