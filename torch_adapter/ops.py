@@ -242,9 +242,6 @@ def allgather_async(tensor, name=None, process_set=global_process_set):
     """Starts concatenating every rank's `tensor` along the first dimension
     (which may differ between ranks); returns a handle."""
     code = _dtype_code(tensor, name)
-    if tensor.dim() == 0:
-        raise InvalidArgumentError("unison: allgather of %s needs a tensor with at least one dimension"
-                                   % _label(name))
     source = _source(tensor)
     handle_id = collective.enqueue(lib.UNISON_ALLGATHER, name, code, source.shape, _pointer(source),
                                    process_set=process_set)
@@ -255,9 +252,10 @@ def allgather_async(tensor, name=None, process_set=global_process_set):
 class _Allgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, name, process_set):
+        gathered = synchronize(allgather_async(tensor, name, process_set))
         ctx.rows = tensor.shape[0]
         ctx.process_set = process_set
-        return synchronize(allgather_async(tensor, name, process_set))
+        return gathered
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -346,9 +344,6 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
     """Starts sending rows splits[i] of `tensor` to rank i. synchronize()
     returns (output, received_splits)."""
     code = _dtype_code(tensor, name)
-    if tensor.dim() == 0:
-        raise InvalidArgumentError("unison: alltoall of %s needs a tensor with at least one dimension"
-                                   % _label(name))
     source = _source(tensor)
     handle_id = collective.enqueue(lib.UNISON_ALLTOALL, name, code, source.shape, _pointer(source),
                                    splits=_split_list(splits), process_set=process_set)
@@ -393,9 +388,6 @@ def reducescatter_async(tensor, name=None, op=Average, process_set=global_proces
     the result (the first dimension split as evenly as possible, the first
     ranks taking one more row)."""
     code = _dtype_code(tensor, name)
-    if tensor.dim() == 0:
-        raise InvalidArgumentError("unison: reducescatter of %s needs a tensor with at least one dimension"
-                                   % _label(name))
     if op not in (Sum, Average, Min, Max, Product):
         raise UnsupportedError("unison: reducescatter supports Sum, Average, Min, Max and Product")
     source = _source(tensor)

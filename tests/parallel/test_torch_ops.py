@@ -250,6 +250,8 @@ def test_wrong_types_are_refused_before_negotiation():
         hvd.allreduce_async([1, 2, 3], name="not.tensor")
     with pytest.raises(ValueError, match="complex"):
         hvd.allreduce_async(torch.ones(2, dtype=torch.complex64), name="complex")
+    with pytest.raises(ValueError, match="scalar"):
+        hvd.allgather(torch.tensor(1.0), name="scalar")
     with pytest.raises(hvd.UnisonError, match="Sum and Average only"):
         x = torch.ones(2, requires_grad=True)
         hvd.allreduce(x, op=hvd.Max, name="max.grad").sum().backward()
