@@ -21,9 +21,6 @@ class ProcessSet:
     def rank(self):
         return basics.rank() if self.ranks is None else self.ranks.index(basics.rank())
 
-    def included(self):
-        return self.ranks is None or basics.rank() in self.ranks
-
     def __repr__(self):
         return "ProcessSet(process_set_id=%r, ranks=%r)" % (
             self.process_set_id, "all" if self.ranks is None else self.ranks)

@@ -73,8 +73,10 @@ def _from_core(handle_id, dtype):
     return raw.view(dtype).reshape(shape)
 
 
-def _in_place_target(tensor, name):
-    """(contiguous buffer the core writes, finisher that returns `tensor`)."""
+def _in_place_target(tensor):
+    """(contiguous buffer holding `tensor`'s values that the core reads and
+    overwrites, finisher that returns `tensor`). Only a non-contiguous
+    tensor costs a copy, and its result is copied back."""
     if tensor.is_contiguous():
         target = tensor.detach()
         return target, lambda _: tensor
@@ -94,11 +96,10 @@ def _scale_check(op, prescale_factor, postscale_factor):
 
 # ---- allreduce ----------------------------------------------------------------
 
-def _allreduce_async(tensor, target, finish, name, op, prescale_factor, postscale_factor, process_set):
-    code = _dtype_code(tensor, name)
+def _allreduce_async(tensor, code, source, target, finish, name, op, prescale_factor, postscale_factor,
+                     process_set):
     if op == Adasum:
-        return _adasum_async(tensor, target, finish, name, process_set)
-    source = _source(tensor)
+        return _adasum_async(source, target, finish, name, process_set)
     handle_id = collective.enqueue(
         lib.UNISON_ALLREDUCE, name, code, source.shape, _pointer(source), _pointer(target),
         reduce_op=op, prescale_factor=prescale_factor, postscale_factor=postscale_factor,
@@ -111,9 +112,11 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
     """Starts an allreduce of `tensor` into a new tensor; returns a handle."""
     op = collective.resolve_op(op, average)
     _scale_check(op, prescale_factor, postscale_factor)
-    target = torch.empty(tensor.shape, dtype=tensor.dtype) if isinstance(tensor, torch.Tensor) else None
-    return _allreduce_async(tensor, target, lambda _: target, name, op, prescale_factor, postscale_factor,
-                            process_set)
+    code = _dtype_code(tensor, name)
+    source = _source(tensor)
+    target = torch.empty_like(source)
+    return _allreduce_async(tensor, code, source, target, lambda _: target, name, op, prescale_factor,
+                            postscale_factor, process_set)
 
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
@@ -121,10 +124,10 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
     """Starts an in-place allreduce of `tensor`; returns a handle."""
     op = collective.resolve_op(op, average)
     _scale_check(op, prescale_factor, postscale_factor)
-    _dtype_code(tensor, name)
-    target, finish = _in_place_target(tensor, name)
-    return _allreduce_async(tensor, target, finish, name, op, prescale_factor, postscale_factor,
-                            process_set)
+    code = _dtype_code(tensor, name)
+    target, finish = _in_place_target(tensor)
+    return _allreduce_async(tensor, code, target, target, finish, name, op, prescale_factor,
+                            postscale_factor, process_set)
 
 
 class _Allreduce(torch.autograd.Function):
@@ -283,9 +286,7 @@ def grouped_allgather(tensors, name=None, process_set=global_process_set):
 
 # ---- broadcast ----------------------------------------------------------------
 
-def _broadcast_async(tensor, target, finish, root_rank, name, process_set):
-    code = _dtype_code(tensor, name)
-    source = _source(tensor)
+def _broadcast_async(tensor, code, source, target, finish, root_rank, name, process_set):
     handle_id = collective.enqueue(lib.UNISON_BROADCAST, name, code, source.shape, _pointer(source),
                                    _pointer(target), root_rank=root_rank, process_set=process_set)
     return Handle(handle_id, name, (tensor, source, target), finish)
@@ -293,15 +294,16 @@ def _broadcast_async(tensor, target, finish, root_rank, name, process_set):
 
 def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set):
     """Starts copying root_rank's `tensor` into a new tensor on every rank."""
-    _dtype_code(tensor, name)
-    target = torch.empty(tensor.shape, dtype=tensor.dtype)
-    return _broadcast_async(tensor, target, lambda _: target, root_rank, name, process_set)
+    code = _dtype_code(tensor, name)
+    source = _source(tensor)
+    target = torch.empty_like(source)
+    return _broadcast_async(tensor, code, source, target, lambda _: target, root_rank, name, process_set)
 
 
 def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set):
-    _dtype_code(tensor, name)
-    target, finish = _in_place_target(tensor, name)
-    return _broadcast_async(tensor, target, finish, root_rank, name, process_set)
+    code = _dtype_code(tensor, name)
+    target, finish = _in_place_target(tensor)
+    return _broadcast_async(tensor, code, target, target, finish, root_rank, name, process_set)
 
 
 class _Broadcast(torch.autograd.Function):
@@ -464,17 +466,16 @@ def adasum_combine(parts):
     return level[0]
 
 
-def _adasum_async(tensor, target, finish, name, process_set):
+def _adasum_async(source, target, finish, name, process_set):
     # Adasum needs dot products between whole gradients of different ranks,
     # which an elementwise reduction cannot give: every rank allgathers the
     # gradient and combines the parts itself. That moves size x the bytes
     # of an allreduce; Adasum is used for its convergence, at small sizes.
-    if not tensor.dtype.is_floating_point:
+    if not source.dtype.is_floating_point:
         raise InvalidArgumentError("unison: Adasum of %s needs a floating-point tensor, got %s"
-                                   % (_label(name), tensor.dtype))
-    flat = _source(tensor).reshape(1, -1)
-    gathered = allgather_async(flat, name=name, process_set=process_set)
-    shape, dtype = tensor.shape, tensor.dtype
+                                   % (_label(name), source.dtype))
+    gathered = allgather_async(source.reshape(1, -1), name=name, process_set=process_set)
+    shape, dtype = source.shape, source.dtype
 
     def combine(results):
         combined = adasum_combine(list(results[0])).to(dtype).reshape(shape)

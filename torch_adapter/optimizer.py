@@ -40,16 +40,16 @@ class _DistributedOptimizer:
         self._group_of = _assign_groups(groups, self._ordered)
         self._group_members = {}
         for p in self._ordered:
-            self._group_members.setdefault(self._group_of[p], []).append(p)
+            if self._group_of[p] is not None:
+                self._group_members.setdefault(self._group_of[p], []).append(p)
+        # Gradient passes each parameter still waits for before its allreduce.
         self._allreduce_delay = {p: backward_passes_per_step for p in self._ordered}
-        self._handles = {}       # parameter -> (handle or None, compression context)
-        self._group_ready = {}   # group -> members whose gradient is ready
+        self._handles = {}  # parameter -> (handle, compression context); handle None until started
         self._synchronized = False
         self._should_synchronize = True
-        self._hook_handles = []
         if basics.size() > 1:
             for p in self._ordered:
-                self._hook_handles.append(p.register_post_accumulate_grad_hook(self._make_hook(p)))
+                p.register_post_accumulate_grad_hook(self._make_hook(p))
 
     # ---- hooks -----------------------------------------------------------------
 
@@ -73,28 +73,23 @@ class _DistributedOptimizer:
                 group = self._group_of[p]
                 if group is None:
                     self._handles[p] = self._allreduce_grad_async(p)
-                else:
-                    ready = self._group_ready.setdefault(group, [])
-                    ready.append(p)
-                    if len(ready) == len(self._group_members[group]):
-                        self._start_group(group)
+                elif all(self._allreduce_delay[m] == 0 for m in self._group_members[group]):
+                    self._start_group(group)  # the last of its group to be ready
         return hook
 
     def _start_group(self, group):
         members = self._group_members[group]
-        self._group_ready.pop(group, None)
         tensors, contexts = [], []
         for p in members:
             tensor, ctx = self._wire_tensor(p)
             tensors.append(tensor)
             contexts.append(ctx)
         prescale, postscale = self._scale_factors()
-        names = [self._parameter_names[p] for p in members]
-        group_handle = grouped_allreduce_async_(tensors, op=self._op, name="allreduce.group.%s" % names[0],
-                                                prescale_factor=prescale, postscale_factor=postscale,
-                                                process_set=self._process_set)
-        for p, h, ctx, tensor in zip(members, group_handle.handles, contexts, tensors):
-            self._handles[p] = (h, (ctx, tensor))
+        name = "allreduce.group." + self._parameter_names[members[0]]
+        group_handle = grouped_allreduce_async_(tensors, op=self._op, name=name, prescale_factor=prescale,
+                                                postscale_factor=postscale, process_set=self._process_set)
+        for p, h, ctx in zip(members, group_handle.handles, contexts):
+            self._handles[p] = (h, ctx)
 
     def _scale_factors(self):
         # Average's division by the size is split around the sum, so large
@@ -115,12 +110,12 @@ class _DistributedOptimizer:
     def _allreduce_grad_async(self, p):
         name = "allreduce." + self._parameter_names[p]
         if p.grad is not None and p.grad.is_sparse and not self._sparse_as_dense:
-            return sparse_allreduce_async(p.grad, name, self._op, self._process_set), ("sparse", None)
+            return sparse_allreduce_async(p.grad, name, self._op, self._process_set), "sparse"
         tensor, ctx = self._wire_tensor(p)
         prescale, postscale = self._scale_factors()
         handle = allreduce_async_(tensor, name=name, op=self._op, prescale_factor=prescale,
                                   postscale_factor=postscale, process_set=self._process_set)
-        return handle, (ctx, tensor)
+        return handle, ctx
 
     # ---- the optimizer API -------------------------------------------------------
 
@@ -138,7 +133,7 @@ class _DistributedOptimizer:
                 else:
                     self._handles[p] = self._allreduce_grad_async(p)
         for p in self._ordered:
-            handle, (ctx, wire) = self._handles[p]
+            handle, ctx = self._handles[p]
             result = _wait(handle)
             if ctx == "sparse":
                 p.grad = result
@@ -149,7 +144,6 @@ class _DistributedOptimizer:
                         p.grad.copy_(restored)
             self._allreduce_delay[p] = self.backward_passes_per_step
         self._handles.clear()
-        self._group_ready.clear()
         self._synchronized = True
 
     @contextlib.contextmanager
@@ -184,7 +178,6 @@ class _DistributedOptimizer:
             if handle is not None:
                 _wait(handle)
         self._handles.clear()
-        self._group_ready.clear()
         self._allreduce_delay = {p: self.backward_passes_per_step for p in self._ordered}
         self._synchronized = False
         return super().load_state_dict(state_dict)

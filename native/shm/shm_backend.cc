@@ -334,14 +334,13 @@ class ShmBackend final : public Backend {
     Status s = arrive_and_wait();
     if (!s.ok()) return s;
     // The reduced chunk goes to this rank's slot for the peers and, in the
-    // same pass, to its own output, so the gather skips it. Input and
-    // output streams are cut at the same tensor boundaries, so a piece of
-    // one is exactly one piece of the other.
+    // same pass, to its own output, so the gather skips it.
     std::vector<const void*> inputs(size_);
     in.for_each(my_begin, my_end, [&](size_t at, char* p, size_t n) {
-      for (int r = 0; r < size_; ++r) inputs[r] = r == rank_ ? p : segment_.slot(r, half) + (at - lo);
-      out.for_each(at, at + n, [&](size_t, char* q, size_t) {
-        reduce(spec, inputs.data(), size_, mine + (at - lo), n / element, q);
+      out.for_each(at, at + n, [&](size_t piece, char* q, size_t bytes) {
+        for (int r = 0; r < size_; ++r)
+          inputs[r] = r == rank_ ? p + (piece - at) : segment_.slot(r, half) + (piece - lo);
+        reduce(spec, inputs.data(), size_, mine + (piece - lo), bytes / element, q);
       });
     });
     s = arrive_and_wait();
