@@ -18,3 +18,4 @@ from unison.torch.ops import (  # noqa: F401
     grouped_reducescatter_async, join, poll, reducescatter, reducescatter_async,
     sparse_allreduce_async, synchronize)
 from unison.torch.optimizer import DistributedOptimizer  # noqa: F401
+from unison.torch.sync_batch_norm import SyncBatchNorm  # noqa: F401
