@@ -19,3 +19,4 @@ from unison.torch.ops import (  # noqa: F401
     sparse_allreduce_async, synchronize)
 from unison.torch.optimizer import DistributedOptimizer  # noqa: F401
 from unison.torch.sync_batch_norm import SyncBatchNorm  # noqa: F401
+from unison.torch.zero import ZeroRedundancyOptimizer  # noqa: F401

@@ -1,0 +1,41 @@
+"""Every example in the gallery runs under `unisonrun -np 2` and prints
+what it promises (short settings, so this checks that they work, not how
+well they train; their full runs are in the README)."""
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# (script, arguments, module it needs beyond numpy, pattern its output must match)
+EXAMPLES = [
+    ("numpy/logistic_regression.py", [], "sklearn", r"test accuracy 0\.9\d+ on 2 ranks; weights identical on every rank: True"),
+    ("torch/digits.py", ["--epochs", "8"], "torch", r"test accuracy 0\.9\d+ on 2 ranks"),
+    ("torch/synthetic_benchmark.py", ["--num-warmup-batches", "1", "--num-iters", "2",
+                                      "--num-batches-per-iter", "2"], "torch",
+     r"Total img/sec on 2 rank\(s\): \d+"),
+    ("torch/synthetic_benchmark.py", ["--num-warmup-batches", "1", "--num-iters", "1",
+                                      "--num-batches-per-iter", "2", "--sync-batch-norm",
+                                      "--fp16-allreduce"], "torch",
+     r"Total img/sec on 2 rank\(s\): \d+"),
+]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("script,args,needs,expected", EXAMPLES,
+                         ids=["numpy-logistic-regression", "torch-digits", "torch-synthetic",
+                              "torch-synthetic-syncbn-fp16"])
+def test_example_runs_under_the_launcher(script, args, needs, expected):
+    for module in {needs, "sklearn"} if script.endswith("digits.py") else {needs}:
+        if importlib.util.find_spec(module) is None:
+            pytest.skip("%s is not installed here" % module)
+    command = [sys.executable, "-m", "unison.run", "-np", "2", sys.executable,
+               os.path.join(ROOT, "examples", script)] + args
+    proc = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=280, cwd=ROOT)
+    output = proc.stdout.decode(errors="replace")
+    assert proc.returncode == 0, output[-5000:]
+    assert re.search(expected, output), output[-5000:]
