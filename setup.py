@@ -30,6 +30,8 @@ setup(
         "test": ["pytest", "pytest-timeout"],
         "bench": ["torch==2.13.0"],
         "torch": ["torch==2.13.0"],
+        # MXNet 1.9.1 imports only with numpy up to 1.23.5.
+        "mxnet": ["mxnet==1.9.1", "numpy==1.23.5"],
     },
     entry_points={"console_scripts": ["unisonrun = unison.run:main"]},
     zip_safe=False,

@@ -1,1 +1,15 @@
-"""Reserved: this adapter arrives with its own issue."""
+"""unison.mxnet: Horovod's MXNet API. `import unison.mxnet as hvd` in place
+of `import horovod.mxnet as hvd` runs a Horovod MXNet/Gluon script."""
+from unison.basics import (  # noqa: F401
+    ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled, init,
+    is_initialized, local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported,
+    nccl_built, rank, rocm_built, shutdown, size)
+from unison.exceptions import HorovodInternalError, UnisonError  # noqa: F401
+from unison.process_sets import (  # noqa: F401
+    ProcessSet, add_process_set, global_process_set, remove_process_set)
+from unison.mxnet.ops import (  # noqa: F401
+    Adasum, Average, Max, Min, Product, Sum, allgather, allreduce, allreduce_, alltoall, barrier,
+    broadcast, broadcast_, grouped_allreduce, grouped_allreduce_, join, reducescatter)
+from unison.mxnet.functions import (  # noqa: F401
+    allgather_object, broadcast_object, broadcast_parameters)
+from unison.mxnet.optimizer import DistributedOptimizer, DistributedTrainer  # noqa: F401

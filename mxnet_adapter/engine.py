@@ -1,0 +1,148 @@
+"""The bridge to MXNet's dependency engine, through its C API only.
+
+How ordering is guaranteed: a collective on NDArrays is pushed to MXNet's
+engine with MXEnginePushAsyncND, naming the arrays it reads (const) and the
+arrays it writes (mutable). The engine runs our function only after every
+earlier write to those arrays has finished, and holds back every later read
+or write of them until we call the completion callback it handed us. So an
+allreduce of a gradient starts after backward has written it, and the
+optimizer's update that reads it starts after the allreduce has written the
+result, with no wait_to_read() and no copy through numpy.
+
+Our function runs on an engine thread: it takes the arrays' data pointers
+(MXNDArrayGetData, valid now that the engine has resolved the
+dependencies), enqueues the collective in the core, and returns at once, so
+that it never blocks an engine worker while peers catch up (with one CPU
+worker, a blocking collective could wait on a peer whose matching
+collective is queued behind it). One completer thread per process waits on
+the core's handles and calls each op's completion callback.
+
+The completion callback is MXNet's CallbackOnComplete, which its C API hands
+over as a pointer to a struct of three pointers: the function, the engine
+and a parameter. The struct is copied, and the function is later called as
+fn(engine, param, NULL), a plain C call that needs no C++ ABI. A failed
+collective completes with NULL too (making an MXNet error needs C++), and
+its error is raised by the Python handle's synchronize() instead.
+"""
+import ctypes
+import queue
+import threading
+
+import mxnet as mx
+
+from unison.handles import synchronize as _wait_core
+
+_LIB = mx.base._LIB
+
+
+class _OnComplete(ctypes.Structure):
+    _fields_ = [("fn", ctypes.c_void_p), ("engine", ctypes.c_void_p), ("param", ctypes.c_void_p)]
+
+
+_COMPLETE_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
+_ASYNC_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
+
+
+class _Context(ctypes.Structure):
+    _fields_ = [("dev_type", ctypes.c_int), ("dev_id", ctypes.c_int32)]
+
+
+_CPU = _Context(1, 0)   # mxnet::Context::kCPU, device 0
+
+_LIB.MXEnginePushAsyncND.argtypes = [
+    _ASYNC_FN, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+    ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int,
+    ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_bool]
+_LIB.MXNDArrayGetData.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)]
+
+
+def data_pointer(array):
+    """The address of `array`'s data. Call only where the engine guarantees
+    no pending write: inside a pushed op, or after wait_to_read()."""
+    out = ctypes.c_void_p()
+    mx.base.check_call(_LIB.MXNDArrayGetData(array.handle, ctypes.byref(out)))
+    return out.value or 0
+
+
+class EngineOp:
+    """A collective pushed to MXNet's engine. done() and wait() follow the
+    core's op; wait() returns its result or raises its error."""
+
+    def __init__(self, name):
+        self.name = name
+        self._event = threading.Event()
+        self._result = None
+        self._error = None
+
+    def _finish(self, result=None, error=None):
+        self._result, self._error = result, error
+        self._event.set()
+
+    def done(self):
+        return self._event.is_set()
+
+    def wait(self):
+        while not self._event.wait(0.2):   # in slices, so Ctrl-C gets through
+            pass
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
+class _Bridge:
+    def __init__(self):
+        self._pending = {}           # key -> (EngineOp, start function, arrays kept alive)
+        self._next_key = 0
+        self._lock = threading.Lock()
+        self._completions = queue.Queue()
+        self._thread = None
+        self._callback = _ASYNC_FN(self._run)   # kept alive for as long as the bridge
+
+    def push(self, name, reads, writes, start, priority=0):
+        """Pushes an op that reads `reads` and writes `writes` (NDArrays).
+        On an engine thread, once they are ready, start() is called and must
+        return a core Handle; returns the EngineOp."""
+        op = EngineOp(name)
+        with self._lock:
+            key = self._next_key = self._next_key + 1
+            self._pending[key] = (op, start, (reads, writes))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._complete_loop, name="unison-mxnet-completer",
+                                                daemon=True)
+                self._thread.start()
+        read_handles = (ctypes.c_void_p * max(len(reads), 1))(*[a.handle.value for a in reads])
+        write_handles = (ctypes.c_void_p * max(len(writes), 1))(*[a.handle.value for a in writes])
+        mx.base.check_call(_LIB.MXEnginePushAsyncND(
+            self._callback, ctypes.c_void_p(key), None, ctypes.cast(ctypes.byref(_CPU), ctypes.c_void_p),
+            read_handles, len(reads), write_handles, len(writes), None, int(priority),
+            ("unison." + name).encode(), False))
+        return op
+
+    def _run(self, _run_context, on_complete, key):
+        """On an MXNet engine thread: the arrays are ready; start the op."""
+        callback = _OnComplete.from_address(on_complete)
+        notify = (callback.fn, callback.engine, callback.param)
+        with self._lock:
+            op, start, _keep = self._pending.pop(key)
+        try:
+            handle = start()
+        except Exception as e:  # noqa: BLE001 - handed to the waiting caller
+            self._completions.put((op, None, notify, e))
+            return
+        self._completions.put((op, handle, notify, None))
+
+    def _complete_loop(self):
+        while True:
+            op, handle, notify, error = self._completions.get()
+            result = None
+            if error is None:
+                try:
+                    result = _wait_core(handle)
+                except Exception as e:  # noqa: BLE001 - handed to the waiting caller
+                    error = e
+            fn, engine, param = notify
+            _COMPLETE_FN(fn)(engine, param, None)
+            op._finish(result, error)
+
+
+bridge = _Bridge()

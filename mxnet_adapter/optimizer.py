@@ -1,0 +1,141 @@
+"""DistributedOptimizer and DistributedTrainer: Horovod's MXNet wrappers.
+
+Both average gradients the cheap way: the reduction is a Sum (with
+prescale 1/gradient_predivide_factor), and the division by the number of
+ranks is folded into the optimizer's own gradient rescaling, which it
+applies anyway. The allreduces are pushed to MXNet's engine without waiting
+(ops.py), so each starts as soon as backward has written its gradient;
+then they are waited on together, so that a failure is raised here.
+"""
+import warnings
+
+import mxnet as mx
+
+from unison import basics
+from unison.process_sets import global_process_set
+from unison.mxnet.ops import Sum, _allreduce_async, _wait_all
+
+
+def _split_into_groups(items, num_groups):
+    """num_groups consecutive groups of near-equal length (the first ones
+    one longer when it does not divide)."""
+    groups, start = [], 0
+    for g in range(num_groups):
+        length = len(items) // num_groups + (1 if g < len(items) % num_groups else 0)
+        if length:
+            groups.append(items[start:start + length])
+        start += length
+    return groups
+
+
+def _allreduce_gradients(named_grads, gradient_predivide_factor, num_groups, process_set):
+    """Sums each (name, gradient, priority) across ranks in place. With
+    num_groups > 0 the gradients are named as members of that many groups;
+    the core fuses whatever is ready together either way."""
+    if num_groups > 0:
+        renamed = []
+        for g, group in enumerate(_split_into_groups(named_grads, num_groups)):
+            renamed += [("group.%d.%s" % (g, name), grad, priority) for name, grad, priority in group]
+        named_grads = renamed
+    ops = [_allreduce_async(grad, grad, name, Sum, 1.0 / gradient_predivide_factor, 1.0, process_set, priority)
+           for name, grad, priority in named_grads]
+    _wait_all(ops)
+
+
+class DistributedOptimizer(mx.optimizer.Optimizer):
+    """Wraps an mx.optimizer.Optimizer: update() and update_multi_precision()
+    first sum the gradients across ranks; the wrapped optimizer's
+    rescale_grad carries the 1/size() of the average."""
+
+    def __init__(self, optimizer, gradient_predivide_factor=1.0, num_groups=0,
+                 process_set=global_process_set):
+        # Not calling Optimizer.__init__: every setting lives on the wrapped
+        # optimizer, and __getattr__ forwards to it.
+        self._optimizer = optimizer
+        self._gradient_predivide_factor = gradient_predivide_factor
+        self._num_groups = num_groups
+        self._process_set = process_set
+        self._optimizer.rescale_grad *= gradient_predivide_factor / process_set.size()
+
+    def __getattr__(self, item):
+        return getattr(self.__dict__["_optimizer"], item)
+
+    def __setattr__(self, key, value):
+        # Settings go to the wrapped optimizer, which is the one that uses
+        # them: gluon.Trainer.step() sets rescale_grad, and must reach it.
+        if key.startswith("_"):
+            object.__setattr__(self, key, value)
+        else:
+            setattr(self._optimizer, key, value)
+
+    def create_state(self, index, weight):
+        return self._optimizer.create_state(index, weight)
+
+    def create_state_multi_precision(self, index, weight):
+        return self._optimizer.create_state_multi_precision(index, weight)
+
+    def _reduce(self, index, grad):
+        if self._process_set.size() == 1:
+            return
+        if isinstance(index, (tuple, list)):
+            named = [("optimizer.%s" % i, g, -n) for n, (i, g) in enumerate(zip(index, grad))]
+        else:
+            named = [("optimizer.%s" % index, grad, 0)]
+        _allreduce_gradients(named, self._gradient_predivide_factor, self._num_groups, self._process_set)
+
+    def update(self, index, weight, grad, state):
+        self._reduce(index, grad)
+        self._optimizer.update(index, weight, grad, state)
+
+    def update_multi_precision(self, index, weight, grad, state):
+        self._reduce(index, grad)
+        self._optimizer.update_multi_precision(index, weight, grad, state)
+
+    def set_learning_rate(self, lr):
+        self._optimizer.set_learning_rate(lr)
+
+    def set_lr_mult(self, args_lr_mult):
+        self._optimizer.set_lr_mult(args_lr_mult)
+
+    def set_wd_mult(self, args_wd_mult):
+        self._optimizer.set_wd_mult(args_wd_mult)
+
+
+class DistributedTrainer(mx.gluon.Trainer):
+    """A gluon.Trainer that sums gradients across ranks before each update
+    (kvstore=None: unison replaces the kvstore). `prefix` keeps the
+    collectives of two trainers in one program apart."""
+
+    def __init__(self, params, optimizer, optimizer_params=None, gradient_predivide_factor=1.0, prefix=None,
+                 num_groups=0, process_set=global_process_set):
+        if isinstance(optimizer, DistributedOptimizer):
+            warnings.warn("DistributedTrainer reduces gradients itself; it was given a DistributedOptimizer "
+                          "and uses the optimizer inside it instead")
+            wrapper, optimizer = optimizer, optimizer._optimizer
+            # Undo the wrapper's share of the averaging: this trainer applies its own.
+            optimizer.rescale_grad /= wrapper._gradient_predivide_factor / wrapper._process_set.size()
+        # The same order on every rank, whatever order the caller built.
+        if isinstance(params, (dict, mx.gluon.ParameterDict)):
+            params = [params[key] for key in sorted(params.keys())]
+        else:
+            params = sorted(params, key=lambda p: p.name)
+        super().__init__(params, optimizer, optimizer_params=optimizer_params, kvstore=None)
+        # Trainer.step() sets the optimizer's rescale_grad from _scale.
+        self._scale *= gradient_predivide_factor / process_set.size()
+        self._gradient_predivide_factor = gradient_predivide_factor
+        self._prefix = prefix or ""
+        self._num_groups = num_groups
+        self._process_set = process_set
+
+    def _allreduce_grads(self):
+        if self._process_set.size() == 1:
+            return
+        trainable = [(i, p) for i, p in enumerate(self._params) if p.grad_req != "null"]
+        if self._num_groups > 0:
+            # Gradients of one dtype fuse; group within each dtype.
+            by_dtype = {}
+            for i, p in trainable:
+                by_dtype.setdefault(p.list_grad()[0].dtype, []).append((i, p))
+            trainable = [item for dtype in sorted(by_dtype, key=str) for item in by_dtype[dtype]]
+        named = [("%strainer.%d" % (self._prefix, i), p.list_grad()[0], -i) for i, p in trainable]
+        _allreduce_gradients(named, self._gradient_predivide_factor, self._num_groups, self._process_set)

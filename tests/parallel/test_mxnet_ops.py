@@ -1,0 +1,144 @@
+"""unison.mxnet collectives on NDArrays, from one rank's point of view:
+every rank computes what every other rank sent, exactly. Inputs are the
+results of pending MXNet ops on purpose, so the engine ordering is tested."""
+import pytest
+
+mx = pytest.importorskip("mxnet")
+import numpy as np  # noqa: E402
+
+import unison  # noqa: E402
+import unison.mxnet as hvd  # noqa: E402
+
+DTYPES = ["uint8", "int8", "int32", "int64", "float16", "float32", "float64"]
+SHAPES = [(5,), (2, 3, 4)]
+
+
+def filled(shape, dtype, rank):
+    """A pending engine op producing rank-specific values."""
+    base = mx.nd.arange(int(np.prod(shape)), dtype="float64").reshape(shape) % 7
+    return ((base + rank + 1) * 1).astype(dtype)
+
+
+def expected(shape, dtype, rank):
+    return ((np.arange(int(np.prod(shape))).reshape(shape) % 7) + rank + 1).astype(dtype)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_allreduce_sum_and_in_place(dtype, shape):
+    n = hvd.size()
+    want = sum(expected(shape, "float64", r) for r in range(n)).astype(dtype)
+    np.testing.assert_array_equal(hvd.allreduce(filled(shape, dtype, hvd.rank()), op=hvd.Sum).asnumpy(), want)
+    t = filled(shape, dtype, hvd.rank())
+    assert hvd.allreduce_(t, average=False) is t
+    np.testing.assert_array_equal(t.asnumpy(), want)
+
+
+@pytest.mark.parametrize("op,fn", [(hvd.Min, np.minimum.reduce), (hvd.Max, np.maximum.reduce),
+                                   (hvd.Product, np.multiply.reduce)], ids=["min", "max", "product"])
+def test_allreduce_min_max_product(op, fn):
+    shape = (2, 5)
+    got = hvd.allreduce(filled(shape, "int64", hvd.rank()), op=op).asnumpy()
+    np.testing.assert_array_equal(got, fn([expected(shape, "int64", r) for r in range(hvd.size())]))
+
+
+def test_allreduce_average_and_scale_factors():
+    n = hvd.size()
+    total = sum(expected((6,), "float64", r) for r in range(n))
+    np.testing.assert_allclose(hvd.allreduce(filled((6,), "float64", hvd.rank())).asnumpy(), total / n,
+                               rtol=0, atol=1e-12)
+    got = hvd.allreduce(filled((6,), "float64", hvd.rank()), op=hvd.Sum, prescale_factor=0.5,
+                        postscale_factor=3.0)
+    np.testing.assert_allclose(got.asnumpy(), total * 1.5, rtol=0, atol=1e-12)
+
+
+def test_grouped_allreduce_and_in_place():
+    shapes = [(3,), (2, 2), (7,)]
+    n = hvd.size()
+    got = hvd.grouped_allreduce([filled(s, "float32", hvd.rank()) for s in shapes], op=hvd.Sum)
+    for s, g in zip(shapes, got):
+        np.testing.assert_array_equal(g.asnumpy(), sum(expected(s, "float32", r) for r in range(n)))
+    tensors = [filled(s, "int32", hvd.rank()) for s in shapes]
+    assert hvd.grouped_allreduce_(tensors, op=hvd.Max) is tensors
+    for s, t in zip(shapes, tensors):
+        np.testing.assert_array_equal(t.asnumpy(), expected(s, "int32", n - 1))
+
+
+def test_many_allreduces_in_flight_in_the_engine():
+    # The engine may start independent pushes in any order; names fixed in
+    # program order keep the ranks paired.
+    tensors = [filled((4,), "float32", hvd.rank()) * (i + 1) for i in range(50)]
+    got = hvd.grouped_allreduce(tensors, op=hvd.Sum)
+    for i, g in enumerate(got):
+        np.testing.assert_array_equal(g.asnumpy(), sum(expected((4,), "float32", r) for r in range(hvd.size()))
+                                      * (i + 1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_allgather_with_different_first_dimensions(dtype):
+    r = hvd.rank()
+    got = hvd.allgather(filled((r + 1, 3), dtype, r)).asnumpy()
+    want = np.concatenate([expected((q + 1, 3), dtype, q) for q in range(hvd.size())])
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("root", [0, 1])
+def test_broadcast_and_in_place(dtype, root):
+    t = filled((2, 3), dtype, hvd.rank())
+    np.testing.assert_array_equal(hvd.broadcast(t, root_rank=root).asnumpy(), expected((2, 3), dtype, root))
+    np.testing.assert_array_equal(t.asnumpy(), expected((2, 3), dtype, hvd.rank()))   # input untouched
+    assert hvd.broadcast_(t, root_rank=root) is t
+    np.testing.assert_array_equal(t.asnumpy(), expected((2, 3), dtype, root))
+
+
+def test_alltoall_with_and_without_splits():
+    n, r = hvd.size(), hvd.rank()
+    t = mx.nd.arange(2 * n) + 100 * r
+    got = hvd.alltoall(t).asnumpy()
+    np.testing.assert_array_equal(got, np.concatenate([np.arange(2 * r, 2 * r + 2) + 100 * q for q in range(n)]))
+    splits = [q + 1 for q in range(n)]                   # rank q receives q + 1 rows from each
+    t = mx.nd.array(np.arange(sum(splits)) + 100 * r)
+    got = hvd.alltoall(t, splits=splits).asnumpy()
+    start = sum(splits[:r])
+    np.testing.assert_array_equal(got, np.concatenate([np.arange(start, start + r + 1) + 100 * q
+                                                       for q in range(n)]))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "int32"])
+def test_reducescatter_uneven_rows(dtype):
+    n, r = hvd.size(), hvd.rank()
+    rows = 2 * n + 1
+    total = sum(expected((rows, 2), "float64", q) for q in range(n))
+    got = hvd.reducescatter(filled((rows, 2), dtype, r), op=hvd.Sum).asnumpy()
+    start = sum(rows // n + (1 if q < rows % n else 0) for q in range(r))
+    np.testing.assert_array_equal(got, total[start:start + got.shape[0]].astype(dtype))
+    assert got.shape[0] == rows // n + (1 if r < rows % n else 0)
+
+
+def test_barrier_join_and_objects():
+    hvd.barrier()
+    assert hvd.join() in range(hvd.size())
+    assert hvd.broadcast_object({"rank": hvd.rank(), "x": [1, 2]}, root_rank=1) == {"rank": 1, "x": [1, 2]}
+    assert hvd.allgather_object(("r", hvd.rank())) == [("r", q) for q in range(hvd.size())]
+
+
+def test_mismatched_shape_fails_on_every_rank_and_the_next_op_works():
+    with pytest.raises(unison.MismatchError, match=r"'mx\.bad\.shape'.*shape.*rank 0 \[2\].*rank 1 \[3\]"):
+        hvd.allreduce(mx.nd.ones((hvd.rank() + 2,)), name="mx.bad.shape")
+    np.testing.assert_array_equal(hvd.allreduce(mx.nd.ones(2), op=hvd.Sum).asnumpy(), [hvd.size()] * 2)
+
+
+def test_mismatched_dtype_fails_on_every_rank():
+    dtype = "float32" if hvd.rank() == 0 else "float64"
+    with pytest.raises(unison.MismatchError, match="dtype"):
+        hvd.allreduce(mx.nd.ones((3,), dtype=dtype), name="mx.bad.dtype")
+
+
+def test_wrong_types_are_refused_at_the_call():
+    with pytest.raises(unison.InvalidArgumentError, match="must be an mxnet NDArray"):
+        hvd.allreduce(np.ones(3))
+    with pytest.raises(unison.InvalidArgumentError, match="does not reduce or move"):
+        hvd.allreduce(mx.nd.ones((3,), dtype="bool"), name="mx.bool")
+    with pytest.raises(unison.InvalidArgumentError, match="must be an mxnet NDArray"):
+        hvd.broadcast_([1, 2], root_rank=0)

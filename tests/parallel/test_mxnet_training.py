@@ -1,0 +1,140 @@
+"""unison.mxnet training: N ranks, each on its shard of the batch, end with
+the parameters one process reaches on the whole batch; broadcast_parameters
+reaches parameters whose initialisation Gluon defers to the first forward."""
+import pytest
+
+mx = pytest.importorskip("mxnet")
+import numpy as np  # noqa: E402
+
+import unison.mxnet as hvd  # noqa: E402
+
+ROWS = 4
+STEPS = 3
+
+
+def make_net(seed=3):
+    mx.random.seed(seed)
+    net = mx.gluon.nn.HybridSequential()
+    net.add(mx.gluon.nn.Dense(8, activation="tanh", in_units=5), mx.gluon.nn.Dense(3, in_units=8))
+    net.initialize(mx.init.Uniform(0.5))
+    net.cast("float64")
+    return net
+
+
+def batch(step):
+    rng = np.random.RandomState(100 + step)
+    n = ROWS * hvd.size()
+    return mx.nd.array(rng.randn(n, 5), dtype="float64"), mx.nd.array(rng.randn(n, 3), dtype="float64")
+
+
+def train(net, trainer, shard, steps=STEPS):
+    loss_fn = mx.gluon.loss.L2Loss()
+    rows = slice(hvd.rank() * ROWS, (hvd.rank() + 1) * ROWS) if shard else slice(None)
+    for step in range(steps):
+        x, y = batch(step)
+        with mx.autograd.record():
+            loss = loss_fn(net(x[rows]), y[rows])
+        loss.backward()
+        trainer.step(x[rows].shape[0])
+
+
+def params_of(net):
+    return {k.split("_", 1)[-1]: v.data().asnumpy() for k, v in net.collect_params().items()}
+
+
+def assert_same(a, b):
+    # MXNet hands rescale_grad to its update kernels as a float32 attribute,
+    # so a rescale of 1/12 (one process) and one of 1/4 (a shard) agree only
+    # to float32 precision, even in float64 training.
+    for (ka, va), (kb, vb) in zip(sorted(params_of(a).items()), sorted(params_of(b).items())):
+        np.testing.assert_allclose(va, vb, rtol=1e-6, atol=1e-9, err_msg=ka)
+
+
+def reference(optimizer, options):
+    net = make_net()
+    train(net, mx.gluon.Trainer(net.collect_params(), optimizer, dict(options), kvstore=None), shard=False)
+    return net
+
+
+OPTIMIZERS = [("sgd", {"learning_rate": 0.1, "momentum": 0.9}), ("adam", {"learning_rate": 0.01})]
+
+
+@pytest.mark.parametrize("optimizer,options", OPTIMIZERS, ids=["sgd-momentum", "adam"])
+@pytest.mark.parametrize("num_groups", [0, 2])
+def test_distributed_trainer_matches_one_process(optimizer, options, num_groups):
+    net = make_net()
+    trainer = hvd.DistributedTrainer(net.collect_params(), optimizer, dict(options), num_groups=num_groups)
+    train(net, trainer, shard=True)
+    assert_same(net, reference(optimizer, options))
+
+
+def test_gradient_predivide_factor():
+    net = make_net()
+    trainer = hvd.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.1},
+                                     gradient_predivide_factor=float(hvd.size()))
+    train(net, trainer, shard=True)
+    assert_same(net, reference("sgd", {"learning_rate": 0.1}))
+
+
+@pytest.mark.parametrize("num_groups", [0, 1])
+def test_distributed_optimizer_in_a_plain_trainer(num_groups):
+    net = make_net()
+    opt = hvd.DistributedOptimizer(mx.optimizer.create("sgd", learning_rate=0.1, momentum=0.9),
+                                   num_groups=num_groups)
+    trainer = mx.gluon.Trainer(net.collect_params(), opt, kvstore=None)
+    train(net, trainer, shard=True)
+    assert_same(net, reference("sgd", {"learning_rate": 0.1, "momentum": 0.9}))
+    opt.set_learning_rate(0.5)
+    assert opt.learning_rate == 0.5 and opt._optimizer.learning_rate == 0.5
+
+
+def test_trainer_unwraps_a_distributed_optimizer_with_a_warning():
+    net = make_net()
+    opt = hvd.DistributedOptimizer(mx.optimizer.create("sgd", learning_rate=0.1))
+    with pytest.warns(UserWarning, match="uses the optimizer inside it"):
+        trainer = hvd.DistributedTrainer(net.collect_params(), opt)
+    train(net, trainer, shard=True)
+    assert_same(net, reference("sgd", {"learning_rate": 0.1}))
+
+
+def test_two_trainers_apart_by_prefix():
+    a, b = make_net(), make_net()
+    ta = hvd.DistributedTrainer(a.collect_params(), "sgd", {"learning_rate": 0.1}, prefix="a.")
+    tb = hvd.DistributedTrainer(b.collect_params(), "sgd", {"learning_rate": 0.1}, prefix="b.")
+    loss_fn = mx.gluon.loss.L2Loss()
+    rows = slice(hvd.rank() * ROWS, (hvd.rank() + 1) * ROWS)
+    x, y = batch(0)
+    for net in (a, b):
+        with mx.autograd.record():
+            loss = loss_fn(net(x[rows]), y[rows])
+        loss.backward()
+    ta.step(ROWS)
+    tb.step(ROWS)
+    want = make_net()
+    train(want, mx.gluon.Trainer(want.collect_params(), "sgd", {"learning_rate": 0.1}, kvstore=None),
+          shard=False, steps=1)
+    assert_same(a, want)
+    assert_same(b, want)
+
+
+def test_broadcast_parameters_including_deferred_ones():
+    mx.random.seed(hvd.rank())          # different on every rank on purpose
+    net = mx.gluon.nn.HybridSequential()
+    net.add(mx.gluon.nn.Dense(4), mx.gluon.nn.Dense(2, in_units=4))   # the first layer's input size is deferred
+    net.initialize(mx.init.Uniform(1.0))
+    params = net.collect_params()
+    hvd.broadcast_parameters(params, root_rank=0)
+    net(mx.nd.ones((2, 6)))              # the deferred weights appear, and are broadcast
+    mine = {k: v.data().asnumpy() for k, v in params.items()}
+    rank0 = hvd.broadcast_object(mine, root_rank=0)
+    for k in mine:
+        np.testing.assert_array_equal(mine[k], rank0[k])
+
+
+def test_broadcast_parameters_of_a_dict_of_arrays():
+    arrays = {"w": mx.nd.ones((2, 2)) * hvd.rank(), "b": mx.nd.ones(3) * (hvd.rank() + 5)}
+    hvd.broadcast_parameters(arrays, root_rank=hvd.size() - 1)
+    np.testing.assert_array_equal(arrays["w"].asnumpy(), np.full((2, 2), hvd.size() - 1))
+    np.testing.assert_array_equal(arrays["b"].asnumpy(), np.full(3, hvd.size() + 4))
+    with pytest.raises(ValueError, match="must be a dict or a ParameterDict"):
+        hvd.broadcast_parameters([mx.nd.ones(1)])
