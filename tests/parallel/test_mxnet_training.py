@@ -68,22 +68,25 @@ def test_distributed_trainer_matches_one_process(optimizer, options, num_groups)
     assert_same(net, reference(optimizer, options))
 
 
-def test_gradient_predivide_factor():
+@pytest.mark.parametrize("factor", [2.0, "size"])
+def test_gradient_predivide_factor(factor):
+    factor = float(hvd.size()) if factor == "size" else factor
     net = make_net()
     trainer = hvd.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.1},
-                                     gradient_predivide_factor=float(hvd.size()))
+                                     gradient_predivide_factor=factor)
     train(net, trainer, shard=True)
     assert_same(net, reference("sgd", {"learning_rate": 0.1}))
 
 
-@pytest.mark.parametrize("num_groups", [0, 1])
-def test_distributed_optimizer_in_a_plain_trainer(num_groups):
+@pytest.mark.parametrize("optimizer,options", OPTIMIZERS, ids=["sgd-momentum", "adam"])
+@pytest.mark.parametrize("num_groups,factor", [(0, 1.0), (1, 1.0), (0, 2.0)])
+def test_distributed_optimizer_in_a_plain_trainer(optimizer, options, num_groups, factor):
     net = make_net()
-    opt = hvd.DistributedOptimizer(mx.optimizer.create("sgd", learning_rate=0.1, momentum=0.9),
-                                   num_groups=num_groups)
+    opt = hvd.DistributedOptimizer(mx.optimizer.create(optimizer, **options), num_groups=num_groups,
+                                   gradient_predivide_factor=factor)
     trainer = mx.gluon.Trainer(net.collect_params(), opt, kvstore=None)
     train(net, trainer, shard=True)
-    assert_same(net, reference("sgd", {"learning_rate": 0.1, "momentum": 0.9}))
+    assert_same(net, reference(optimizer, options))
     opt.set_learning_rate(0.5)
     assert opt.learning_rate == 0.5 and opt._optimizer.learning_rate == 0.5
 
