@@ -73,7 +73,7 @@ def _pointer(array):
     return ffi.cast("void*", data_pointer(array)) if array.size else ffi.NULL
 
 
-def _push(kind, name, reads, writes, enqueue, priority):
+def _push(name, reads, writes, enqueue, priority):
     """Pushes a core op on arrays the engine orders; `enqueue()` runs on an
     engine thread and returns the core's handle id."""
     def start():
@@ -95,7 +95,7 @@ def _allreduce_async(tensor, output, name, op, prescale_factor, postscale_factor
                                   reduce_op=op, prescale_factor=prescale_factor,
                                   postscale_factor=postscale_factor, process_set=process_set)
     reads = [] if output is tensor else [tensor]
-    return _push("allreduce", name, reads, [output], enqueue, priority)
+    return _push(name, reads, [output], enqueue, priority)
 
 
 def allreduce(tensor, average=None, name=None, priority=0, prescale_factor=1.0, postscale_factor=1.0,
@@ -167,7 +167,7 @@ def _broadcast_async(tensor, root_rank, name, process_set, priority):
         p = _pointer(tensor)
         return collective.enqueue(lib.UNISON_BROADCAST, name, code, shape, p, p, root_rank=root_rank,
                                   process_set=process_set)
-    return _push("broadcast", name, [], [tensor], enqueue, priority)
+    return _push(name, [], [tensor], enqueue, priority)
 
 
 def broadcast_(tensor, root_rank, name=None, priority=0, process_set=global_process_set):
@@ -201,7 +201,7 @@ def reducescatter(tensor, op=Average, name=None, priority=0, process_set=global_
         return collective.enqueue(lib.UNISON_REDUCESCATTER, name, code, shape, _pointer(tensor),
                                   _pointer(output), reduce_op=op, prescale_factor=prescale_factor,
                                   postscale_factor=postscale_factor, process_set=process_set)
-    _push("reducescatter", name, [tensor], [output], enqueue, priority).wait()
+    _push(name, [tensor], [output], enqueue, priority).wait()
     return output
 
 

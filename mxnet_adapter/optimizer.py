@@ -11,7 +11,6 @@ import warnings
 
 import mxnet as mx
 
-from unison import basics
 from unison.process_sets import global_process_set
 from unison.mxnet.ops import Sum, _allreduce_async, _wait_all
 

@@ -1,6 +1,5 @@
 """The launcher and failure handling, seen from outside the ranks."""
 import glob
-import os
 import signal
 import subprocess
 import sys

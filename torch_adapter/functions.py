@@ -5,10 +5,10 @@ import pickle
 
 import torch
 
-from unison import basics
+from unison import basics, objects
 from unison.handles import synchronize
 from unison.process_sets import global_process_set
-from unison.torch.ops import allgather, broadcast_, broadcast_async_
+from unison.torch.ops import broadcast_async_
 
 
 def broadcast_parameters(params, root_rank, prefix="broadcast"):
@@ -28,40 +28,24 @@ def broadcast_parameters(params, root_rank, prefix="broadcast"):
         synchronize(handle)
 
 
+def _dumps(obj):
+    buffer = io.BytesIO()
+    torch.save(obj, buffer, pickle_protocol=pickle.HIGHEST_PROTOCOL)
+    return buffer.getvalue()
+
+
+def _loads(data):
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
 def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set):
-    """root_rank's `obj` on every rank, pickled (tensors included)."""
-    name = name or "broadcast_object"
-    if basics.rank() == root_rank:
-        buffer = io.BytesIO()
-        torch.save(obj, buffer, pickle_protocol=pickle.HIGHEST_PROTOCOL)
-        payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
-        length = torch.tensor([payload.numel()], dtype=torch.int64)
-    else:
-        length = torch.zeros(1, dtype=torch.int64)
-    broadcast_(length, root_rank, name=name + ".length", process_set=process_set)
-    if basics.rank() != root_rank:
-        payload = torch.empty(int(length[0]), dtype=torch.uint8)
-    broadcast_(payload, root_rank, name=name + ".payload", process_set=process_set)
-    if basics.rank() == root_rank:
-        return obj
-    return torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=False)
+    """root_rank's `obj` on every rank, serialised by torch.save (tensors included)."""
+    return objects.broadcast_object(obj, root_rank, name, process_set, _dumps, _loads)
 
 
 def allgather_object(obj, name=None, process_set=global_process_set):
     """The list of every rank's `obj`, in rank order."""
-    name = name or "allgather_object"
-    buffer = io.BytesIO()
-    torch.save(obj, buffer, pickle_protocol=pickle.HIGHEST_PROTOCOL)
-    payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
-    lengths = allgather(torch.tensor([payload.numel()], dtype=torch.int64), name=name + ".lengths",
-                        process_set=process_set)
-    gathered = allgather(payload, name=name + ".payload", process_set=process_set)
-    objects, offset = [], 0
-    for length in lengths.tolist():
-        chunk = gathered[offset:offset + length].numpy().tobytes()
-        objects.append(torch.load(io.BytesIO(chunk), weights_only=False))
-        offset += length
-    return objects
+    return objects.allgather_object(obj, name, process_set, _dumps, _loads)
 
 
 def _initialize_state(optimizer):

@@ -13,7 +13,6 @@ The weight and bias gradients are left as this rank's sums, as for any
 other parameter: the optimizer's gradient averaging makes them global.
 """
 import torch
-import torch.nn.functional as F
 
 from unison import basics
 from unison.process_sets import global_process_set
@@ -132,9 +131,8 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
             converted = cls(module.num_features, module.eps, module.momentum, module.affine,
                             module.track_running_stats, process_set=process_set)
             if module.affine:
-                with torch.no_grad():
-                    converted.weight = module.weight
-                    converted.bias = module.bias
+                converted.weight = module.weight
+                converted.bias = module.bias
             converted.running_mean = module.running_mean
             converted.running_var = module.running_var
             converted.num_batches_tracked = module.num_batches_tracked

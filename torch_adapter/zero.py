@@ -124,9 +124,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             grads = [[(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in segment]
                      for segment in segments]
             if self.gradient_reduction(lengths) == "reducescatter":
-                padded = []
+                padded, longest = [], max(lengths)
                 for segment_grads, length in zip(grads, lengths):
-                    padded += segment_grads + [torch.zeros(max(lengths) - length, dtype=dtype)]
+                    padded += segment_grads
+                    if length < longest:
+                        padded.append(torch.zeros(longest - length, dtype=dtype))
                 mine = reducescatter(torch.cat(padded), op=Average, process_set=self._process_set)
             else:
                 every = allreduce(torch.cat([g for segment_grads in grads for g in segment_grads]),

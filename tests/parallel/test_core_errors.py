@@ -6,7 +6,7 @@ import pytest
 import unison
 import unison.numpy as unp
 from unison import collective
-from unison._native import ffi, lib
+from unison._native import lib
 
 
 @pytest.fixture(autouse=True)
