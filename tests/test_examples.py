@@ -22,13 +22,14 @@ EXAMPLES = [
                                       "--num-batches-per-iter", "2", "--sync-batch-norm",
                                       "--fp16-allreduce"], ("torch",),
      r"Total img/sec on 2 rank\(s\): \d+"),
+    ("mxnet/digits.py", ["--epochs", "8"], ("mxnet", "sklearn"), r"test accuracy 0\.9\d+ on 2 ranks"),
 ]
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("script,args,needs,expected", EXAMPLES,
                          ids=["numpy-logistic-regression", "torch-digits", "torch-synthetic",
-                              "torch-synthetic-syncbn-fp16"])
+                              "torch-synthetic-syncbn-fp16", "mxnet-digits"])
 def test_example_runs_under_the_launcher(script, args, needs, expected):
     for module in needs:
         if importlib.util.find_spec(module) is None:
