@@ -19,9 +19,11 @@ setup(
         "unison": "common",
         "unison.torch": "torch_adapter",
         "unison.tensorflow": "tf_adapter",
+        "unison.tensorflow.keras": "tf_adapter/keras",
         "unison.mxnet": "mxnet_adapter",
     },
-    packages=["unison", "unison.torch", "unison.tensorflow", "unison.mxnet"],
+    packages=["unison", "unison.keras", "unison.torch", "unison.tensorflow", "unison.tensorflow.keras",
+              "unison.mxnet"],
     cffi_modules=["native/build_ffi.py:ffibuilder"],
     setup_requires=["cffi>=1.15"],
     install_requires=["cffi>=1.15", "numpy"],
@@ -32,6 +34,8 @@ setup(
         "torch": ["torch==2.13.0"],
         # MXNet 1.9.1 imports only with numpy up to 1.23.5.
         "mxnet": ["mxnet==1.9.1", "numpy==1.23.5"],
+        # Keras 3 comes with it.
+        "tensorflow": ["tensorflow-cpu==2.21.0"],
     },
     entry_points={"console_scripts": ["unisonrun = unison.run:main"]},
     zip_safe=False,

@@ -12,7 +12,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SUITES = sorted(f for f in os.listdir(os.path.join(HERE, "parallel")) if f.startswith("test_"))
 # Suites for a framework run in that framework's tox env (tox.ini); an env
 # without the framework installed leaves them to it.
-FRAMEWORKS = {"test_torch_": "torch", "test_mxnet_": "mxnet"}
+FRAMEWORKS = {"test_torch_": "torch", "test_mxnet_": "mxnet", "test_tensorflow_": "tensorflow",
+              "test_keras_": "tensorflow"}
 
 
 def framework_of(suite):

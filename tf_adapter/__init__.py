@@ -1,1 +1,19 @@
-"""Reserved: this adapter arrives with its own issue."""
+"""unison.tensorflow: Horovod's TensorFlow 2 API on tensorflow 2.21.
+`import unison.tensorflow as hvd` in place of `import horovod.tensorflow
+as hvd` runs a Horovod TensorFlow 2 script; unison.tensorflow.keras (and
+unison.keras) is the Keras side."""
+from unison.basics import (  # noqa: F401
+    ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled, init,
+    is_initialized, local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported,
+    nccl_built, rank, rocm_built, shutdown, size)
+from unison.exceptions import HorovodInternalError, UnisonError  # noqa: F401
+from unison.process_sets import (  # noqa: F401
+    ProcessSet, add_process_set, global_process_set, remove_process_set)
+from unison.tensorflow.compression import Compression  # noqa: F401
+from unison.tensorflow.ops import (  # noqa: F401
+    Adasum, Average, Max, Min, Product, Sum, allgather, allreduce, alltoall, barrier, broadcast,
+    broadcast_, grouped_allgather, grouped_allreduce, grouped_reducescatter, join, reducescatter)
+from unison.tensorflow.functions import (  # noqa: F401
+    allgather_object, broadcast_object, broadcast_variables)
+from unison.tensorflow.gradient_tape import DistributedGradientTape  # noqa: F401
+from unison.tensorflow.sync_batch_norm import SyncBatchNormalization  # noqa: F401

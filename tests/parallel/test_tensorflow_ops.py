@@ -1,0 +1,254 @@
+"""unison.tensorflow collectives from one rank's point of view: every rank
+computes what every other rank sent, exactly, eagerly and inside
+tf.function; the gradients Horovod defines; errors on every rank."""
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+import numpy as np  # noqa: E402
+
+import unison  # noqa: E402
+import unison.tensorflow as hvd  # noqa: E402
+
+hvd.init()
+N, RANK = hvd.size(), hvd.rank()
+
+NUMERIC = ["uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64"]
+SHAPES = [(), (0,), (5,), (2, 3, 4)]
+MODES = ["eager", "function"]
+
+
+def run(mode, fn, *args):
+    """fn(*args) eagerly, or traced into a tf.function and run."""
+    if mode == "eager":
+        return fn(*args)
+    return tf.function(fn)(*args)
+
+
+def values(shape, rank, dtype="float64"):
+    base = (np.arange(int(np.prod(shape))).reshape(shape) % 5) + rank + 1
+    return base.astype(tf.as_dtype(dtype).as_numpy_dtype)
+
+
+def as_float(t):
+    return np.asarray(tf.cast(t, tf.float64))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", NUMERIC)
+def test_allreduce_every_op_and_shape(dtype, mode):
+    for shape in SHAPES:
+        ranks = [values(shape, r).astype(np.float64) for r in range(N)]
+        mine = tf.constant(values(shape, RANK, dtype))
+        for op, want in [(hvd.Sum, sum(ranks)), (hvd.Min, np.minimum.reduce(ranks)),
+                         (hvd.Max, np.maximum.reduce(ranks)), (hvd.Product, np.multiply.reduce(ranks))]:
+            if dtype in ("uint8", "int8") and op == hvd.Product:
+                continue   # wraps around; the core's own tests cover wrap-around
+            out = run(mode, lambda x: hvd.allreduce(x, op=op), mine)
+            assert out.dtype == mine.dtype and out.shape == mine.shape
+            np.testing.assert_array_equal(as_float(out), want.astype(tf.as_dtype(dtype).as_numpy_dtype)
+                                          .astype(np.float64))
+        if dtype.startswith("float") or dtype == "bfloat16":
+            out = run(mode, lambda x: hvd.allreduce(x), mine)          # Average by default
+            np.testing.assert_allclose(as_float(out), sum(ranks) / N, rtol=1e-2 if "16" in dtype else 1e-12)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_allreduce_bool_and_scaling(mode):
+    flags = tf.constant([RANK == 0, True, False])
+    np.testing.assert_array_equal(run(mode, lambda x: hvd.allreduce(x, op=hvd.Max), flags), [True, True, False])
+    np.testing.assert_array_equal(run(mode, lambda x: hvd.allreduce(x, op=hvd.Min), flags), [N == 1, True, False])
+    x = tf.constant(values((4,), RANK))
+    out = run(mode, lambda t: hvd.allreduce(t, op=hvd.Sum, prescale_factor=0.5, postscale_factor=3.0), x)
+    np.testing.assert_allclose(out, 1.5 * sum(values((4,), r) for r in range(N)), rtol=1e-12)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_grouped_allreduce_and_fp16_compression(mode):
+    tensors = [tf.constant(values((3,), RANK)), tf.constant(values((2, 2), RANK, "float32")),
+               tf.constant(values((4,), RANK, "int32"))]
+    out = run(mode, lambda a, b, c: hvd.grouped_allreduce([a, b, c], op=hvd.Sum), *tensors)
+    for o, t in zip(out, tensors):
+        want = sum(values(t.shape, r) for r in range(N))
+        np.testing.assert_array_equal(as_float(o), want)
+        assert o.dtype == t.dtype
+    x = tf.constant(values((6,), RANK, "float32"))
+    out = run(mode, lambda t: hvd.allreduce(t, op=hvd.Sum, compression=hvd.Compression.fp16), x)
+    assert out.dtype == tf.float32
+    np.testing.assert_array_equal(out, sum(values((6,), r) for r in range(N)))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", NUMERIC + ["bool"])
+def test_allgather_different_first_dims(dtype, mode):
+    for tail in [(), (3,), (2, 2)]:
+        mine = tf.constant(values((RANK + 1,) + tail, RANK, "float64").astype(tf.as_dtype(dtype).as_numpy_dtype))
+        out = run(mode, lambda x: hvd.allgather(x), mine)
+        want = np.concatenate([values((r + 1,) + tail, r).astype(tf.as_dtype(dtype).as_numpy_dtype)
+                               for r in range(N)])
+        assert out.dtype == mine.dtype
+        np.testing.assert_array_equal(np.asarray(out), want)
+    gathered = run(mode, lambda a, b: hvd.grouped_allgather([a, b]),
+                   tf.fill([RANK + 1], RANK), tf.fill([2, 2], float(RANK)))
+    np.testing.assert_array_equal(gathered[0], np.concatenate([[r] * (r + 1) for r in range(N)]))
+    assert gathered[1].shape == (2 * N, 2)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_broadcast_and_variables(mode):
+    for root in range(N):
+        for dtype in ["int8", "int64", "bfloat16", "float64", "bool"]:
+            mine = tf.constant(values((2, 3), RANK).astype(tf.as_dtype(dtype).as_numpy_dtype))
+            out = run(mode, lambda x: hvd.broadcast(x, root), mine)
+            np.testing.assert_array_equal(np.asarray(out), values((2, 3), root).astype(
+                tf.as_dtype(dtype).as_numpy_dtype))
+    variables = [tf.Variable(values((3,), RANK)), tf.Variable(np.int64(RANK)),
+                 tf.Variable(np.array([RANK, 7], dtype=np.uint32))]   # uint32 moves as its bits
+    run(mode, lambda: hvd.broadcast_variables(variables, root_rank=N - 1) and None)
+    np.testing.assert_array_equal(variables[0].numpy(), values((3,), N - 1))
+    assert variables[1].numpy() == N - 1
+    np.testing.assert_array_equal(variables[2].numpy(), [N - 1, 7])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_alltoall_with_and_without_splits(mode):
+    # Rank r sends r + 1 + i rows of value 10 r + i to rank i.
+    splits = [RANK + 1 + i for i in range(N)]
+    rows = np.concatenate([np.full(s, 10 * RANK + i) for i, s in enumerate(splits)]).astype(np.float32)
+    mine = tf.constant(np.stack([rows, -rows], axis=1))
+    out, received = run(mode, lambda x, s: hvd.alltoall(x, splits=s), mine, tf.constant(splits, tf.int32))
+    want = np.concatenate([np.full(r + 1 + RANK, 10 * r + RANK) for r in range(N)])
+    np.testing.assert_array_equal(out[:, 0], want)
+    np.testing.assert_array_equal(out[:, 1], -want)
+    np.testing.assert_array_equal(received, [r + 1 + RANK for r in range(N)])
+    even = run(mode, lambda x: hvd.alltoall(x), tf.constant(np.repeat(np.arange(N) + 100 * RANK, 2)))
+    np.testing.assert_array_equal(even, np.repeat(np.arange(N) * 100 + RANK, 2))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_reducescatter_sum_average_grouped(mode):
+    rows = 2 * N + 1   # does not divide: the first rank takes one more row
+    mine_rows = rows // N + (1 if RANK < rows % N else 0)
+    start = RANK * (rows // N) + min(RANK, rows % N)
+    full = [values((rows, 2), r) for r in range(N)]
+    out = run(mode, lambda x: hvd.reducescatter(x, op=hvd.Sum), tf.constant(full[RANK]))
+    np.testing.assert_array_equal(out, sum(full)[start:start + mine_rows])
+    out = run(mode, lambda x: hvd.reducescatter(x), tf.constant(full[RANK]))
+    np.testing.assert_allclose(out, sum(full)[start:start + mine_rows] / N, rtol=1e-12)
+    outs = run(mode, lambda a, b: hvd.grouped_reducescatter([a, b], op=hvd.Sum),
+               tf.constant(full[RANK]), tf.constant(full[RANK][:, :1].astype(np.int32)))
+    np.testing.assert_array_equal(outs[1], sum(full)[start:start + mine_rows, :1])
+
+
+def test_indexed_slices_are_gathered():
+    slices = tf.IndexedSlices(tf.constant([[float(RANK + 1)] * 2]), tf.constant([RANK % 2]),
+                              dense_shape=tf.constant([2, 2]))
+    out = hvd.allreduce(slices, op=hvd.Sum)
+    assert isinstance(out, tf.IndexedSlices)
+    np.testing.assert_array_equal(out.indices, [r % 2 for r in range(N)])
+    dense = tf.convert_to_tensor(hvd.allreduce(slices))    # Average
+    want = np.zeros((2, 2))
+    for r in range(N):
+        want[r % 2] += (r + 1) / N
+    np.testing.assert_allclose(dense, want, rtol=1e-6)
+
+
+def test_join_and_barrier():
+    hvd.barrier()
+    assert int(hvd.join()) in range(N)
+    hvd.barrier()
+
+
+def test_objects():
+    assert hvd.broadcast_object({"rank": RANK, "list": [1, 2]}, root_rank=N - 1) == {"rank": N - 1, "list": [1, 2]}
+    assert hvd.allgather_object(("r", RANK)) == [("r", r) for r in range(N)]
+
+
+# ---- gradients, as Horovod defines them ------------------------------------------
+
+@pytest.mark.parametrize("mode", MODES)
+def test_gradients(mode):
+    x = tf.Variable(values((RANK + 2, 2), RANK))   # different first dims per rank
+    w = tf.constant(values((RANK + 2, 2), RANK + 7))
+
+    def grads():
+        with tf.GradientTape(persistent=True) as tape:
+            summed = hvd.allreduce(x[:2] * w[:2], op=hvd.Sum, name="g.sum")
+            averaged = hvd.allreduce(x[:2] * w[:2], op=hvd.Average, name="g.avg")
+            gathered = hvd.allgather(x, name="g.gather")
+            broadcast = hvd.broadcast(x[:2], 0, name="g.bcast")
+            reduced = hvd.reducescatter(x[:2], op=hvd.Sum, name="g.rs")
+            losses = [tf.reduce_sum(summed * (RANK + 1)), tf.reduce_sum(averaged * (RANK + 1)),
+                      tf.reduce_sum(gathered * tf.range(tf.shape(gathered)[0], dtype=gathered.dtype)[:, None]),
+                      tf.reduce_sum(broadcast * (RANK + 1)), tf.reduce_sum(reduced * (RANK + 1))]
+        out = [tape.gradient(loss, x) for loss in losses]
+        del tape
+        return out
+    g_sum, g_avg, g_gather, g_bcast, g_rs = run(mode, grads)
+    total = sum(r + 1 for r in range(N))
+    # allreduce: the same allreduce of the upstream gradient, times w.
+    first_two = np.zeros((RANK + 2, 2))
+    first_two[:2] = w.numpy()[:2]
+    np.testing.assert_allclose(g_sum, total * first_two, rtol=1e-12)
+    np.testing.assert_allclose(g_avg, total / N * first_two, rtol=1e-12)
+    # allgather: this rank's rows of the averaged upstream gradient (row index).
+    start = sum(r + 2 for r in range(RANK))
+    rows = np.arange(start, start + RANK + 2, dtype=np.float64)[:, None] * np.ones((1, 2))
+    np.testing.assert_allclose(g_gather, rows, rtol=1e-12)
+    # broadcast: the averaged gradient on the root, zero elsewhere.
+    want = np.zeros((RANK + 2, 2))
+    if RANK == 0:
+        want[:2] = total / N
+    np.testing.assert_allclose(g_bcast, want, rtol=1e-12)
+    # reducescatter (Sum): the allgathered upstream gradient times size.
+    want = np.zeros((RANK + 2, 2))
+    owners = [r for r in range(N) for _ in range(2 // N + (1 if r < 2 % N else 0))]
+    want[:2] = np.array([(o + 1) * N for o in owners], dtype=np.float64)[:, None]
+    np.testing.assert_allclose(g_rs, want, rtol=1e-12)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_alltoall_gradient(mode):
+    splits = [1 + i for i in range(N)]
+    x = tf.Variable(np.arange(sum(splits), dtype=np.float64) + 100 * RANK)
+
+    def grad():
+        with tf.GradientTape() as tape:
+            out, received = hvd.alltoall(x, splits=splits, name="g.a2a")
+            loss = tf.reduce_sum(out * (tf.range(tf.shape(out)[0], dtype=out.dtype) + 1))
+        return tape.gradient(loss, x)
+    g = run(mode, grad)
+    # Every rank sends 1 + i rows to rank i, so this rank's rows sit at
+    # offset RANK * (1 + i) of rank i's output, where row k weighs k + 1;
+    # the gradient sends those weights back to where the rows came from.
+    want = []
+    for i in range(N):
+        want += [RANK * (1 + i) + k + 1 for k in range(1 + i)]
+    np.testing.assert_allclose(g, want, rtol=1e-12)
+
+
+# ---- errors --------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", MODES)
+def test_mismatched_shape_fails_on_every_rank_and_recovers(mode):
+    x = tf.ones([RANK + 1])
+    if mode == "eager":
+        with pytest.raises(unison.MismatchError, match=r"'bad\.shape'.*shape.*rank 0 \[1\].*rank 1 \[2\]"):
+            hvd.allreduce(x, name="bad.shape")
+    else:
+        with pytest.raises(tf.errors.OpError, match=r"MismatchError.*'bad\.shape\.f'.*rank 0 \[1\].*rank 1 \[2\]"):
+            tf.function(lambda t: hvd.allreduce(t, name="bad.shape.f"))(x)
+    np.testing.assert_array_equal(hvd.allreduce(tf.ones([2]), op=hvd.Sum), [N, N])
+
+
+def test_mismatched_dtype_and_root_fail_on_every_rank():
+    with pytest.raises(unison.MismatchError, match=r"'bad\.dtype'.*dtype"):
+        hvd.allreduce(tf.ones([2], dtype=tf.float32 if RANK == 0 else tf.float64), name="bad.dtype")
+    with pytest.raises(unison.MismatchError, match=r"'bad\.root'.*root"):
+        hvd.broadcast(tf.ones([2]), root_rank=RANK, name="bad.root")
+
+
+def test_unsupported_dtype_is_refused_here():
+    with pytest.raises(unison.InvalidArgumentError, match=r"'c64'.*complex64"):
+        hvd.allreduce(tf.ones([2], dtype=tf.complex64), name="c64")
+    with pytest.raises(unison.InvalidArgumentError, match="at least one dimension"):
+        hvd.allgather(tf.constant(1.0), name="scalar")

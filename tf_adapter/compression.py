@@ -1,0 +1,47 @@
+"""Gradient compression for allreduce: what goes over the wire.
+
+`Compression.none` sends tensors as they are; `Compression.fp16` sends
+floating-point tensors as float16 and restores their dtype afterwards,
+halving the bytes moved at the cost of precision.
+"""
+import tensorflow as tf
+
+
+class Compressor:
+    """compress(tensor) -> (wire tensor, context); decompress(wire, context)."""
+
+    @staticmethod
+    def compress(tensor):
+        raise NotImplementedError
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        raise NotImplementedError
+
+
+class NoneCompressor(Compressor):
+    @staticmethod
+    def compress(tensor):
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        return tensor
+
+
+class FP16Compressor(Compressor):
+    @staticmethod
+    def compress(tensor):
+        if tensor.dtype.is_floating and tensor.dtype != tf.float16:
+            return tf.cast(tensor, tf.float16), tensor.dtype
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        return tensor if ctx is None else tf.cast(tensor, ctx)
+
+
+class Compression:
+    """The compressors, under Horovod's names."""
+    none = NoneCompressor
+    fp16 = FP16Compressor

@@ -1,0 +1,123 @@
+"""Averaging gradients across ranks: DistributedGradientTape, and the
+reduction that the Keras DistributedOptimizer shares with it."""
+import tensorflow as tf
+
+from unison.exceptions import InvalidArgumentError
+from unison.process_sets import global_process_set
+from unison.tensorflow.compression import Compression
+from unison.tensorflow.ops import Average, Sum, _grouped_allreduce, allreduce
+
+
+def _variable_name(variable, index):
+    for attribute in ("path", "name"):
+        try:
+            value = getattr(variable, attribute, None)
+        except (AttributeError, ValueError):   # an EagerTensor has no name
+            value = None
+        if isinstance(value, str) and value:
+            return value
+    return str(index)
+
+
+class GradientReducer:
+    """Horovod's gradient averaging: op=Average over ranks (or Sum,
+    Adasum-free), with gradient_predivide_factor f splitting the division
+    into 1/f before the sum and f/size after it. Dense gradients go in one
+    grouped node per group (num_groups of them, or `groups` as lists of
+    variables; one for all by default, so the core fuses them all);
+    IndexedSlices are allgathered unless sparse_as_dense."""
+
+    def __init__(self, prefix, compression=Compression.none, sparse_as_dense=False, op=Average,
+                 gradient_predivide_factor=1.0, num_groups=0, groups=None, process_set=global_process_set):
+        if op not in (Average, Sum):
+            raise InvalidArgumentError("unison: gradients are reduced with Average or Sum, got op %r" % op)
+        if gradient_predivide_factor != 1.0 and op != Average:
+            raise InvalidArgumentError("unison: gradient_predivide_factor needs op=Average")
+        if isinstance(groups, int):
+            num_groups, groups = groups, None
+        self.prefix = prefix
+        self.compression = compression
+        self.sparse_as_dense = sparse_as_dense
+        self.op = op
+        self.predivide = gradient_predivide_factor
+        self.num_groups = num_groups
+        self.groups = groups
+        self.process_set = process_set
+
+    def _scaling(self):
+        """(op, prescale, postscale) for the core."""
+        if self.predivide != 1.0:
+            return Sum, 1.0 / self.predivide, self.predivide / self.process_set.size()
+        return self.op, 1.0, 1.0
+
+    def _partition(self, dense, variables):
+        """Lists of indices into `dense`, one list per grouped node."""
+        if self.groups is not None:
+            position = {id(v): i for i, v in enumerate(variables)}
+            listed = [[position[id(v)] for v in group if id(v) in position] for group in self.groups]
+            taken = {i for group in listed for i in group}
+            rest = [[i] for i in dense if i not in taken]
+            return [[i for i in group if i in dense] for group in listed] + rest
+        if self.num_groups > 0:
+            count = len(dense)
+            groups, start = [], 0
+            for g in range(self.num_groups):
+                length = count // self.num_groups + (1 if g < count % self.num_groups else 0)
+                groups.append(dense[start:start + length])
+                start += length
+            return [g for g in groups if g]
+        return [dense]
+
+    def reduce(self, grads, variables):
+        """The averaged gradients, in order; None stays None."""
+        if self.process_set.size() == 1:
+            return list(grads)
+        grads = list(grads)
+        names = ["%s.%d.%s" % (self.prefix, i, _variable_name(v, i)) for i, v in enumerate(variables)]
+        op, prescale, postscale = self._scaling()
+        out = list(grads)
+        dense = []
+        for i, g in enumerate(grads):
+            if g is None:
+                continue
+            if isinstance(g, tf.IndexedSlices):
+                if self.sparse_as_dense:
+                    grads[i] = tf.convert_to_tensor(g)
+                    dense.append(i)
+                else:
+                    out[i] = allreduce(g, op=op, prescale_factor=prescale, postscale_factor=postscale,
+                                       name=names[i], process_set=self.process_set)
+            else:
+                dense.append(i)
+        for group in self._partition(dense, variables):
+            wires, ctxs = zip(*[self.compression.compress(tf.convert_to_tensor(grads[i])) for i in group])
+            reduced = _grouped_allreduce(list(wires), [names[i] for i in group], op, prescale, postscale,
+                                         self.process_set)
+            for i, r, c in zip(group, reduced, ctxs):
+                out[i] = self.compression.decompress(r, c)
+        return out
+
+
+class _DistributedGradientTape(tf.GradientTape):
+    """A tf.GradientTape (the wrapped tape's own state, shared) whose
+    gradient() returns gradients averaged across ranks."""
+
+    def gradient(self, target, sources, output_gradients=None,
+                 unconnected_gradients=tf.UnconnectedGradients.NONE):
+        grads = super().gradient(target, sources, output_gradients, unconnected_gradients)
+        flat_sources = tf.nest.flatten(sources)
+        flat_grads = tf.nest.flatten(grads) if tf.nest.is_nested(sources) else [grads]
+        reduced = self._unison_reducer.reduce(flat_grads, flat_sources)
+        return tf.nest.pack_sequence_as(sources, reduced) if tf.nest.is_nested(sources) else reduced[0]
+
+
+def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compression=Compression.none,
+                            sparse_as_dense=False, op=Average, gradient_predivide_factor=1.0, num_groups=0,
+                            groups=None, process_set=global_process_set):
+    """Wraps a tf.GradientTape (recorded already, or to be entered) so that
+    gradient() averages the gradients across ranks."""
+    tape = _DistributedGradientTape.__new__(_DistributedGradientTape)
+    tape.__dict__.update(gradtape.__dict__)
+    tape._unison_reducer = GradientReducer("DistributedGradientTape", compression, sparse_as_dense, op,
+                                           gradient_predivide_factor, num_groups, groups, process_set)
+    return tape

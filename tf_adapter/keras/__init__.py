@@ -1,0 +1,31 @@
+"""unison.tensorflow.keras (also importable as unison.keras): Horovod's
+Keras API for the Keras 3 that comes with TensorFlow 2.21.
+`import unison.tensorflow.keras as hvd` in place of
+`import horovod.tensorflow.keras as hvd` (or `horovod.keras`)."""
+from unison.basics import (  # noqa: F401
+    ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled, init,
+    is_initialized, local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported,
+    nccl_built, rank, rocm_built, shutdown, size)
+from unison.exceptions import HorovodInternalError, UnisonError  # noqa: F401
+from unison.process_sets import (  # noqa: F401
+    ProcessSet, add_process_set, global_process_set, remove_process_set)
+from unison.tensorflow.compression import Compression  # noqa: F401
+from unison.tensorflow.functions import allgather_object, broadcast_object  # noqa: F401
+from unison.tensorflow.ops import (  # noqa: F401
+    Adasum, Average, Max, Min, Product, Sum, allgather, allreduce, alltoall, barrier, broadcast,
+    grouped_allgather, grouped_allreduce, grouped_reducescatter, join, reducescatter)
+from unison.tensorflow.sync_batch_norm import SyncBatchNormalization  # noqa: F401
+from unison.tensorflow.keras import callbacks  # noqa: F401
+from unison.tensorflow.keras.optimizer import DistributedOptimizer  # noqa: F401
+
+
+def broadcast_global_variables(root_rank, model=None):
+    """Keras 3 keeps no global variable collection: pass the model, whose
+    variables (and its optimizer's) are broadcast from root_rank."""
+    if model is None:
+        raise TypeError("unison: Keras 3 has no global variables; call broadcast_global_variables(root_rank, model)")
+    from unison.tensorflow.functions import broadcast_variables
+    variables = list(model.variables)
+    if getattr(model, "optimizer", None) is not None:
+        variables += list(model.optimizer.variables)
+    return broadcast_variables(variables, root_rank)

@@ -1,0 +1,93 @@
+"""The Keras 3 DistributedOptimizer: a Keras optimizer whose apply()
+(which apply_gradients() and model.fit's train step call) first averages
+the gradients across ranks.
+
+Like Horovod's, DistributedOptimizer(opt) returns a new optimizer of a
+subclass of opt's class (same name), built from opt's config, so
+isinstance checks and model.compile() see the optimizer they expect.
+
+backward_passes_per_step=N accumulates N local gradients in optimizer
+variables and reduces and applies them on the N-th call only (summed, or
+averaged with average_aggregated_gradients=True), so ranks talk once per N
+passes; between, variables and optimizer.iterations stay put.
+"""
+import tensorflow as tf
+
+from unison.process_sets import global_process_set
+from unison.tensorflow.compression import Compression
+from unison.tensorflow.gradient_tape import GradientReducer
+from unison.tensorflow.ops import Average
+
+
+class _DistributedOptimizerMixin:
+    """Placed before the wrapped optimizer's class in the new class's bases."""
+
+    def _unison_configure(self, reducer, backward_passes_per_step, average_aggregated_gradients):
+        # Plain Python state, set before build() and never tracked by Keras.
+        self._unison_reducer = reducer
+        self._unison_passes = int(backward_passes_per_step)
+        self._unison_average_aggregated = average_aggregated_gradients
+        self._unison_accumulators = None
+
+    def build(self, variables):
+        if self.built:
+            return
+        super().build(variables)
+        if self._unison_passes > 1:
+            self._unison_accumulators = [self.add_variable_from_reference(v, name="unison_accumulated")
+                                         for v in variables]
+            self._unison_count = self.add_variable(shape=(), dtype="int64", name="unison_passes")
+
+    def apply(self, grads, trainable_variables=None):
+        grads = list(grads)
+        if trainable_variables is not None:
+            trainable_variables = list(trainable_variables)
+            if not self.built:
+                self.build(trainable_variables)
+        variables = trainable_variables if trainable_variables is not None else list(self._trainable_variables)
+        if self._unison_passes == 1:
+            return super().apply(self._unison_reducer.reduce(grads, variables), trainable_variables)
+        return self._accumulate_then_apply(grads, variables, trainable_variables)
+
+    def _accumulate_then_apply(self, grads, variables, trainable_variables):
+        accumulators = [self._unison_accumulators[self._get_variable_index(v)] for v in variables]
+        for accumulator, grad in zip(accumulators, grads):
+            if grad is not None:
+                accumulator.assign_add(tf.convert_to_tensor(grad))
+        self._unison_count.assign_add(1)
+
+        def reduce_and_apply():
+            scale = 1.0 / self._unison_passes if self._unison_average_aggregated else 1.0
+            summed = [None if g is None else a.value * tf.cast(scale, a.dtype)
+                      for a, g in zip(accumulators, grads)]
+            super(_DistributedOptimizerMixin, self).apply(self._unison_reducer.reduce(summed, variables),
+                                                          trainable_variables)
+            for accumulator in accumulators:
+                accumulator.assign(tf.zeros_like(accumulator))
+            self._unison_count.assign(0)
+            return tf.constant(True)
+
+        due = tf.equal(self._unison_count, self._unison_passes)
+        if tf.executing_eagerly():
+            if bool(due):
+                reduce_and_apply()
+            return
+        tf.cond(due, reduce_and_apply, lambda: tf.constant(False))
+
+
+def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="", compression=Compression.none,
+                         sparse_as_dense=False, gradient_predivide_factor=1.0, op=Average,
+                         backward_passes_per_step=1, average_aggregated_gradients=False, num_groups=0,
+                         groups=None, process_set=global_process_set):
+    """A Keras 3 optimizer like `optimizer` that averages gradients across
+    ranks before applying them (see the module's docstring)."""
+    base = type(optimizer)
+    cls = type(base.__name__, (_DistributedOptimizerMixin, base), {"__module__": base.__module__})
+    config = optimizer.get_config()
+    if name is not None:
+        config["name"] = name
+    distributed = cls.from_config(config)
+    reducer = GradientReducer("DistributedOptimizer", compression, sparse_as_dense, op, gradient_predivide_factor,
+                              num_groups, groups, process_set)
+    distributed._unison_configure(reducer, backward_passes_per_step, average_aggregated_gradients)
+    return distributed

@@ -1,0 +1,401 @@
+"""The collectives on TensorFlow tensors, with Horovod's TensorFlow API and
+its gradients.
+
+How a collective reaches the core: eagerly, the tensor's numpy view (no
+copy for CPU tensors) goes straight to unison.numpy; inside a tf.function,
+the same Python runs as a `tf.numpy_function` node. Why not a custom op
+kernel: measured on this machine (tf_adapter/README.md), the node costs
+tens of microseconds over the raw core, against hundreds for the smallest
+collective between two ranks, and it moves no extra bytes; a kernel would
+tie the install to one TensorFlow build for a gain inside the noise.
+
+Ordering inside a graph: TensorFlow may run independent nodes in any order
+and on any of its threads, and a collective node blocks its thread until
+the peers take part. So every collective node of a graph gets a control
+dependency on the one traced before it: each rank runs them in trace
+order, which is program order and the same everywhere, and no two ranks
+can wait on each other's different nodes. Grouped ops are one node, so
+their tensors reach the core together and fuse.
+
+Gradients follow Horovod's definitions: allreduce's is the same allreduce
+of the gradient; allgather's is this rank's rows of the averaged gradient;
+broadcast's is the averaged gradient on the root and zero elsewhere;
+alltoall's sends the gradient back along the received splits;
+reducescatter's is the allgathered gradient (times the size for Sum).
+"""
+import weakref
+
+import numpy as np
+import tensorflow as tf
+
+from unison import basics, collective
+import unison.numpy as unp
+from unison.exceptions import InvalidArgumentError, UnsupportedError
+from unison.handles import HandleGroup, synchronize
+from unison.process_sets import global_process_set
+from unison.tensorflow.compression import Compression
+
+Sum, Average, Min, Max, Product, Adasum = (basics.Sum, basics.Average, basics.Min, basics.Max,
+                                           basics.Product, basics.Adasum)
+
+_SUPPORTED = (tf.uint8, tf.int8, tf.int16, tf.int32, tf.int64, tf.float16, tf.bfloat16, tf.float32,
+              tf.float64, tf.bool)
+
+_SAME_BITS = {tf.uint16: tf.int16, tf.uint32: tf.int32, tf.uint64: tf.int64}
+
+# The last collective node traced into each graph (see "Ordering" above).
+_last_in_graph = weakref.WeakKeyDictionary()
+
+
+def _label(name):
+    return repr(name) if name else "(unnamed)"
+
+
+def _check(tensor, name):
+    if tensor.dtype not in _SUPPORTED:
+        raise InvalidArgumentError("unison: tensor %s has dtype %s, which unison does not reduce or move; "
+                                   "supported: %s" % (_label(name), tensor.dtype.name,
+                                                      ", ".join(d.name for d in _SUPPORTED)))
+    device = tensor.device if tf.executing_eagerly() else ""
+    if "GPU" in device.upper():
+        raise UnsupportedError("unison: tensor %s is on %s; this build moves CPU tensors only"
+                               % (_label(name), device))
+
+
+def _grad_name(name):
+    return None if name is None else name + ".grad"
+
+
+def _run(fn, inputs, out_dtypes):
+    """fn(*numpy arrays) -> list of numpy arrays, as tensors: called now
+    when eager, else as one numpy_function node chained after the graph's
+    previous collective."""
+    if tf.executing_eagerly():
+        outputs = fn(*[t.numpy() for t in inputs])
+        return [tf.convert_to_tensor(o, dtype=d) for o, d in zip(outputs, out_dtypes)]
+    graph = tf.compat.v1.get_default_graph()
+    previous = _last_in_graph.get(graph)
+    with tf.control_dependencies([previous] if previous is not None else []):
+        outputs = tf.numpy_function(fn, list(inputs), list(out_dtypes), stateful=True, name="unison")
+    _last_in_graph[graph] = outputs[0].op if outputs else None
+    return list(outputs)
+
+
+def _tensors(values):
+    return [tf.convert_to_tensor(v) for v in values]
+
+
+def _member_names(name, count):
+    """The core's names for the members of a grouped op: `name` itself for
+    one tensor, name.i for several; None (numbered by the core in program
+    order) when unnamed."""
+    if isinstance(name, (list, tuple)):
+        return list(name)
+    if count == 1:
+        return [name]
+    return [None if name is None else "%s.%d" % (name, i) for i in range(count)]
+
+
+def _grad_names(name):
+    if isinstance(name, (list, tuple)):
+        return [_grad_name(n) for n in name]
+    return _grad_name(name)
+
+
+def _zeros_for_missing(grads, like):
+    return [tf.zeros_like(x) if g is None else g for g, x in zip(grads, like)]
+
+
+# ---- allreduce ----------------------------------------------------------------
+
+def _grouped_allreduce_raw(tensors, name, op, prescale_factor, postscale_factor, process_set):
+    """One node: every tensor enqueued, then all waited on (they fuse)."""
+    names = _member_names(name, len(tensors))
+
+    def fn(*arrays):
+        return synchronize(HandleGroup([
+            unp.allreduce_async(a, name=n, op=op, prescale_factor=prescale_factor,
+                                postscale_factor=postscale_factor, process_set=process_set)
+            for a, n in zip(arrays, names)]))
+    outputs = _run(fn, tensors, [t.dtype for t in tensors])
+    for out, t in zip(outputs, tensors):
+        out.set_shape(t.shape)
+    return outputs
+
+
+def _grouped_allreduce(tensors, name, op, prescale_factor, postscale_factor, process_set):
+    if op == Adasum:
+        raise UnsupportedError("unison: Adasum is not implemented for TensorFlow")
+    for t, n in zip(tensors, _member_names(name, len(tensors))):
+        _check(t, n)
+
+    @tf.custom_gradient
+    def forward(*xs):
+        ys = _grouped_allreduce_raw(list(xs), name, op, prescale_factor, postscale_factor, process_set)
+
+        def grad(*dys):
+            return _grouped_allreduce(_zeros_for_missing(dys, ys), _grad_names(name), op, prescale_factor,
+                                      postscale_factor, process_set)
+        return ys, grad
+    return list(forward(*tensors))
+
+
+def _sparse_allreduce(slices, name, op, prescale_factor, postscale_factor, process_set):
+    """IndexedSlices are reduced as Horovod does: both parts allgathered,
+    so a row touched on several ranks appears several times (summed when
+    densified)."""
+    if op not in (Sum, Average):
+        raise InvalidArgumentError("unison: IndexedSlices %s can be reduced with Sum or Average only"
+                                   % _label(name))
+    values = allgather(slices.values, name=None if name is None else name + ".values", process_set=process_set)
+    indices = allgather(slices.indices, name=None if name is None else name + ".indices",
+                        process_set=process_set)
+    scale = prescale_factor * postscale_factor / (process_set.size() if op == Average else 1)
+    if scale != 1.0:
+        values = values * tf.cast(scale, values.dtype)
+    return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
+
+
+def allreduce(tensor, average=None, device_dense="", device_sparse="", compression=Compression.none,
+              op=None, prescale_factor=1.0, postscale_factor=1.0, name=None,
+              process_set=global_process_set, ignore_name_scope=False):
+    """`tensor` reduced across ranks (Average by default); IndexedSlices are
+    allgathered instead. Differentiable."""
+    op = collective.resolve_op(op, average)
+    if isinstance(tensor, tf.IndexedSlices):
+        return _sparse_allreduce(tensor, name, op, prescale_factor, postscale_factor, process_set)
+    tensor = tf.convert_to_tensor(tensor)
+    wire, ctx = compression.compress(tensor)
+    reduced = _grouped_allreduce([wire], name, op, prescale_factor, postscale_factor, process_set)[0]
+    return compression.decompress(reduced, ctx)
+
+
+def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
+                      compression=Compression.none, op=None, prescale_factor=1.0, postscale_factor=1.0,
+                      name=None, process_set=global_process_set, ignore_name_scope=False):
+    """Each tensor reduced across ranks, in one node so that they fuse."""
+    op = collective.resolve_op(op, average)
+    if not tensors:
+        return []
+    if any(isinstance(t, tf.IndexedSlices) for t in tensors):
+        return [allreduce(t, op=op, compression=compression, prescale_factor=prescale_factor,
+                          postscale_factor=postscale_factor,
+                          name=None if name is None else "%s.%d" % (name, i), process_set=process_set)
+                for i, t in enumerate(tensors)]
+    wires, ctxs = zip(*[compression.compress(tf.convert_to_tensor(t)) for t in tensors])
+    reduced = _grouped_allreduce(list(wires), name, op, prescale_factor, postscale_factor, process_set)
+    return [compression.decompress(r, c) for r, c in zip(reduced, ctxs)]
+
+
+# ---- allgather ----------------------------------------------------------------
+
+def _first_dims(tensor, name, process_set):
+    """Every rank's first dimension, in rank order, as an int64 vector."""
+    d = tf.reshape(tf.cast(tf.shape(tensor)[0], tf.int64), [1])
+    return _grouped_allgather_raw([d], None if name is None else name + ".dims", process_set)[0]
+
+
+def _grouped_allgather_raw(tensors, name, process_set):
+    names = _member_names(name, len(tensors))
+
+    def fn(*arrays):
+        return synchronize(HandleGroup([unp.allgather_async(a, name=n, process_set=process_set)
+                                        for a, n in zip(arrays, names)]))
+    outputs = _run(fn, tensors, [t.dtype for t in tensors])
+    for out, t in zip(outputs, tensors):
+        out.set_shape(tf.TensorShape([None]).concatenate(t.shape[1:]))
+    return outputs
+
+
+def grouped_allgather(tensors, name=None, ignore_name_scope=False, process_set=global_process_set):
+    """Each tensor concatenated across ranks on the first dimension, which
+    may differ between ranks. Differentiable."""
+    tensors = _tensors(tensors)
+    if not tensors:
+        return []
+    for i, t in enumerate(tensors):
+        _check(t, name)
+        if t.shape.rank == 0:
+            raise InvalidArgumentError("unison: allgather of %s needs at least one dimension"
+                                       % _label(name if len(tensors) == 1 else "%s[%d]" % (name, i)))
+
+    @tf.custom_gradient
+    def forward(*xs):
+        ys = _grouped_allgather_raw(list(xs), name, process_set)
+
+        def grad(*dys):
+            dys = _zeros_for_missing(dys, ys)
+            averaged = _grouped_allreduce(dys, _grad_name(name), Average, 1.0, 1.0, process_set)
+            rank = process_set.rank()
+            out = []
+            for i, (x, g) in enumerate(zip(xs, averaged)):
+                dims = _first_dims(x, None if name is None else "%s.grad.%d" % (name, i), process_set)
+                start = tf.reduce_sum(dims[:rank])
+                out.append(g[start:start + dims[rank]])
+            return out
+        return ys, grad
+    return list(forward(*tensors))
+
+
+def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_process_set):
+    return grouped_allgather([tensor], name=name, process_set=process_set)[0]
+
+
+# ---- broadcast ----------------------------------------------------------------
+
+def _broadcast_raw(tensors, root_rank, name, process_set):
+    names = _member_names(name, len(tensors))
+
+    def fn(*arrays):
+        return synchronize(HandleGroup([unp.broadcast_async(a, root_rank, name=n, process_set=process_set)
+                                        for a, n in zip(arrays, names)]))
+    outputs = _run(fn, tensors, [t.dtype for t in tensors])
+    for out, t in zip(outputs, tensors):
+        out.set_shape(t.shape)
+    return outputs
+
+
+def broadcast(tensor, root_rank, name=None, ignore_name_scope=False, process_set=global_process_set):
+    """root_rank's `tensor` on every rank. Differentiable."""
+    tensor = tf.convert_to_tensor(tensor)
+    _check(tensor, name)
+
+    @tf.custom_gradient
+    def forward(x):
+        y = _broadcast_raw([x], root_rank, name, process_set)[0]
+
+        def grad(dy):
+            averaged = _grouped_allreduce([dy], _grad_name(name), Average, 1.0, 1.0, process_set)[0]
+            return averaged if process_set.rank() == root_rank else averaged * 0
+        return y, grad
+    return forward(tensor)
+
+
+def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
+    """Overwrites each variable with root_rank's value, in place (one node
+    for all of them); returns their new values."""
+    variables = list(variables)
+    if not variables:
+        return []
+    # Unsigned types that no reduction needs (Keras's seed generators hold
+    # uint32 state) travel as the signed type of the same width: a
+    # broadcast moves bits, which a bitcast keeps exactly.
+    values = [tf.convert_to_tensor(v) for v in variables]
+    values = [tf.bitcast(t, _SAME_BITS[t.dtype]) if t.dtype in _SAME_BITS else t for t in values]
+    for v, t in zip(variables, values):
+        _check(t, getattr(v, "name", name))
+    received = _broadcast_raw(values, root_rank, name, process_set)
+    return [v.assign(tf.bitcast(r, v.dtype) if v.dtype in _SAME_BITS else r)
+            for v, r in zip(variables, received)]
+
+
+# ---- alltoall -----------------------------------------------------------------
+
+def _alltoall_raw(tensor, splits, name, process_set):
+    """(output, received splits)."""
+    def fn(array, split_array):
+        out, received = unp.alltoall(array, split_array, name=name, process_set=process_set)
+        return out, received.astype(np.int64)
+    if splits is None:
+        n = process_set.size()
+        rows = tf.shape(tensor, out_type=tf.int64)[0]
+        splits = tf.fill([n], rows // n) + tf.cast(tf.range(n) < tf.cast(rows % n, tf.int32), tf.int64)
+    output, received = _run(fn, [tensor, tf.cast(splits, tf.int64)], [tensor.dtype, tf.int64])
+    output.set_shape(tf.TensorShape([None]).concatenate(tensor.shape[1:]))
+    received.set_shape([process_set.size()])
+    return output, received
+
+
+def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_set=global_process_set):
+    """Sends splits[i] rows of `tensor` to rank i (equal parts when None) and
+    returns what every rank sent here, in rank order; with splits, also the
+    rows received from each rank. Differentiable."""
+    tensor = tf.convert_to_tensor(tensor)
+    _check(tensor, name)
+    if tensor.shape.rank == 0:
+        raise InvalidArgumentError("unison: alltoall of %s needs at least one dimension" % _label(name))
+    split_tensor = None if splits is None else tf.reshape(tf.convert_to_tensor(splits), [-1])
+
+    @tf.custom_gradient
+    def forward(x):
+        y, received = _alltoall_raw(x, split_tensor, name, process_set)
+
+        def grad(dy, _d_received=None):
+            back, _ = _alltoall_raw(dy, received, _grad_name(name), process_set)
+            return back
+        return (y, tf.cast(received, split_tensor.dtype if split_tensor is not None else tf.int32)), grad
+
+    output, received = forward(tensor)
+    return (output, received) if splits is not None else output
+
+
+# ---- reducescatter ------------------------------------------------------------
+
+def _grouped_reducescatter_raw(tensors, name, op, prescale_factor, postscale_factor, process_set):
+    names = _member_names(name, len(tensors))
+
+    def fn(*arrays):
+        return synchronize(HandleGroup([
+            unp.reducescatter_async(a, op=op, name=n, prescale_factor=prescale_factor,
+                                    postscale_factor=postscale_factor, process_set=process_set)
+            for a, n in zip(arrays, names)]))
+    outputs = _run(fn, tensors, [t.dtype for t in tensors])
+    n, rank = process_set.size(), process_set.rank()
+    for out, t in zip(outputs, tensors):
+        rows = t.shape[0]
+        mine = None if rows is None else rows // n + (1 if rank < rows % n else 0)
+        out.set_shape(tf.TensorShape([mine]).concatenate(t.shape[1:]))
+    return outputs
+
+
+def grouped_reducescatter(tensors, op=Average, name=None, ignore_name_scope=False,
+                          process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
+    """Each tensor reduced across ranks; this rank keeps its rows of the
+    first dimension (split as evenly as possible, the first ranks taking
+    one more). Differentiable."""
+    tensors = _tensors(tensors)
+    if not tensors:
+        return []
+    if op not in (Sum, Average):
+        raise InvalidArgumentError("unison: reducescatter supports Sum and Average, got op %r" % op)
+    for t in tensors:
+        _check(t, name)
+        if t.shape.rank == 0:
+            raise InvalidArgumentError("unison: reducescatter of %s needs at least one dimension" % _label(name))
+
+    @tf.custom_gradient
+    def forward(*xs):
+        ys = _grouped_reducescatter_raw(list(xs), name, op, prescale_factor, postscale_factor, process_set)
+
+        def grad(*dys):
+            dys = _zeros_for_missing(dys, ys)
+            if op == Sum:
+                dys = [d * tf.cast(process_set.size(), d.dtype) for d in dys]
+            return _grouped_allgather_raw(dys, _grad_name(name), process_set)
+        return ys, grad
+    return list(forward(*tensors))
+
+
+def reducescatter(tensor, op=Average, name=None, ignore_name_scope=False, process_set=global_process_set,
+                  prescale_factor=1.0, postscale_factor=1.0):
+    return grouped_reducescatter([tensor], op=op, name=name, process_set=process_set,
+                                 prescale_factor=prescale_factor, postscale_factor=postscale_factor)[0]
+
+
+# ---- barrier and join -----------------------------------------------------------
+
+def barrier(process_set=global_process_set):
+    """Returns once every rank has reached it (a node, inside tf.function)."""
+    def fn():
+        unp.barrier(process_set=process_set)
+        return [np.int32(0)]
+    _run(fn, [], [tf.int32])
+
+
+def join(process_set=global_process_set):
+    """Declares this rank out of data (it takes part in the others'
+    collectives with nothing) and returns the rank that joined last."""
+    def fn():
+        return [np.int32(unp.join(process_set=process_set))]
+    return _run(fn, [], [tf.int32])[0]
+
