@@ -66,7 +66,7 @@ class GradientReducer:
                 groups.append(dense[start:start + length])
                 start += length
             return [g for g in groups if g]
-        return [dense]
+        return [dense] if dense else []
 
     def reduce(self, grads, variables):
         """The averaged gradients, in order; None stays None."""

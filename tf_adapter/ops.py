@@ -152,7 +152,7 @@ def _sparse_allreduce(slices, name, op, prescale_factor, postscale_factor, proce
                         process_set=process_set)
     scale = prescale_factor * postscale_factor / (process_set.size() if op == Average else 1)
     if scale != 1.0:
-        values = values * tf.cast(scale, values.dtype)
+        values = values * tf.constant(scale, dtype=values.dtype)
     return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
 
 

@@ -58,7 +58,7 @@ class _DistributedOptimizerMixin:
 
         def reduce_and_apply():
             scale = 1.0 / self._unison_passes if self._unison_average_aggregated else 1.0
-            summed = [None if g is None else a.value * tf.cast(scale, a.dtype)
+            summed = [None if g is None else a.value * tf.constant(scale, dtype=a.dtype)
                       for a, g in zip(accumulators, grads)]
             super(_DistributedOptimizerMixin, self).apply(self._unison_reducer.reduce(summed, variables),
                                                           trainable_variables)

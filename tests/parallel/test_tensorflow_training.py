@@ -1,0 +1,198 @@
+"""DistributedGradientTape and SyncBatchNormalization against one process:
+N ranks on N shards end with the parameters of one process on the whole
+batch. Float64, so the tolerance only absorbs summation order."""
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+keras = pytest.importorskip("keras")
+import numpy as np  # noqa: E402
+
+import unison  # noqa: E402
+import unison.tensorflow as hvd  # noqa: E402
+
+hvd.init()
+N, RANK = hvd.size(), hvd.rank()
+keras.backend.set_floatx("float64")
+B, STEPS = 4, 5   # rows per rank per step, steps
+
+
+def data(features=5, outputs=3, seed=0):
+    rng = np.random.RandomState(seed)
+    x = rng.normal(size=(STEPS * N * B, features))
+    y = rng.normal(size=(STEPS * N * B, outputs))
+    return x, y
+
+
+def shard(a, step):
+    """This rank's rows of global step `step`: the global batch is the
+    ranks' batches one after another."""
+    start = step * N * B + RANK * B
+    return a[start:start + B]
+
+
+def whole(a, step):
+    return a[step * N * B:(step + 1) * N * B]
+
+
+def make_model(seed, layers=None):
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential(layers or [keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(3)])
+    model.build((None, 5))
+    return model
+
+
+def make_optimizer(kind):
+    if kind == "sgd":
+        return keras.optimizers.SGD(learning_rate=0.1, momentum=0.9)
+    return keras.optimizers.Adam(learning_rate=0.01)
+
+
+def mse(model, x, y, training=True):
+    return tf.reduce_mean(tf.square(model(x, training=training) - y))
+
+
+def train_reference(initial, x, y, kind, layers=None):
+    model = make_model(123, layers)
+    model.set_weights(initial)
+    optimizer = make_optimizer(kind)
+    for step in range(STEPS):
+        with tf.GradientTape() as tape:
+            loss = mse(model, whole(x, step), whole(y, step))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+    return model
+
+
+def assert_same_weights(model, reference, atol=1e-10):
+    for got, want in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+@pytest.mark.parametrize("num_groups", [0, 2])
+@pytest.mark.parametrize("predivide", [1.0, 2.0])
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_gradient_tape_matches_one_process(kind, predivide, num_groups, mode):
+    x, y = data()
+    model = make_model(RANK)   # different on purpose: the broadcast aligns them
+    hvd.broadcast_variables(model.variables, root_rank=0)
+    initial = model.get_weights()
+    optimizer = make_optimizer(kind)
+    optimizer.build(model.trainable_variables)
+
+    def step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = mse(model, xb, yb)
+        tape = hvd.DistributedGradientTape(tape, gradient_predivide_factor=predivide, num_groups=num_groups)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+    step = tf.function(step) if mode == "function" else step
+    for s in range(STEPS):
+        step(tf.constant(shard(x, s)), tf.constant(shard(y, s)))
+    assert_same_weights(model, train_reference(initial, x, y, kind))
+
+
+@pytest.mark.parametrize("sparse_as_dense", [False, True])
+def test_sparse_gradients_match_one_process(sparse_as_dense):
+    rng = np.random.RandomState(1)
+    ids = rng.randint(0, 10, size=(STEPS * N * B, 3))
+    y = rng.normal(size=(STEPS * N * B, 1))
+
+    def build(seed):
+        keras.utils.set_random_seed(seed)
+        embedding, dense = keras.layers.Embedding(10, 4), keras.layers.Dense(1)
+        dense.build((None, 4))
+        embedding.build((None, 3))
+        return embedding, dense
+
+    def loss_of(layers, xb, yb):
+        embedding, dense = layers
+        return tf.reduce_mean(tf.square(dense(tf.reduce_mean(embedding(xb), axis=1)) - yb))
+
+    layers = build(RANK)
+    variables = [v for layer in layers for v in layer.trainable_variables]
+    hvd.broadcast_variables(variables, root_rank=0)
+    reference = build(99)
+    reference_variables = [v for layer in reference for v in layer.trainable_variables]
+    for v, r in zip(variables, reference_variables):
+        r.assign(v)
+    optimizer, reference_optimizer = keras.optimizers.SGD(0.5), keras.optimizers.SGD(0.5)
+    for s in range(STEPS):
+        with tf.GradientTape() as tape:
+            loss = loss_of(layers, shard(ids, s), shard(y, s))
+        tape = hvd.DistributedGradientTape(tape, sparse_as_dense=sparse_as_dense)
+        grads = tape.gradient(loss, variables)
+        assert isinstance(grads[0], tf.IndexedSlices) != sparse_as_dense
+        optimizer.apply_gradients(zip(grads, variables))
+        with tf.GradientTape() as tape:
+            loss = loss_of(reference, whole(ids, s), whole(y, s))
+        reference_optimizer.apply_gradients(zip(tape.gradient(loss, reference_variables), reference_variables))
+    for v, r in zip(variables, reference_variables):
+        np.testing.assert_allclose(v.numpy(), r.numpy(), atol=1e-10, rtol=0)
+
+
+def test_gradient_tape_sum_and_fp16():
+    v = tf.Variable([1.0, 2.0])
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(v * (RANK + 1))
+    grads = hvd.DistributedGradientTape(tape, op=hvd.Sum).gradient(loss, [v])
+    np.testing.assert_array_equal(grads[0], [sum(range(1, N + 1))] * 2)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(v * (RANK + 1))
+    grads = hvd.DistributedGradientTape(tape, compression=hvd.Compression.fp16).gradient(loss, v)
+    assert grads.dtype == v.dtype
+    np.testing.assert_allclose(grads, [sum(range(1, N + 1)) / N] * 2, rtol=1e-3)
+
+
+def test_mismatched_models_fail_on_every_rank():
+    model = keras.Sequential([keras.layers.Dense(3 + RANK)])
+    model.build((None, 2))
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(model(tf.ones([1, 2])))
+    tape = hvd.DistributedGradientTape(tape)
+    with pytest.raises(unison.MismatchError, match=r"DistributedGradientTape.*shape.*rank 0 \[2, 3\].*rank 1 \[2, 4\]"):
+        tape.gradient(loss, model.trainable_variables)
+    np.testing.assert_array_equal(hvd.allreduce(tf.ones([2]), op=hvd.Sum), [N, N])
+
+
+# ---- SyncBatchNormalization ----------------------------------------------------------
+
+def test_sync_batch_norm_forward_uneven_batches():
+    rows = [r + 2 for r in range(N)]   # different batch sizes per rank
+    rng = np.random.RandomState(3)
+    everything = rng.normal(loc=5.0, size=(sum(rows), 4))
+    start = sum(rows[:RANK])
+    sync = hvd.SyncBatchNormalization(momentum=0.5)
+    plain = keras.layers.BatchNormalization(momentum=0.5)
+    out = sync(tf.constant(everything[start:start + rows[RANK]]), training=True)
+    want = plain(tf.constant(everything), training=True)
+    np.testing.assert_allclose(out, np.asarray(want)[start:start + rows[RANK]], atol=1e-10)
+    np.testing.assert_allclose(sync.moving_mean, plain.moving_mean, atol=1e-12)
+    np.testing.assert_allclose(sync.moving_variance, plain.moving_variance, atol=1e-12)
+    np.testing.assert_allclose(sync(tf.constant(everything[:2]), training=False),
+                               plain(tf.constant(everything[:2]), training=False), atol=1e-12)
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_sync_batch_norm_training_matches_one_process(mode):
+    x, y = data()
+
+    def layers(sync):
+        norm = hvd.SyncBatchNormalization if sync else keras.layers.BatchNormalization
+        return [keras.layers.Dense(6), norm(momentum=0.8), keras.layers.Activation("tanh"), keras.layers.Dense(3)]
+    model = make_model(RANK, layers(True))
+    hvd.broadcast_variables(model.variables, root_rank=0)
+    initial = model.get_weights()
+    optimizer = make_optimizer("sgd")
+    optimizer.build(model.trainable_variables)
+
+    def step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = mse(model, xb, yb)
+        grads = hvd.DistributedGradientTape(tape).gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+    step = tf.function(step) if mode == "function" else step
+    for s in range(STEPS):
+        step(tf.constant(shard(x, s)), tf.constant(shard(y, s)))
+    # get_weights() includes the moving statistics.
+    assert_same_weights(model, train_reference(initial, x, y, "sgd", layers(False)))
