@@ -23,13 +23,17 @@ EXAMPLES = [
                                       "--fp16-allreduce"], ("torch",),
      r"Total img/sec on 2 rank\(s\): \d+"),
     ("mxnet/digits.py", ["--epochs", "8"], ("mxnet", "sklearn"), r"test accuracy 0\.9\d+ on 2 ranks"),
+    ("tensorflow/digits.py", ["--epochs", "8"], ("tensorflow", "sklearn"), r"test accuracy 0\.9\d+ on 2 ranks"),
+    ("keras/digits.py", ["--epochs", "8", "--samples-per-second"], ("tensorflow", "sklearn"),
+     r"epoch 8: loss \d\.\d+, accuracy 0\.9\d+(.|\n)*test accuracy 0\.9\d+ on 2 ranks(.|\n)*samples/s \d+"),
 ]
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("script,args,needs,expected", EXAMPLES,
                          ids=["numpy-logistic-regression", "torch-digits", "torch-synthetic",
-                              "torch-synthetic-syncbn-fp16", "mxnet-digits"])
+                              "torch-synthetic-syncbn-fp16", "mxnet-digits", "tensorflow-digits",
+                              "keras-digits"])
 def test_example_runs_under_the_launcher(script, args, needs, expected):
     for module in needs:
         if importlib.util.find_spec(module) is None:

@@ -1,0 +1,102 @@
+"""A digits classifier (the dataset bundled with scikit-learn) trained with
+Keras 3's model.fit and unison.keras, written as a Horovod Keras script
+with one import changed.
+
+    unisonrun -np 2 python examples/keras/digits.py
+
+The DistributedOptimizer averages gradients across ranks inside fit()'s
+train step; BroadcastGlobalVariablesCallback starts every rank from rank
+0's weights; MetricAverageCallback reports metrics averaged over ranks.
+
+`--one-process` trains the same model in one process on the whole batch
+(batch-size x ranks per step), the reference of the benchmark line in
+benchmarks/README.md; `--samples-per-second` prints training throughput.
+"""
+import argparse
+import time
+
+import keras
+import numpy as np
+from sklearn.datasets import load_digits
+from sklearn.model_selection import train_test_split
+
+import unison.keras as hvd
+
+
+class Throughput(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.seconds, self.samples, self.batch_size = 0.0, 0, 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.started = time.perf_counter()
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch > 0:   # the first epoch traces and compiles the step
+            self.seconds += time.perf_counter() - self.started
+            self.samples += self.params["steps"] * self.batch_size
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--epochs", type=int, default=20)
+    parser.add_argument("--batch-size", type=int, default=32, help="per rank")
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--one-process", action="store_true",
+                        help="no unison: one process, batch-size x --ranks rows per step")
+    parser.add_argument("--ranks", type=int, default=2, help="with --one-process: whose global batch to use")
+    parser.add_argument("--samples-per-second", action="store_true")
+    args = parser.parse_args()
+
+    distributed = not args.one_process
+    if distributed:
+        hvd.init()
+        rank, size = hvd.rank(), hvd.size()
+    else:
+        rank, size = 0, 1
+    ranks = size if distributed else args.ranks
+    batch_size = args.batch_size if distributed else args.batch_size * args.ranks
+    keras.utils.set_random_seed(rank)  # different on purpose: the broadcast aligns them
+
+    x, y = load_digits(return_X_y=True)
+    x_train, x_test, y_train, y_test = train_test_split((x / 16.0).astype("float32"), y, test_size=0.25,
+                                                        random_state=0)
+    x_train, y_train = x_train[rank::size], y_train[rank::size]
+    if distributed:   # every rank takes the same number of steps
+        rows = min(hvd.allgather_object(len(x_train))) // batch_size * batch_size
+        x_train, y_train = x_train[:rows], y_train[:rows]
+
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(128, activation="relu"),
+                              keras.layers.Dense(10)])
+    # Horovod's advice: scale the learning rate with the number of ranks.
+    optimizer = keras.optimizers.SGD(args.lr * ranks, momentum=0.9)
+    callbacks = []
+    if distributed:
+        optimizer = hvd.DistributedOptimizer(optimizer)
+        callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0), hvd.callbacks.MetricAverageCallback()]
+    throughput = Throughput()
+    throughput.batch_size = batch_size
+    model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    history = model.fit(x_train, y_train, batch_size=batch_size, epochs=args.epochs, verbose=0,
+                        callbacks=callbacks + [throughput])
+
+    if rank == 0:
+        for epoch in range(args.epochs):
+            if epoch % 5 == 4 or epoch == args.epochs - 1:
+                print("epoch %d: loss %.4f, accuracy %.3f" % (epoch + 1, history.history["loss"][epoch],
+                                                             history.history["accuracy"][epoch]), flush=True)
+    _, accuracy = model.evaluate(x_test, y_test, verbose=0)
+    if rank == 0:
+        where = "%d ranks" % size if distributed else "1 process"
+        print("test accuracy %.3f on %s" % (accuracy, where), flush=True)
+    if args.samples_per_second and throughput.seconds > 0:
+        rate = throughput.samples / throughput.seconds
+        if distributed:   # every rank's samples: the job's throughput
+            rate = sum(hvd.allgather_object(rate))
+        if rank == 0:
+            print("samples/s %.0f" % rate, flush=True)
+
+
+if __name__ == "__main__":
+    main()

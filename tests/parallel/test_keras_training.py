@@ -1,0 +1,172 @@
+"""Keras 3 model.fit with unison.keras from one rank's point of view: the
+DistributedOptimizer and the broadcast callback end every rank on the
+parameters of one process trained on the whole batch; the callbacks do
+what Horovod's do."""
+import os
+
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+keras = pytest.importorskip("keras")
+import numpy as np  # noqa: E402
+
+import unison  # noqa: E402
+import unison.keras as hvd  # noqa: E402
+import unison.tensorflow.keras  # noqa: E402,F401  (Horovod's other import path)
+
+hvd.init()
+N, RANK = hvd.size(), hvd.rank()
+keras.backend.set_floatx("float64")
+B, STEPS, EPOCHS = 4, 3, 2
+
+
+def data(seed=0):
+    rng = np.random.RandomState(seed)
+    return rng.normal(size=(STEPS * N * B, 5)), rng.normal(size=(STEPS * N * B, 3))
+
+
+def local(a, passes=1):
+    """This rank's rows, in the order fit() takes them with batch B: the
+    global batch of each update is every rank's next `passes` batches."""
+    group = passes * N * B
+    rows = [a[s * group + (RANK * passes + p) * B:s * group + (RANK * passes + p + 1) * B]
+            for s in range(len(a) // group) for p in range(passes)]
+    return np.concatenate(rows)
+
+
+def make_model(seed):
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="tanh"),
+                              keras.layers.Dense(3)])
+    return model
+
+
+def reference_fit(initial, x, y, optimizer, batch_size, epochs=EPOCHS):
+    model = make_model(321)
+    model.set_weights(initial)
+    model.compile(optimizer=optimizer, loss="mse")
+    model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0)
+    return model
+
+
+def rank0_initial_weights(model):
+    return hvd.broadcast_object(model.get_weights(), root_rank=0)
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_fit_matches_one_process(kind):
+    x, y = data()
+    make = {"sgd": lambda: keras.optimizers.SGD(0.1, momentum=0.9), "adam": lambda: keras.optimizers.Adam(0.01)}[kind]
+    model = make_model(RANK)   # different on purpose: the callback aligns them
+    initial = rank0_initial_weights(model)
+    optimizer = hvd.DistributedOptimizer(make())
+    assert isinstance(optimizer, type(make())) and type(optimizer).__name__ == type(make()).__name__
+    model.compile(optimizer=optimizer, loss="mse")
+    model.fit(local(x), local(y), batch_size=B, epochs=EPOCHS, shuffle=False, verbose=0,
+              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+    reference = reference_fit(initial, x, y, make(), N * B)
+    for got, want in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, atol=1e-10, rtol=0)
+    assert int(optimizer.iterations) == EPOCHS * STEPS
+
+
+def test_backward_passes_per_step():
+    x, y = data(1)
+    model = make_model(RANK)
+    initial = rank0_initial_weights(model)
+    optimizer = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.5), backward_passes_per_step=3,
+                                         average_aggregated_gradients=True)
+    model.compile(optimizer=optimizer, loss="mse")
+    model.fit(local(x, passes=3), local(y, passes=3), batch_size=B, epochs=EPOCHS, shuffle=False, verbose=0,
+              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+    # One update per three local batches, from the mean gradient of the
+    # 3 x N batches: one process with a batch 3 x N times as large.
+    reference = reference_fit(initial, x, y, keras.optimizers.SGD(0.1, momentum=0.5), 3 * N * B)
+    for got, want in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, atol=1e-10, rtol=0)
+    assert int(optimizer.iterations) == EPOCHS * STEPS // 3
+
+
+class Recorder(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.epochs, self.batch_lrs = [], []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.batch_lrs.append(float(np.asarray(self.model.optimizer.learning_rate)))
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.epochs.append(dict(logs))
+
+
+def test_metric_average_callback():
+    x, y = data(2)
+    x = x + RANK   # ranks see different data, so their losses differ
+    model = make_model(0)
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.01)), loss="mse", metrics=["mae"])
+    before, after = Recorder(), Recorder()
+    history = model.fit(local(x), local(y), batch_size=B, epochs=EPOCHS, shuffle=False, verbose=0,
+                        callbacks=[before, hvd.callbacks.MetricAverageCallback(), after])
+    for epoch in range(EPOCHS):
+        for key in ("loss", "mae"):
+            everyone = hvd.allgather_object(before.epochs[epoch][key])
+            assert len(set(everyone)) == N   # really different per rank
+            assert after.epochs[epoch][key] == pytest.approx(np.mean(everyone), rel=1e-12)
+            assert history.history[key][epoch] == pytest.approx(np.mean(everyone), rel=1e-12)
+
+
+def test_learning_rate_warmup():
+    x, y = data(3)
+    model = make_model(0)
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.5)), loss="mse")
+    recorder = Recorder()
+    warmup = hvd.callbacks.LearningRateWarmupCallback(initial_lr=0.4, warmup_epochs=2)
+    model.fit(local(x), local(y), batch_size=B, epochs=3, shuffle=False, verbose=0, callbacks=[warmup, recorder])
+    want = [0.4 / N * ((e + b / STEPS) * (N - 1) / 2 + 1) for e in range(2) for b in range(STEPS)] + [0.4] * STEPS
+    np.testing.assert_allclose(recorder.batch_lrs, want, rtol=1e-6)
+
+
+def test_learning_rate_schedule_with_momentum_correction():
+    x, y = data(4)
+    model = make_model(0)
+    optimizer = hvd.DistributedOptimizer(keras.optimizers.SGD(0.2, momentum=0.9))
+    model.compile(optimizer=optimizer, loss="mse")
+    velocities = {}
+
+    class Velocity(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            velocities[("end", epoch)] = [v.numpy().copy() for v in getattr(optimizer, "momentums", [])]
+
+        def on_epoch_begin(self, epoch, logs=None):
+            velocities[("begin", epoch)] = [v.numpy().copy() for v in getattr(optimizer, "momentums", [])]
+    recorder = Recorder()
+    schedule = hvd.callbacks.LearningRateScheduleCallback(initial_lr=0.2, multiplier=lambda epoch: 0.5 ** epoch,
+                                                          start_epoch=1, end_epoch=3)
+    model.fit(local(x), local(y), batch_size=B, epochs=4, shuffle=False, verbose=0,
+              callbacks=[schedule, Velocity(), recorder])
+    np.testing.assert_allclose(recorder.batch_lrs, [0.2] * STEPS + [0.1] * STEPS + [0.05] * 2 * STEPS, rtol=1e-6)
+    # Each change of rate scales the accumulated velocity by new / old.
+    assert len(velocities[("end", 0)]) == 4
+    for before, after in zip(velocities[("end", 0)], velocities[("begin", 1)]):
+        np.testing.assert_allclose(after, 0.5 * before, rtol=1e-6)
+    for before, after in zip(velocities[("end", 2)], velocities[("begin", 3)]):
+        np.testing.assert_allclose(after, before, rtol=0)
+
+
+def test_best_model_checkpoint_written_by_rank_zero_only(tmp_path):
+    x, y = data(5)
+    path = os.path.join(str(tmp_path), "best.keras")
+    model = make_model(0)
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.01)), loss="mse")
+    model.fit(local(x), local(y), batch_size=B, epochs=2, verbose=0, validation_data=(x[:4], y[:4]),
+              callbacks=[hvd.callbacks.MetricAverageCallback(), hvd.callbacks.BestModelCheckpoint(filepath=path)])
+    assert os.path.exists(path) == (RANK == 0)
+
+
+def test_mismatched_models_fail_fit_on_every_rank():
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(3 + RANK)])
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.01)), loss="mse")
+    x, y = np.ones((B, 5)), np.ones((B, 3 + RANK))
+    with pytest.raises(tf.errors.OpError, match=r"MismatchError.*DistributedOptimizer.*shape.*rank 0 \[5, 3\]"):
+        model.fit(x, y, batch_size=B, epochs=1, verbose=0)
+    np.testing.assert_array_equal(hvd.allreduce(tf.ones([2]), op=hvd.Sum), [N, N])
