@@ -47,7 +47,10 @@ void* output_buffer(void* caller_output, size_t bytes, OpResult* result) {
     result->data = caller_output;
     return caller_output;
   }
-  result->data = std::malloc(bytes > 0 ? bytes : 1);
+  // 64-byte aligned, so frameworks can adopt the buffer without a copy
+  // (TensorFlow takes only buffers aligned for its widest vector loads).
+  constexpr size_t kAlign = 64;
+  result->data = std::aligned_alloc(kAlign, (bytes + kAlign - 1) / kAlign * kAlign + (bytes == 0 ? kAlign : 0));
   result->core_allocated = true;
   return result->data;
 }

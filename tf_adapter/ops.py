@@ -27,6 +27,7 @@ import weakref
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python import pywrap_tfe
 
 from unison import basics, collective
 import unison.numpy as unp
@@ -66,17 +67,49 @@ def _grad_name(name):
     return None if name is None else name + ".grad"
 
 
+def _view(tensor):
+    """A CPU tensor's values as a read-only numpy view, without the copy
+    that EagerTensor.numpy() makes."""
+    view = getattr(tensor, "_numpy", None)
+    return view() if view is not None else tensor.numpy()
+
+
+def aligned_empty(shape, dtype):
+    """An uninitialised numpy array on a 64-byte boundary, which TensorFlow
+    can adopt through DLPack without copying it."""
+    dtype = np.dtype(dtype)
+    count = int(np.prod(shape, dtype=np.int64))
+    raw = np.empty(count * dtype.itemsize + 64, dtype=np.uint8)
+    offset = (-raw.ctypes.data) % 64
+    return raw[offset:offset + count * dtype.itemsize].view(dtype).reshape(shape)
+
+
+def _to_tensor(array, dtype):
+    """A tensor holding `array`: adopted through DLPack (no copy) when it
+    is aligned and of a type DLPack carries; copied otherwise."""
+    array = np.asarray(array)
+    if array.size and array.ctypes.data % 64 == 0:
+        try:
+            return tf.experimental.dlpack.from_dlpack(array.__dlpack__())
+        except (BufferError, TypeError, ValueError, tf.errors.OpError):
+            pass   # bfloat16, bool on older numpy, read-only arrays: copy
+    return tf.convert_to_tensor(array, dtype=dtype)
+
+
 def _run(fn, inputs, out_dtypes):
     """fn(*numpy arrays) -> list of numpy arrays, as tensors: called now
-    when eager, else as one numpy_function node chained after the graph's
-    previous collective."""
+    when eager, else as one py_function node chained after the graph's
+    previous collective. Inputs are viewed, outputs adopted: no copy on
+    either side (a numpy_function node would copy every result)."""
+    def call(*tensors):
+        outputs = fn(*[_view(t) for t in tensors])
+        return [_to_tensor(o, d) for o, d in zip(outputs, out_dtypes)]
     if tf.executing_eagerly():
-        outputs = fn(*[t.numpy() for t in inputs])
-        return [tf.convert_to_tensor(o, dtype=d) for o, d in zip(outputs, out_dtypes)]
+        return call(*inputs)
     graph = tf.compat.v1.get_default_graph()
     previous = _last_in_graph.get(graph)
     with tf.control_dependencies([previous] if previous is not None else []):
-        outputs = tf.numpy_function(fn, list(inputs), list(out_dtypes), stateful=True, name="unison")
+        outputs = tf.py_function(call, list(inputs), list(out_dtypes), name="unison")
     _last_in_graph[graph] = outputs[0].op if outputs else None
     return list(outputs)
 
@@ -102,6 +135,19 @@ def _grad_names(name):
     return _grad_name(name)
 
 
+def _needs_gradient(tensors):
+    """False when no gradient tape could want these tensors' gradients:
+    eagerly with no tape watching them, the op skips tf.custom_gradient,
+    which costs more than a small collective itself. Graphs always get the
+    gradient (tracing cost is paid once)."""
+    if not tf.executing_eagerly():
+        return True
+    try:
+        return bool(pywrap_tfe.TFE_Py_TapeSetShouldRecordBackprop(list(tensors)))
+    except Exception:  # noqa: BLE001 - a TensorFlow without this: always record
+        return True
+
+
 def _zeros_for_missing(grads, like):
     return [tf.zeros_like(x) if g is None else g for g, x in zip(grads, like)]
 
@@ -114,8 +160,8 @@ def _grouped_allreduce_raw(tensors, name, op, prescale_factor, postscale_factor,
 
     def fn(*arrays):
         return synchronize(HandleGroup([
-            unp.allreduce_async(a, name=n, op=op, prescale_factor=prescale_factor,
-                                postscale_factor=postscale_factor, process_set=process_set)
+            unp._allreduce(a, aligned_empty(a.shape, a.dtype), None, n, op, prescale_factor,
+                           postscale_factor, process_set)
             for a, n in zip(arrays, names)]))
     outputs = _run(fn, tensors, [t.dtype for t in tensors])
     for out, t in zip(outputs, tensors):
@@ -128,6 +174,8 @@ def _grouped_allreduce(tensors, name, op, prescale_factor, postscale_factor, pro
         raise UnsupportedError("unison: Adasum is not implemented for TensorFlow")
     for t, n in zip(tensors, _member_names(name, len(tensors))):
         _check(t, n)
+    if not _needs_gradient(tensors):
+        return _grouped_allreduce_raw(list(tensors), name, op, prescale_factor, postscale_factor, process_set)
 
     @tf.custom_gradient
     def forward(*xs):
@@ -218,6 +266,8 @@ def grouped_allgather(tensors, name=None, ignore_name_scope=False, process_set=g
         if t.shape.rank == 0:
             raise InvalidArgumentError("unison: allgather of %s needs at least one dimension"
                                        % _label(name if len(tensors) == 1 else "%s[%d]" % (name, i)))
+    if not _needs_gradient(tensors):
+        return _grouped_allgather_raw(tensors, name, process_set)
 
     @tf.custom_gradient
     def forward(*xs):
@@ -247,7 +297,8 @@ def _broadcast_raw(tensors, root_rank, name, process_set):
     names = _member_names(name, len(tensors))
 
     def fn(*arrays):
-        return synchronize(HandleGroup([unp.broadcast_async(a, root_rank, name=n, process_set=process_set)
+        return synchronize(HandleGroup([unp._broadcast(a, aligned_empty(a.shape, a.dtype), root_rank, n,
+                                                       process_set)
                                         for a, n in zip(arrays, names)]))
     outputs = _run(fn, tensors, [t.dtype for t in tensors])
     for out, t in zip(outputs, tensors):
@@ -259,6 +310,8 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False, process_set
     """root_rank's `tensor` on every rank. Differentiable."""
     tensor = tf.convert_to_tensor(tensor)
     _check(tensor, name)
+    if not _needs_gradient([tensor]):
+        return _broadcast_raw([tensor], root_rank, name, process_set)[0]
 
     @tf.custom_gradient
     def forward(x):
@@ -315,6 +368,7 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_se
     if tensor.shape.rank == 0:
         raise InvalidArgumentError("unison: alltoall of %s needs at least one dimension" % _label(name))
     split_tensor = None if splits is None else tf.reshape(tf.convert_to_tensor(splits), [-1])
+    split_dtype = split_tensor.dtype if split_tensor is not None else tf.int32
 
     @tf.custom_gradient
     def forward(x):
@@ -323,9 +377,13 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_se
         def grad(dy, _d_received=None):
             back, _ = _alltoall_raw(dy, received, _grad_name(name), process_set)
             return back
-        return (y, tf.cast(received, split_tensor.dtype if split_tensor is not None else tf.int32)), grad
+        return (y, tf.cast(received, split_dtype)), grad
 
-    output, received = forward(tensor)
+    if _needs_gradient([tensor]):
+        output, received = forward(tensor)
+    else:
+        output, received = _alltoall_raw(tensor, split_tensor, name, process_set)
+        received = tf.cast(received, split_dtype)
     return (output, received) if splits is not None else output
 
 
@@ -362,6 +420,8 @@ def grouped_reducescatter(tensors, op=Average, name=None, ignore_name_scope=Fals
         _check(t, name)
         if t.shape.rank == 0:
             raise InvalidArgumentError("unison: reducescatter of %s needs at least one dimension" % _label(name))
+    if not _needs_gradient(tensors):
+        return _grouped_reducescatter_raw(tensors, name, op, prescale_factor, postscale_factor, process_set)
 
     @tf.custom_gradient
     def forward(*xs):
