@@ -20,8 +20,8 @@ def _variable_name(variable, index):
 
 
 class GradientReducer:
-    """Horovod's gradient averaging: op=Average over ranks (or Sum,
-    Adasum-free), with gradient_predivide_factor f splitting the division
+    """Horovod's gradient averaging: op=Average over ranks (or Sum; Adasum
+    is not offered), with gradient_predivide_factor f splitting the division
     into 1/f before the sum and f/size after it. Dense gradients go in one
     grouped node per group (num_groups of them, or `groups` as lists of
     variables; one for all by default, so the core fuses them all);

@@ -1,0 +1,26 @@
+"""Gradient compression for allreduce, shared by the front ends: a
+compressor turns a tensor into what goes over the wire and back.
+`NoneCompressor` sends tensors as they are; each front end adds its own
+`FP16Compressor` (the cast is framework code) and a `Compression` holder."""
+
+
+class Compressor:
+    """compress(tensor) -> (wire tensor, context); decompress(wire, context)."""
+
+    @staticmethod
+    def compress(tensor):
+        raise NotImplementedError
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        raise NotImplementedError
+
+
+class NoneCompressor(Compressor):
+    @staticmethod
+    def compress(tensor):
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        return tensor
