@@ -20,6 +20,19 @@ def resolve_op(op, average, default=basics.Average):
     return default
 
 
+def split_into_groups(items, num_groups):
+    """num_groups consecutive groups of near-equal length (the first ones
+    one longer when it does not divide), empty ones left out: Horovod's
+    num_groups for the optimizer wrappers of every framework."""
+    groups, start = [], 0
+    for g in range(num_groups):
+        length = len(items) // num_groups + (1 if g < len(items) % num_groups else 0)
+        if length:
+            groups.append(items[start:start + length])
+        start += length
+    return groups
+
+
 def enqueue(op, name, dtype=0, shape=(), input=NULL, output=NULL, reduce_op=0,
             prescale_factor=1.0, postscale_factor=1.0, root_rank=0, splits=None,
             process_set=None, device=-1):

@@ -11,20 +11,9 @@ import warnings
 
 import mxnet as mx
 
+from unison.collective import split_into_groups
 from unison.process_sets import global_process_set
 from unison.mxnet.ops import Sum, _allreduce_async, _wait_all
-
-
-def _split_into_groups(items, num_groups):
-    """num_groups consecutive groups of near-equal length (the first ones
-    one longer when it does not divide)."""
-    groups, start = [], 0
-    for g in range(num_groups):
-        length = len(items) // num_groups + (1 if g < len(items) % num_groups else 0)
-        if length:
-            groups.append(items[start:start + length])
-        start += length
-    return groups
 
 
 def _allreduce_gradients(named_grads, gradient_predivide_factor, num_groups, process_set):
@@ -33,7 +22,7 @@ def _allreduce_gradients(named_grads, gradient_predivide_factor, num_groups, pro
     the core fuses whatever is ready together either way."""
     if num_groups > 0:
         renamed = []
-        for g, group in enumerate(_split_into_groups(named_grads, num_groups)):
+        for g, group in enumerate(split_into_groups(named_grads, num_groups)):
             renamed += [("group.%d.%s" % (g, name), grad, priority) for name, grad, priority in group]
         named_grads = renamed
     ops = [_allreduce_async(grad, grad, name, Sum, 1.0 / gradient_predivide_factor, 1.0, process_set, priority)

@@ -2,6 +2,7 @@
 reduction that the Keras DistributedOptimizer shares with it."""
 import tensorflow as tf
 
+from unison.collective import split_into_groups
 from unison.exceptions import InvalidArgumentError
 from unison.process_sets import global_process_set
 from unison.tensorflow.compression import Compression
@@ -56,16 +57,12 @@ class GradientReducer:
             position = {id(v): i for i, v in enumerate(variables)}
             listed = [[position[id(v)] for v in group if id(v) in position] for group in self.groups]
             taken = {i for group in listed for i in group}
-            rest = [[i] for i in dense if i not in taken]
-            return [[i for i in group if i in dense] for group in listed] + rest
-        if self.num_groups > 0:
-            count = len(dense)
-            groups, start = [], 0
-            for g in range(self.num_groups):
-                length = count // self.num_groups + (1 if g < count % self.num_groups else 0)
-                groups.append(dense[start:start + length])
-                start += length
+            # Gradients no group names travel together, so they still fuse.
+            groups = [[i for i in group if i in dense] for group in listed]
+            groups.append([i for i in dense if i not in taken])
             return [g for g in groups if g]
+        if self.num_groups > 0:
+            return split_into_groups(dense, self.num_groups)
         return [dense] if dense else []
 
     def reduce(self, grads, variables):

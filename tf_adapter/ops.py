@@ -1,13 +1,12 @@
 """The collectives on TensorFlow tensors, with Horovod's TensorFlow API and
 its gradients.
 
-How a collective reaches the core: eagerly, the tensor's numpy view (no
-copy for CPU tensors) goes straight to unison.numpy; inside a tf.function,
-the same Python runs as a `tf.numpy_function` node. Why not a custom op
-kernel: measured on this machine (tf_adapter/README.md), the node costs
-tens of microseconds over the raw core, against hundreds for the smallest
-collective between two ranks, and it moves no extra bytes; a kernel would
-tie the install to one TensorFlow build for a gain inside the noise.
+How a collective reaches the core: eagerly, a numpy view of the tensor
+(no copy) goes to unison.numpy, and the core's aligned result is adopted by
+TensorFlow through DLPack (no copy); inside a tf.function, the same Python
+runs as one `tf.py_function` node. tf_adapter/README.md gives the measured
+cost (large tensors cost what the core costs; a small one pays ~0.7 ms for
+the node inside a tf.function) and where a custom kernel would pay.
 
 Ordering inside a graph: TensorFlow may run independent nodes in any order
 and on any of its threads, and a collective node blocks its thread until
@@ -148,6 +147,25 @@ def _needs_gradient(tensors):
         return True
 
 
+def _grouped_node(tensors, name, start, static_shape):
+    """One node for a grouped op: start(array, member name) enqueues each
+    member and returns its Handle; all are enqueued before any is waited
+    on, so the core fuses them. static_shape(t) is each output's shape as
+    far as tracing knows it."""
+    names = _member_names(name, len(tensors))
+
+    def fn(*arrays):
+        return synchronize(HandleGroup([start(a, n) for a, n in zip(arrays, names)]))
+    outputs = _run(fn, tensors, [t.dtype for t in tensors])
+    for out, t in zip(outputs, tensors):
+        out.set_shape(static_shape(t))
+    return outputs
+
+
+def _rows_unknown(t):
+    return tf.TensorShape([None]).concatenate(t.shape[1:])
+
+
 def _zeros_for_missing(grads, like):
     return [tf.zeros_like(x) if g is None else g for g, x in zip(grads, like)]
 
@@ -155,18 +173,9 @@ def _zeros_for_missing(grads, like):
 # ---- allreduce ----------------------------------------------------------------
 
 def _grouped_allreduce_raw(tensors, name, op, prescale_factor, postscale_factor, process_set):
-    """One node: every tensor enqueued, then all waited on (they fuse)."""
-    names = _member_names(name, len(tensors))
-
-    def fn(*arrays):
-        return synchronize(HandleGroup([
-            unp._allreduce(a, aligned_empty(a.shape, a.dtype), None, n, op, prescale_factor,
-                           postscale_factor, process_set)
-            for a, n in zip(arrays, names)]))
-    outputs = _run(fn, tensors, [t.dtype for t in tensors])
-    for out, t in zip(outputs, tensors):
-        out.set_shape(t.shape)
-    return outputs
+    return _grouped_node(tensors, name, lambda a, n: unp._allreduce(
+        a, aligned_empty(a.shape, a.dtype), None, n, op, prescale_factor, postscale_factor, process_set),
+        lambda t: t.shape)
 
 
 def _grouped_allreduce(tensors, name, op, prescale_factor, postscale_factor, process_set):
@@ -244,15 +253,8 @@ def _first_dims(tensor, name, process_set):
 
 
 def _grouped_allgather_raw(tensors, name, process_set):
-    names = _member_names(name, len(tensors))
-
-    def fn(*arrays):
-        return synchronize(HandleGroup([unp.allgather_async(a, name=n, process_set=process_set)
-                                        for a, n in zip(arrays, names)]))
-    outputs = _run(fn, tensors, [t.dtype for t in tensors])
-    for out, t in zip(outputs, tensors):
-        out.set_shape(tf.TensorShape([None]).concatenate(t.shape[1:]))
-    return outputs
+    return _grouped_node(tensors, name, lambda a, n: unp.allgather_async(a, name=n, process_set=process_set),
+                         _rows_unknown)
 
 
 def grouped_allgather(tensors, name=None, ignore_name_scope=False, process_set=global_process_set):
@@ -294,16 +296,8 @@ def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_pro
 # ---- broadcast ----------------------------------------------------------------
 
 def _broadcast_raw(tensors, root_rank, name, process_set):
-    names = _member_names(name, len(tensors))
-
-    def fn(*arrays):
-        return synchronize(HandleGroup([unp._broadcast(a, aligned_empty(a.shape, a.dtype), root_rank, n,
-                                                       process_set)
-                                        for a, n in zip(arrays, names)]))
-    outputs = _run(fn, tensors, [t.dtype for t in tensors])
-    for out, t in zip(outputs, tensors):
-        out.set_shape(t.shape)
-    return outputs
+    return _grouped_node(tensors, name, lambda a, n: unp._broadcast(
+        a, aligned_empty(a.shape, a.dtype), root_rank, n, process_set), lambda t: t.shape)
 
 
 def broadcast(tensor, root_rank, name=None, ignore_name_scope=False, process_set=global_process_set):
@@ -354,7 +348,7 @@ def _alltoall_raw(tensor, splits, name, process_set):
         rows = tf.shape(tensor, out_type=tf.int64)[0]
         splits = tf.fill([n], rows // n) + tf.cast(tf.range(n) < tf.cast(rows % n, tf.int32), tf.int64)
     output, received = _run(fn, [tensor, tf.cast(splits, tf.int64)], [tensor.dtype, tf.int64])
-    output.set_shape(tf.TensorShape([None]).concatenate(tensor.shape[1:]))
+    output.set_shape(_rows_unknown(tensor))
     received.set_shape([process_set.size()])
     return output, received
 
@@ -390,20 +384,15 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_se
 # ---- reducescatter ------------------------------------------------------------
 
 def _grouped_reducescatter_raw(tensors, name, op, prescale_factor, postscale_factor, process_set):
-    names = _member_names(name, len(tensors))
+    size, rank = process_set.size(), process_set.rank()
 
-    def fn(*arrays):
-        return synchronize(HandleGroup([
-            unp.reducescatter_async(a, op=op, name=n, prescale_factor=prescale_factor,
-                                    postscale_factor=postscale_factor, process_set=process_set)
-            for a, n in zip(arrays, names)]))
-    outputs = _run(fn, tensors, [t.dtype for t in tensors])
-    n, rank = process_set.size(), process_set.rank()
-    for out, t in zip(outputs, tensors):
+    def static_shape(t):
         rows = t.shape[0]
-        mine = None if rows is None else rows // n + (1 if rank < rows % n else 0)
-        out.set_shape(tf.TensorShape([mine]).concatenate(t.shape[1:]))
-    return outputs
+        mine = None if rows is None else rows // size + (1 if rank < rows % size else 0)
+        return tf.TensorShape([mine]).concatenate(t.shape[1:])
+    return _grouped_node(tensors, name, lambda a, n: unp.reducescatter_async(
+        a, op=op, name=n, prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+        process_set=process_set), static_shape)
 
 
 def grouped_reducescatter(tensors, op=Average, name=None, ignore_name_scope=False,

@@ -92,6 +92,23 @@ def test_gradient_tape_matches_one_process(kind, predivide, num_groups, mode):
     assert_same_weights(model, train_reference(initial, x, y, kind))
 
 
+def test_gradient_tape_with_listed_groups():
+    """groups= as lists of variables: the listed ones in their own nodes,
+    the rest together; the result is the same averaged gradients."""
+    x, y = data()
+    model = make_model(RANK)
+    hvd.broadcast_variables(model.variables, root_rank=0)
+    initial = model.get_weights()
+    optimizer = make_optimizer("sgd")
+    variables = model.trainable_variables
+    for s in range(STEPS):
+        with tf.GradientTape() as tape:
+            loss = mse(model, shard(x, s), shard(y, s))
+        tape = hvd.DistributedGradientTape(tape, groups=[[variables[0], variables[3]], [variables[1]]])
+        optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
+    assert_same_weights(model, train_reference(initial, x, y, "sgd"))
+
+
 @pytest.mark.parametrize("sparse_as_dense", [False, True])
 def test_sparse_gradients_match_one_process(sparse_as_dense):
     rng = np.random.RandomState(1)
