@@ -51,13 +51,16 @@ int unison_init(void) {
                                                                  " of size " + std::to_string(c.size) +
                                                                  " from the environment is impossible"));
   std::unique_ptr<Backend> backend;
-  if (c.size == 1) {
+  if (c.size > 1 && !c.mpi_launcher.empty()) {
+    Status s = make_mpi_backend(&c, generation, &backend);
+    if (!s.ok()) return report(s);
+  } else if (c.size == 1) {
     backend = make_solo_backend();
   } else if (c.local_size != c.size) {
     return report(Status::Error(UNISON_ERR_UNSUPPORTED,
-                                "unison: this job spans " + std::to_string(c.size / std::max(c.local_size, 1)) +
-                                    " hosts, but this build has only the shared-memory data plane, which "
-                                    "works within one host"));
+                                "unison: UNISON_SIZE is " + std::to_string(c.size) + " but UNISON_LOCAL_SIZE is " +
+                                    std::to_string(c.local_size) + "; a job across hosts starts with "
+                                    "`unisonrun -H` (or mpirun/srun) and needs the MPI backend"));
   } else {
     Status s = make_shm_backend(c, generation, &backend);
     if (!s.ok()) return report(s);
@@ -86,7 +89,7 @@ int unison_cross_size(int* out) { return query(out, config.cross_size); }
 
 const char* unison_backend_name(void) { return engine != nullptr ? engine->backend().name() : ""; }
 
-const char* unison_built_backends(void) { return "solo,shm"; }
+const char* unison_built_backends(void) { return mpi_backend_available() ? "solo,shm,mpi" : "solo,shm"; }
 
 int unison_enqueue(const unison_op_options* options, unison_handle* out) {
   if (engine == nullptr) return not_initialized();

@@ -105,5 +105,11 @@ std::unique_ptr<Backend> make_solo_backend();
 // Shared memory between the processes of one host.
 bool shm_backend_available();
 Status make_shm_backend(const Config& config, int generation, std::unique_ptr<Backend>* out);
+// A job started by mpirun or srun (mpi/): shared memory within each host and
+// MPI across hosts, or MPI alone. Fills in `config`'s identity from MPI.
+// Where no MPI was found at build time, a stub answers with an error that
+// says how to get one.
+bool mpi_backend_available();
+Status make_mpi_backend(Config* config, int generation, std::unique_ptr<Backend>* out);
 
 }  // namespace unison

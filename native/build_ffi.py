@@ -2,14 +2,25 @@
 
 The declarations come from native/unison.h itself (the block between
 BEGIN CDEF and END CDEF), so the header stays the one description of the ABI.
+
+The MPI backend (native/mpi/) is compiled when an `mpicc` is found (on PATH,
+or named by $MPICC), with the flags that mpicc reports; otherwise
+native/mpi/without_mpi.cc stands in for it. UNISON_WITH_MPI=1 makes a
+missing MPI an error, UNISON_WITHOUT_MPI=1 leaves MPI out even if found.
 """
 import glob
 import os
 import re
+import shlex
+import shutil
+import subprocess
+import sys
 
 from cffi import FFI
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+STUB = os.path.join(HERE, "mpi", "without_mpi.cc")
 
 
 def _cdef():
@@ -20,24 +31,76 @@ def _cdef():
     return re.sub(r"#define (\w+) (-?\d+)", r"#define \1 \2", block)
 
 
-def _sources():
-    # Paths relative to the project root, where setup.py runs.
-    files = sorted(glob.glob(os.path.join(HERE, "*.cc")) + glob.glob(os.path.join(HERE, "*", "*.cc")))
-    root = os.path.dirname(HERE)
-    return [os.path.relpath(f, root) for f in files]
+def _find_mpicc():
+    if os.environ.get("UNISON_WITHOUT_MPI") == "1":
+        return None
+    candidates = [os.environ.get("MPICC"), shutil.which("mpicc"),
+                  os.path.join(os.path.dirname(sys.executable), "mpicc")]
+    for mpicc in candidates:
+        if mpicc and os.access(mpicc, os.X_OK):
+            return mpicc
+    if os.environ.get("UNISON_WITH_MPI") == "1":
+        sys.exit("unison: UNISON_WITH_MPI=1 but no mpicc was found on PATH or in $MPICC; "
+                 "install an MPI (pip install mpich, or apt install libopenmpi-dev) first")
+    return None
 
+
+def _mpi_flags(mpicc):
+    """include_dirs, library_dirs, libraries and link args from the wrapper:
+    MPICH answers -show, Open MPI --showme."""
+    for option in ("-show", "--showme"):
+        try:
+            out = subprocess.run([mpicc, option], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                 check=True, text=True).stdout
+        except (OSError, subprocess.CalledProcessError):
+            continue
+        flags = {"include_dirs": [], "library_dirs": [], "libraries": [], "extra_link_args": []}
+        for token in shlex.split(out)[1:]:
+            if token.startswith("-I"):
+                flags["include_dirs"].append(token[2:])
+            elif token.startswith("-L"):
+                flags["library_dirs"].append(token[2:])
+            elif token.startswith("-l"):
+                flags["libraries"].append(token[2:])
+            elif token.startswith("-Wl,") or token == "-pthread":
+                flags["extra_link_args"].append(token)
+        if flags["libraries"]:
+            return flags
+    sys.exit("unison: %s answers neither -show nor --showme; set UNISON_WITHOUT_MPI=1 to build without MPI" % mpicc)
+
+
+def _sources(with_mpi):
+    files = sorted(glob.glob(os.path.join(HERE, "*.cc")) + glob.glob(os.path.join(HERE, "*", "*.cc")))
+    mpi_folder = os.path.join(HERE, "mpi") + os.sep
+    if with_mpi:
+        files = [f for f in files if f != STUB]
+    else:
+        files = [f for f in files if not f.startswith(mpi_folder) or f == STUB]
+    # Paths relative to the project root, where setup.py runs.
+    return [os.path.relpath(f, ROOT) for f in files]
+
+
+MPICC = _find_mpicc()
+MPI = _mpi_flags(MPICC) if MPICC else {"include_dirs": [], "library_dirs": [], "libraries": [], "extra_link_args": []}
+if MPICC:
+    print("unison: building the MPI backend with %s" % MPICC)
+else:
+    print("unison: no mpicc found; building without the MPI backend")
 
 ffibuilder = FFI()
 ffibuilder.cdef(_cdef())
 ffibuilder.set_source(
     "unison._native",
     '#include "unison.h"',
-    sources=_sources(),
-    include_dirs=[os.path.relpath(HERE, os.path.dirname(HERE))],
+    sources=_sources(MPICC is not None),
+    include_dirs=[os.path.relpath(HERE, ROOT)] + MPI["include_dirs"],
+    library_dirs=MPI["library_dirs"],
     source_extension=".cpp",
+    # MPI's C++ bindings are not used: the core calls the C API.
+    define_macros=[("MPICH_SKIP_MPICXX", "1"), ("OMPI_SKIP_MPICXX", "1")],
     extra_compile_args=["-std=c++17", "-O3", "-fvisibility=hidden", "-Wall"],
-    extra_link_args=["-pthread"],
-    libraries=["rt"],
+    extra_link_args=["-pthread"] + MPI["extra_link_args"],
+    libraries=["rt"] + MPI["libraries"],
 )
 
 if __name__ == "__main__":

@@ -25,19 +25,78 @@ void read_double(double* field, const char* unison_name, const char* horovod_nam
   if (const char* v = lookup(unison_name, horovod_name)) *field = std::strtod(v, nullptr);
 }
 
+// Tasks on node `node` from SLURM's compressed list: "2(x3),1" is three
+// nodes with 2 tasks, then one with 1.
+int slurm_tasks_on_node(const std::string& list, int node) try {
+  size_t at = 0;
+  while (at < list.size()) {
+    size_t used = 0;
+    const int tasks = std::stoi(list.substr(at), &used);
+    at += used;
+    int repeat = 1;
+    if (list.compare(at, 2, "(x") == 0) {
+      repeat = std::stoi(list.substr(at + 2), &used);
+      at += 2 + used + 1;  // past the ')'
+    }
+    if (node < repeat) return tasks;
+    node -= repeat;
+    at += 1;  // past the ','
+  }
+  return 0;
+} catch (const std::exception&) {
+  return 0;  // not SLURM's format: the MPI backend finds the real figure
+}
+
+// The identity an MPI launcher or srun gives its processes. MPI's own answer
+// is what the job runs on; these tell init() which launcher it is under.
+void read_launcher_identity(Config* c) {
+  if (lookup("OMPI_COMM_WORLD_RANK", nullptr) != nullptr) {
+    c->mpi_launcher = "Open MPI";
+    read_int(&c->rank, "OMPI_COMM_WORLD_RANK");
+    read_int(&c->size, "OMPI_COMM_WORLD_SIZE");
+    c->local_rank = c->rank, c->local_size = c->size;
+    read_int(&c->local_rank, "OMPI_COMM_WORLD_LOCAL_RANK");
+    read_int(&c->local_size, "OMPI_COMM_WORLD_LOCAL_SIZE");
+  } else if (lookup("PMI_RANK", nullptr) != nullptr) {
+    c->mpi_launcher = "MPICH";
+    read_int(&c->rank, "PMI_RANK");
+    read_int(&c->size, "PMI_SIZE");
+    c->local_rank = c->rank, c->local_size = c->size;
+    read_int(&c->local_rank, "MPI_LOCALRANKID");
+    read_int(&c->local_size, "MPI_LOCALNRANKS");
+  } else if (lookup("SLURM_STEP_NUM_TASKS", nullptr) != nullptr && lookup("SLURM_PROCID", nullptr) != nullptr) {
+    // srun, not the batch script: only a job step has SLURM_STEP_NUM_TASKS.
+    c->mpi_launcher = "SLURM";
+    read_int(&c->rank, "SLURM_PROCID");
+    read_int(&c->size, "SLURM_STEP_NUM_TASKS");
+    c->local_rank = c->rank, c->local_size = c->size;
+    read_int(&c->local_rank, "SLURM_LOCALID");
+    int node = 0;
+    read_int(&node, "SLURM_NODEID");
+    if (const char* list = lookup("SLURM_STEP_TASKS_PER_NODE", nullptr)) c->local_size = slurm_tasks_on_node(list, node);
+  }
+}
+
 }  // namespace
 
 Config Config::from_environment() {
   Config c;
+  if (lookup("UNISON_RANK", "HOROVOD_RANK") == nullptr) read_launcher_identity(&c);
   read_int(&c.rank, "UNISON_RANK", "HOROVOD_RANK");
   read_int(&c.size, "UNISON_SIZE", "HOROVOD_SIZE");
-  c.local_rank = c.rank;
-  c.local_size = c.size;
+  if (c.mpi_launcher.empty()) {
+    c.local_rank = c.rank;
+    c.local_size = c.size;
+  }
   read_int(&c.local_rank, "UNISON_LOCAL_RANK", "HOROVOD_LOCAL_RANK");
   read_int(&c.local_size, "UNISON_LOCAL_SIZE", "HOROVOD_LOCAL_SIZE");
   read_int(&c.cross_rank, "UNISON_CROSS_RANK", "HOROVOD_CROSS_RANK");
   read_int(&c.cross_size, "UNISON_CROSS_SIZE", "HOROVOD_CROSS_SIZE");
   if (const char* v = lookup("UNISON_JOB_ID", nullptr)) c.job_id = v;
+  if (const char* v = lookup("UNISON_HOSTNAME", "HOROVOD_HOSTNAME")) c.hostname = v;
+  int hierarchical = 1;
+  read_int(&hierarchical, "UNISON_HIERARCHICAL_ALLREDUCE", "HOROVOD_HIERARCHICAL_ALLREDUCE");
+  c.hierarchical = hierarchical != 0;
 
   read_size(&c.fusion_threshold_bytes, "UNISON_FUSION_THRESHOLD", "HOROVOD_FUSION_THRESHOLD");
   read_double(&c.cycle_time_ms, "UNISON_CYCLE_TIME", "HOROVOD_CYCLE_TIME");

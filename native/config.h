@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace unison {
 
@@ -19,6 +20,29 @@ struct Config {
   int cross_rank = 0;
   int cross_size = 1;
   std::string job_id;
+
+  // Which launcher's variables gave the identity when unisonrun did not:
+  // "Open MPI", "MPICH" (any PMI-based mpirun: MPICH, Intel MPI, MVAPICH)
+  // or "SLURM" (srun). Empty otherwise. Such a job gets its real identity
+  // from MPI itself (mpi/world.cc).
+  std::string mpi_launcher;
+
+  // This rank's host identity for deciding which ranks share memory; empty
+  // means gethostname(). Giving ranks of one machine different names makes
+  // it pose as several hosts, which is how the cross-host paths are tested.
+  std::string hostname;
+
+  // Global ranks of this host's ranks, by local rank, so that a backend
+  // working within one host names peers by their global rank. Empty when
+  // the host is the whole job (local rank == rank).
+  std::vector<int> host_ranks;
+
+  // Across hosts: shared memory within each host and MPI between them
+  // (true), or MPI for every byte between every pair of ranks (false).
+  // Hierarchical is the default because it is faster wherever a host runs
+  // more than one rank (benchmarks/README.md); a job with one rank per host
+  // runs flat either way.
+  bool hierarchical = true;
 
   // Allreduces (and allgathers, reducescatters) ready in the same cycle are
   // packed together up to this many bytes. 64 MiB is Horovod's default: large
@@ -67,6 +91,10 @@ struct Config {
   // A waiting thread spins this long before it sleeps in the kernel. Short,
   // so that a rank waiting for a slow peer gives its core back.
   double spin_microseconds = 50.0;
+  // The spin of an idle engine thread before it sleeps; negative means
+  // spin_microseconds. Not a user setting: a backend that must poll
+  // something else while idle (MPI across hosts) does its own spinning.
+  double idle_spin_microseconds = -1.0;
 
   int log_level = 0;  // 0 warnings, 1 info, 2 debug
 

@@ -116,7 +116,8 @@ class ShmBackend final : public Backend {
     beat();
     // A short spin first: when cycles come back to back (a training step's
     // gradients), the next request usually arrives within microseconds.
-    const double spin_until = monotonic_seconds() + config_.spin_microseconds * 1e-6;
+    const double spin = config_.idle_spin_microseconds >= 0 ? config_.idle_spin_microseconds : config_.spin_microseconds;
+    const double spin_until = monotonic_seconds() + spin * 1e-6;
     while (monotonic_seconds() < spin_until) {
       for (int i = 0; i < 64; ++i) {
         if (me_->bell.token() != token) return;
@@ -404,7 +405,8 @@ class ShmBackend final : public Backend {
   void beat() { me_->heartbeat_ns.store(monotonic_nanoseconds(), std::memory_order_relaxed); }
 
   std::string describe(int rank) const {
-    return "rank " + std::to_string(rank) + " (pid " + std::to_string(segment_.rank_area(rank)->pid.load()) + ")";
+    const int global = config_.host_ranks.empty() ? rank : config_.host_ranks[rank];
+    return "rank " + std::to_string(global) + " (pid " + std::to_string(segment_.rank_area(rank)->pid.load()) + ")";
   }
 
   Status fail(const std::string& what) {

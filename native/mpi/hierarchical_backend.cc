@@ -1,0 +1,311 @@
+// The hierarchical backend: shared memory within each host, MPI across.
+//
+// Every host runs the same number of ranks (world.cc checks). Local rank l
+// of every host belongs to cross communicator l; the local rank 0s (the
+// leaders) also carry the control plane and the cycle requests between
+// hosts.
+//
+//   allreduce:  each host reduce-scatters over shared memory, so local rank l
+//               holds the host's sum of chunk l; cross communicator l
+//               allreduces chunk l over MPI; each host allgathers the chunks
+//               over shared memory. Each MPI link carries 1/L of the bytes,
+//               and the L links of a host run at once.
+//   allgather:  each host gathers its ranks' parts over shared memory, the
+//               leaders exchange whole hosts over MPI, and each leader
+//               broadcasts the result over shared memory.
+//   broadcast:  to the root's host over shared memory, across the leaders
+//               over MPI, then within every other host over shared memory.
+//   control:    exchange within the host, leaders exchange whole hosts,
+//               leaders broadcast the lot within their host.
+//   alltoall and reducescatter go flat over MPI: every pair of ranks has
+//               its own bytes to move, so a host has nothing to combine.
+#include <algorithm>
+#include <cstring>
+
+#include "../byte_stream.h"
+#include "../dtype.h"
+#include "../futex.h"
+#include "communicator.h"
+#include "cycle_requests.h"
+#include "world.h"
+
+namespace unison {
+namespace {
+
+constexpr double kLongestPoll = 1e-3;  // as in mpi_backend.cc
+
+// Length-prefixed strings in one string.
+std::string pack(const std::vector<std::string>& parts) {
+  std::string out;
+  for (const std::string& p : parts) {
+    const uint32_t n = (uint32_t)p.size();
+    out.append(reinterpret_cast<const char*>(&n), sizeof(n));
+    out += p;
+  }
+  return out;
+}
+
+std::vector<std::string> unpack(const std::string& packed) {
+  std::vector<std::string> parts;
+  size_t at = 0;
+  while (at + sizeof(uint32_t) <= packed.size()) {
+    uint32_t n = 0;
+    std::memcpy(&n, packed.data() + at, sizeof(n));
+    at += sizeof(n);
+    parts.push_back(packed.substr(at, n));
+    at += n;
+  }
+  return parts;
+}
+
+class HierarchicalBackend final : public Backend {
+ public:
+  HierarchicalBackend(const Config& config, const MpiWorld& world)
+      : config_(config), host_ranks_(world.host_ranks), host_(world.my_host()) {
+    for (int r = 0; r < world.size; ++r) host_of_.push_back(world.host[r]);
+  }
+
+  Status start(int generation) {
+    // The leader polls MPI while idle, so its shared-memory waits must not
+    // spin first: it does its own spinning (wait_for_activity).
+    Config local = config_;
+    if (leader()) local.idle_spin_microseconds = 0;
+    Status s = make_shm_backend(local, generation, &local_);
+    if (!s.ok()) return s;
+    Liveness liveness = [this] { return local_->check_peers(); };
+    s = MpiCommunicator::create(MPI_COMM_WORLD, config_, liveness, &world_);
+    if (!s.ok()) return s;
+    MPI_Comm cross;
+    // Keyed by host, so that a rank's place in its cross communicator is
+    // its host's number whatever order mpirun placed the ranks in.
+    int rc = MPI_Comm_split(world_->comm(), config_.local_rank, host_, &cross);
+    if (rc != MPI_SUCCESS) return mpi_error("MPI_Comm_split", rc);
+    s = MpiCommunicator::create(cross, config_, liveness, &cross_);
+    MPI_Comm_free(&cross);
+    if (!s.ok()) return s;
+    if (leader()) {
+      std::vector<int> other_leaders;
+      for (int h = 0; h < cross_->size(); ++h)
+        if (h != cross_->rank()) other_leaders.push_back(h);
+      requests_ = std::make_unique<CycleRequests>(cross_->comm(), other_leaders);
+    }
+    return Status::OK();
+  }
+  ~HierarchicalBackend() override { requests_.reset(); }
+
+  const char* name() const override { return "hierarchical"; }
+  int rank() const override { return config_.rank; }
+  int size() const override { return config_.size; }
+
+  // ---- control plane -------------------------------------------------------
+
+  Status exchange(const std::string& mine, std::vector<std::string>* everyone) override {
+    std::vector<std::string> on_host;
+    Status s = local_->exchange(mine, &on_host);
+    if (!s.ok()) return s;
+    std::string all;
+    if (leader()) {
+      std::vector<std::string> hosts;
+      s = cross_->allgather_strings(pack(on_host), &hosts);
+      if (!s.ok()) return s;
+      all = pack(hosts);
+    }
+    s = local_->broadcast_message(&all, 0);
+    if (!s.ok()) return s;
+    const std::vector<std::string> hosts = unpack(all);
+    everyone->assign(config_.size, std::string());
+    for (size_t h = 0; h < hosts.size() && h < host_ranks_.size(); ++h) {
+      const std::vector<std::string> messages = unpack(hosts[h]);
+      for (size_t l = 0; l < messages.size() && l < host_ranks_[h].size(); ++l)
+        (*everyone)[host_ranks_[h][l]] = messages[l];
+    }
+    return Status::OK();
+  }
+
+  Status broadcast_message(std::string* message, int root) override {
+    return in_three_steps(root, [&](Backend* local, int local_root) { return local->broadcast_message(message, local_root); },
+                          [&](int root_host) { return cross_->broadcast_string(message, root_host); });
+  }
+
+  // Every rank's message travels together through one shared-memory mailbox.
+  size_t max_message_bytes() const override {
+    return (local_->max_message_bytes() - 8 * (size_t)config_.size - 64) / config_.size;
+  }
+
+  // ---- cycle scheduling ----------------------------------------------------
+  // Within the host the shared-memory counter works as always; the leader
+  // carries counts between it and the other hosts' leaders.
+
+  uint64_t requested_cycles() const override {
+    // The leader answers with the count it has passed on: reading the
+    // counter again could see a local request the other hosts never heard of.
+    return leader() ? relay() : local_->requested_cycles();
+  }
+  void request_cycles(uint64_t count) override {
+    local_->request_cycles(count);
+    if (leader()) requests_->announce(count);
+  }
+  uint32_t activity_token() const override { return local_->activity_token(); }
+  void wait_for_activity(uint32_t token, double timeout_seconds) override {
+    if (!leader()) return local_->wait_for_activity(token, timeout_seconds);
+    const double start = monotonic_seconds();
+    double pause = 20e-6;
+    for (;;) {
+      const uint64_t before = local_->requested_cycles();
+      if (relay() > before || local_->activity_token() != token) return;
+      const double now = monotonic_seconds();
+      if (now - start >= timeout_seconds) return;
+      if (now - start < config_.spin_microseconds * 1e-6) {
+        cpu_relax();
+        continue;
+      }
+      local_->wait_for_activity(token, std::min(pause, timeout_seconds - (now - start)));
+      pause = std::min(pause * 2, kLongestPoll);
+    }
+  }
+  void wake() override { local_->wake(); }
+
+  // ---- data plane ----------------------------------------------------------
+
+  Status allreduce(const AllreduceOptions& o) override {
+    const int L = config_.local_size, me = config_.local_rank;
+    const size_t element = dtype_size(o.reduce.dtype);
+    // Scale factors and Average's division belong to the whole job: the
+    // host's partial results carry the prescale only, the cross step the
+    // postscale and the division by the job's size.
+    ReduceSpec within = o.reduce, across = o.reduce;
+    within.postscale = 1.0;
+    if (within.reduce_op == UNISON_AVERAGE) within.reduce_op = UNISON_SUM;
+    across.prescale = 1.0;
+    ReducescatterOptions scatter;
+    scatter.reduce = within;
+    AllgatherOptions gather;
+    size_t mine = 0;
+    for (const Segment& s : o.segments) {
+      const size_t count = s.bytes / element;
+      std::vector<size_t> parts(L);
+      for (int l = 0; l < L; ++l) parts[l] = (count * (l + 1) / L - count * l / L) * element;
+      mine += parts[me];
+    }
+    chunk_.resize(mine + 1);
+    size_t at = 0;
+    for (const Segment& s : o.segments) {
+      const size_t count = s.bytes / element;
+      std::vector<size_t> parts(L);
+      for (int l = 0; l < L; ++l) parts[l] = (count * (l + 1) / L - count * l / L) * element;
+      scatter.tensors.push_back({s.input, chunk_.data() + at, parts});
+      gather.tensors.push_back({chunk_.data() + at, s.output, parts});
+      at += parts[me];
+    }
+    Status s = local_->reducescatter(scatter);
+    if (s.ok() && mine > 0) s = cross_->allreduce(AllreduceOptions{{{chunk_.data(), chunk_.data(), mine}}, across});
+    if (s.ok()) s = local_->allgather(gather);
+    return s;
+  }
+
+  Status allgather(const AllgatherOptions& o) override {
+    // Each host's block: for every tensor, its ranks' parts in local order.
+    const int hosts = (int)host_ranks_.size();
+    std::vector<size_t> block(hosts, 0);
+    for (const auto& t : o.tensors)
+      for (int h = 0; h < hosts; ++h)
+        for (int r : host_ranks_[h]) block[h] += t.bytes_per_rank[r];
+    size_t total = 0;
+    std::vector<size_t> block_start(hosts);
+    for (int h = 0; h < hosts; ++h) block_start[h] = total, total += block[h];
+    everything_.resize(total + 1);
+    AllgatherOptions within;
+    size_t at = block_start[host_];
+    for (const auto& t : o.tensors) {
+      AllgatherOptions::Tensor part{t.input, everything_.data() + at, {}};
+      for (int r : host_ranks_[host_]) part.bytes_per_rank.push_back(t.bytes_per_rank[r]), at += t.bytes_per_rank[r];
+      within.tensors.push_back(part);
+    }
+    Status s = local_->allgather(within);
+    if (s.ok() && leader()) {
+      AllgatherOptions across;
+      across.tensors.push_back({everything_.data() + block_start[host_], everything_.data(), block});
+      s = cross_->allgather(across);
+    }
+    if (s.ok()) s = local_->broadcast(BroadcastOptions{everything_.data(), total, 0});
+    if (!s.ok()) return s;
+    // Into each output in global rank order.
+    std::vector<size_t> read(block_start);
+    std::vector<std::vector<size_t>> where(o.tensors.size(), std::vector<size_t>(config_.size));
+    for (size_t i = 0; i < o.tensors.size(); ++i)
+      for (int h = 0; h < hosts; ++h)
+        for (int r : host_ranks_[h]) where[i][r] = read[h], read[h] += o.tensors[i].bytes_per_rank[r];
+    for (size_t i = 0; i < o.tensors.size(); ++i) {
+      const auto& t = o.tensors[i];
+      size_t written = 0;
+      for (int r = 0; r < config_.size; ++r) {
+        const size_t n = t.bytes_per_rank[r];
+        if (n > 0) std::memcpy(static_cast<char*>(t.output) + written, everything_.data() + where[i][r], n);
+        written += n;
+      }
+    }
+    return Status::OK();
+  }
+
+  Status broadcast(const BroadcastOptions& o) override {
+    return in_three_steps(o.root, [&](Backend* local, int local_root) {
+      return local->broadcast(BroadcastOptions{o.buffer, o.bytes, local_root});
+    }, [&](int root_host) { return cross_->broadcast(o.buffer, o.bytes, root_host); });
+  }
+
+  Status alltoall(const AlltoallOptions& o) override { return world_->alltoall(o); }
+  Status reducescatter(const ReducescatterOptions& o) override { return world_->reducescatter(o); }
+
+  Status check_peers() override { return local_->check_peers(); }
+
+ private:
+  bool leader() const { return config_.local_rank == 0; }
+
+  // Leader only: passes this host's cycle count to the other hosts and
+  // theirs to this host; returns the count every host has been told of.
+  uint64_t relay() const {
+    const uint64_t here = local_->requested_cycles();
+    requests_->announce(here);
+    const uint64_t elsewhere = requests_->heard();
+    if (elsewhere <= here) return here;
+    local_->request_cycles(elsewhere);
+    return elsewhere;
+  }
+
+  // From `root` to everyone: within the root's host, across the leaders,
+  // within every other host.
+  template <typename WithinHost, typename AcrossHosts>
+  Status in_three_steps(int root, WithinHost within_host, AcrossHosts across_hosts) {
+    const int root_host = host_of_[root];
+    const std::vector<int>& there = host_ranks_[root_host];
+    const int root_local = (int)(std::find(there.begin(), there.end(), root) - there.begin());
+    Status s;
+    if (host_ == root_host) s = within_host(local_.get(), root_local);
+    if (s.ok() && leader()) s = across_hosts(root_host);
+    if (s.ok() && host_ != root_host) s = within_host(local_.get(), 0);
+    return s;
+  }
+
+  Config config_;
+  std::vector<std::vector<int>> host_ranks_;
+  std::vector<int> host_of_;
+  int host_;
+  std::unique_ptr<Backend> local_;
+  std::unique_ptr<MpiCommunicator> world_;
+  std::unique_ptr<MpiCommunicator> cross_;
+  std::unique_ptr<CycleRequests> requests_;  // leaders only
+  std::vector<char> chunk_, everything_;
+};
+
+}  // namespace
+
+Status make_hierarchical_backend(const Config& config, const MpiWorld& world, int generation,
+                                 std::unique_ptr<Backend>* out) {
+  auto backend = std::make_unique<HierarchicalBackend>(config, world);
+  Status s = backend->start(generation);
+  if (!s.ok()) return s;
+  *out = std::move(backend);
+  return Status::OK();
+}
+
+}  // namespace unison

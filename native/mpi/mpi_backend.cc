@@ -1,0 +1,153 @@
+// The flat MPI backend: every byte between every pair of ranks goes over
+// MPI, and so does the control plane. It is what runs across hosts when
+// hierarchical collectives are off (--no-hierarchical-allreduce) or when
+// hosts run different numbers of ranks.
+#include <errno.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+
+#include "../futex.h"
+#include "communicator.h"
+#include "cycle_requests.h"
+#include "world.h"
+
+namespace unison {
+namespace {
+
+// How long an idle engine sleeps between looks for remote cycle requests,
+// at most: the latency a lone op pays when every other rank is idle.
+constexpr double kLongestPoll = 1e-3;
+
+// The peers on this rank's own host, watched through pidfds so that a
+// local death is seen at once, as in the shared-memory backend.
+class LocalPeers {
+ public:
+  LocalPeers(const MpiWorld& world) {
+    for (int r : world.host_ranks[world.my_host()]) {
+      if (r == world.rank) continue;
+      const int fd = (int)syscall(SYS_pidfd_open, world.pid[r], 0);
+      peers_.push_back({r, world.pid[r], fd});
+    }
+  }
+  ~LocalPeers() {
+    for (const Peer& p : peers_)
+      if (p.fd >= 0) close(p.fd);
+  }
+  // The peers that have exited, or "".
+  std::string dead() const {
+    std::string names;
+    for (const Peer& p : peers_) {
+      bool exited = false;
+      if (p.fd >= 0) {
+        struct pollfd f = {p.fd, POLLIN, 0};
+        exited = poll(&f, 1, 0) > 0;
+      } else {
+        exited = kill(p.pid, 0) != 0 && errno == ESRCH;
+      }
+      if (exited) names += (names.empty() ? "" : ", ") + ("rank " + std::to_string(p.rank) + " (pid " + std::to_string(p.pid) + ")");
+    }
+    return names;
+  }
+
+ private:
+  struct Peer {
+    int rank, pid, fd;
+  };
+  std::vector<Peer> peers_;
+};
+
+class MpiBackend final : public Backend {
+ public:
+  MpiBackend(const Config& config, const MpiWorld& world) : config_(config), local_peers_(world) {}
+
+  Status start() {
+    Status s = MpiCommunicator::create(MPI_COMM_WORLD, config_, [this] { return check_peers(); }, &comm_);
+    if (!s.ok()) return s;
+    std::vector<int> peers;
+    for (int r = 0; r < comm_->size(); ++r)
+      if (r != comm_->rank()) peers.push_back(r);
+    requests_ = std::make_unique<CycleRequests>(comm_->comm(), peers);
+    return Status::OK();
+  }
+  ~MpiBackend() override { requests_.reset(); }
+
+  const char* name() const override { return "mpi"; }
+  int rank() const override { return comm_->rank(); }
+  int size() const override { return comm_->size(); }
+
+  Status exchange(const std::string& mine, std::vector<std::string>* everyone) override {
+    return comm_->allgather_strings(mine, everyone);
+  }
+  Status broadcast_message(std::string* message, int root) override {
+    return comm_->broadcast_string(message, root);
+  }
+  size_t max_message_bytes() const override { return config_.control_message_bytes; }
+
+  // Only the engine thread calls these four, so MPI is never entered from
+  // two threads of ours at once.
+  uint64_t requested_cycles() const override {
+    const uint64_t heard = requests_->heard();
+    if (heard > requested_) requested_ = heard;
+    return requested_;
+  }
+  void request_cycles(uint64_t count) override {
+    if (count > requested_) requested_ = count;
+    requests_->announce(count);
+  }
+  uint32_t activity_token() const override { return doorbell_.token(); }
+  void wait_for_activity(uint32_t token, double timeout_seconds) override {
+    const double start = monotonic_seconds();
+    const uint64_t before = requested_;
+    double pause = 20e-6;
+    for (;;) {
+      if (requested_cycles() > before || doorbell_.token() != token) return;
+      const double now = monotonic_seconds();
+      if (now - start >= timeout_seconds) return;
+      if (now - start < config_.spin_microseconds * 1e-6) {
+        cpu_relax();
+        continue;
+      }
+      doorbell_.sleep(token, std::min(pause, timeout_seconds - (now - start)));
+      pause = std::min(pause * 2, kLongestPoll);
+    }
+  }
+  void wake() override { doorbell_.ring(); }  // any thread: no MPI here
+
+  Status allreduce(const AllreduceOptions& o) override { return comm_->allreduce(o); }
+  Status allgather(const AllgatherOptions& o) override { return comm_->allgather(o); }
+  Status broadcast(const BroadcastOptions& o) override { return comm_->broadcast(o.buffer, o.bytes, o.root); }
+  Status alltoall(const AlltoallOptions& o) override { return comm_->alltoall(o); }
+  Status reducescatter(const ReducescatterOptions& o) override { return comm_->reducescatter(o); }
+
+  Status check_peers() override {
+    const std::string dead = local_peers_.dead();
+    if (dead.empty()) return Status::OK();
+    return Status::Error(UNISON_ERR_RANK_FAILED,
+                         "unison: " + dead + " exited; collectives with it can no longer complete");
+  }
+
+ private:
+  Config config_;
+  LocalPeers local_peers_;
+  std::unique_ptr<MpiCommunicator> comm_;
+  std::unique_ptr<CycleRequests> requests_;
+  mutable uint64_t requested_ = 0;
+  mutable Doorbell doorbell_;
+};
+
+}  // namespace
+
+Status make_flat_mpi_backend(const Config& config, const MpiWorld& world, std::unique_ptr<Backend>* out) {
+  auto backend = std::make_unique<MpiBackend>(config, world);
+  Status s = backend->start();
+  if (!s.ok()) return s;
+  *out = std::move(backend);
+  return Status::OK();
+}
+
+}  // namespace unison

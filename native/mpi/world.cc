@@ -1,0 +1,183 @@
+// Starts MPI, learns from it who is where, and picks the backend:
+//   one host                          shared memory alone (nothing crosses a host)
+//   several hosts, the same number of ranks on each, hierarchical on
+//                                     shared memory within hosts, MPI across
+//   otherwise                         MPI between every pair of ranks (flat)
+#include "world.h"
+
+#include "communicator.h"
+
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+
+namespace unison {
+namespace {
+
+std::atomic<bool> broken{false};
+
+void finalize_at_exit() {
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (!finalized && !broken.load()) MPI_Finalize();
+}
+
+const char* thread_level_name(int level) {
+  switch (level) {
+    case MPI_THREAD_SINGLE: return "MPI_THREAD_SINGLE";
+    case MPI_THREAD_FUNNELED: return "MPI_THREAD_FUNNELED";
+    case MPI_THREAD_SERIALIZED: return "MPI_THREAD_SERIALIZED";
+    default: return "MPI_THREAD_MULTIPLE";
+  }
+}
+
+// MPI_Init once per process. unison's background thread makes MPI calls,
+// so it needs at least MPI_THREAD_SERIALIZED; it asks for MULTIPLE so that
+// an application using MPI itself (mpi4py) may do so from any thread.
+Status start_mpi() {
+  int initialized = 0, finalized = 0;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  if (finalized)
+    return Status::Error(UNISON_ERR_UNSUPPORTED, "unison: MPI has been finalized in this process and cannot be "
+                                                 "started again; leave MPI_Finalize to unison (it runs at exit)");
+  if (!initialized) {
+    int provided = 0;
+    int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
+    if (rc != MPI_SUCCESS) return mpi_error("MPI_Init_thread", rc);
+    std::atexit(finalize_at_exit);
+  }
+  int level = 0;
+  MPI_Query_thread(&level);
+  if (level < MPI_THREAD_SERIALIZED)
+    return Status::Error(UNISON_ERR_UNSUPPORTED,
+                         std::string("unison: MPI runs at ") + thread_level_name(level) +
+                             ", but unison's background thread calls MPI and needs MPI_THREAD_SERIALIZED or "
+                             "MPI_THREAD_MULTIPLE; if the application initializes MPI, ask for MPI_THREAD_MULTIPLE");
+  return Status::OK();
+}
+
+// Start-up waits for every rank to call init, which may take a while
+// (imports), but not for ever.
+Status wait_for_start(MPI_Request* request, const Config& config) {
+  Status s = mpi_wait(request, "start-up", config.start_timeout_seconds, nullptr, config.spin_microseconds * 1e-6, true);
+  if (s.code == UNISON_ERR_RANK_FAILED && s.message.find("no answer") != std::string::npos)
+    s.message = "unison: not every rank called init() within " + std::to_string((int)config.start_timeout_seconds) +
+                " s (UNISON_START_TIMEOUT)";
+  return s;
+}
+
+// Every rank's host name and pid, gathered over a communicator of our own.
+Status learn_world(const Config& config, MpiWorld* world) {
+  struct Identity {
+    char host[256];
+    int64_t pid;
+  };
+  Identity mine{};
+  std::string host = config.hostname;
+  if (host.empty()) {
+    char name[256] = {0};
+    gethostname(name, sizeof(name) - 1);
+    host = name;
+  }
+  std::strncpy(mine.host, host.c_str(), sizeof(mine.host) - 1);
+  mine.pid = getpid();
+  MPI_Comm_rank(MPI_COMM_WORLD, &world->rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &world->size);
+  std::vector<Identity> all(world->size);
+  MPI_Request request;
+  int rc = MPI_Iallgather(&mine, sizeof(Identity), MPI_BYTE, all.data(), sizeof(Identity), MPI_BYTE, MPI_COMM_WORLD,
+                          &request);
+  if (rc != MPI_SUCCESS) return mpi_error("MPI_Iallgather of host names", rc);
+  Status s = wait_for_start(&request, config);
+  if (!s.ok()) return s;
+  std::vector<std::string> names;
+  for (const Identity& id : all) {
+    std::string name(id.host, strnlen(id.host, sizeof(id.host)));
+    int h = 0;
+    while (h < (int)names.size() && names[h] != name) ++h;
+    if (h == (int)names.size()) {
+      names.push_back(name);
+      world->host_ranks.emplace_back();
+    }
+    world->host_ranks[h].push_back((int)world->host.size());
+    world->host.push_back(h);
+    world->pid.push_back((int)id.pid);
+  }
+  return Status::OK();
+}
+
+// One name for the job's shared memory, chosen by rank 0.
+Status agree_on_job_id(const Config& config, const MpiWorld& world, std::string* job_id) {
+  char id[64] = {0};
+  if (world.rank == 0) {
+    std::random_device random;
+    std::snprintf(id, sizeof(id), "mpi%d-%08x", (int)getpid(), (unsigned)random());
+  }
+  MPI_Request request;
+  int rc = MPI_Ibcast(id, sizeof(id), MPI_CHAR, 0, MPI_COMM_WORLD, &request);
+  if (rc != MPI_SUCCESS) return mpi_error("MPI_Ibcast of the job id", rc);
+  Status s = wait_for_start(&request, config);
+  if (!s.ok()) return s;
+  *job_id = id;
+  return Status::OK();
+}
+
+}  // namespace
+
+void mark_mpi_broken() { broken.store(true); }
+
+Status mpi_error(const std::string& what, int code) {
+  char text[MPI_MAX_ERROR_STRING] = {0};
+  int length = 0;
+  MPI_Error_string(code, text, &length);
+  return Status::Error(UNISON_ERR_RANK_FAILED, "unison: " + what + " failed: " + std::string(text, length));
+}
+
+bool mpi_backend_available() { return true; }
+
+Status make_mpi_backend(Config* config, int generation, std::unique_ptr<Backend>* out) {
+  Status s = start_mpi();
+  if (!s.ok()) return s;
+  MpiWorld world;
+  s = learn_world(*config, &world);
+  if (!s.ok()) return s;
+  if (world.size != config->size)
+    return Status::Error(UNISON_ERR_INVALID_ARGUMENT,
+                         "unison: " + config->mpi_launcher + " says this job has " + std::to_string(config->size) +
+                             " ranks but MPI says " + std::to_string(world.size) +
+                             ": unison was built against another MPI than the one that started it (under srun, "
+                             "the MPI must support SLURM's PMI)");
+  const std::vector<int>& mine = world.host_ranks[world.my_host()];
+  config->rank = world.rank;
+  config->local_size = (int)mine.size();
+  config->local_rank = 0;
+  while (mine[config->local_rank] != world.rank) ++config->local_rank;
+  // Cross ranks: the ranks that have the same local rank, one per host.
+  config->cross_rank = 0;
+  config->cross_size = 0;
+  for (int h = 0; h < (int)world.host_ranks.size(); ++h) {
+    if ((int)world.host_ranks[h].size() <= config->local_rank) continue;
+    if (h < world.my_host()) ++config->cross_rank;
+    ++config->cross_size;
+  }
+  config->host_ranks = mine;
+  s = agree_on_job_id(*config, world, &config->job_id);
+  if (!s.ok()) return s;
+  config->job_id += "-host" + std::to_string(world.my_host());
+
+  const int hosts = (int)world.host_ranks.size();
+  bool same_size_hosts = true;
+  for (const auto& ranks : world.host_ranks) same_size_hosts &= ranks.size() == mine.size();
+  if (config->hierarchical && hosts == 1) return make_shm_backend(*config, generation, out);
+  if (config->hierarchical && same_size_hosts && config->local_size > 1)
+    return make_hierarchical_backend(*config, world, generation, out);
+  if (config->hierarchical && config->local_size > 1 && config->rank == 0 && config->log_level >= 0)
+    std::fprintf(stderr, "unison: hosts run different numbers of ranks, so every collective goes over MPI (flat)\n");
+  return make_flat_mpi_backend(*config, world, out);
+}
+
+}  // namespace unison

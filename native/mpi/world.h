@@ -1,0 +1,42 @@
+// world.h: starting MPI, and who is where.
+//
+// MPI is started once per process (it cannot be restarted after
+// MPI_Finalize, so unison's shutdown leaves it running and it is finalized
+// at exit); each init of unison then takes fresh communicators of its own.
+#pragma once
+
+#include <mpi.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "../backend.h"
+#include "../config.h"
+#include "../status.h"
+
+namespace unison {
+
+struct MpiWorld {
+  int rank = 0;
+  int size = 1;
+  std::vector<int> host;                     // each rank's host, numbered by their lowest rank
+  std::vector<int> pid;                      // each rank's process id
+  std::vector<std::vector<int>> host_ranks;  // each host's ranks, ascending
+  int my_host() const { return host[rank]; }
+};
+
+// After a collective failed half way, MPI_Finalize at exit could wait for
+// peers that will never arrive; a broken job exits without it, and mpirun
+// ends the other ranks.
+void mark_mpi_broken();
+
+// An error naming the MPI call that failed and MPI's reason.
+Status mpi_error(const std::string& what, int code);
+
+// The two MPI backends; make_mpi_backend (world.cc) picks one.
+Status make_flat_mpi_backend(const Config& config, const MpiWorld& world, std::unique_ptr<Backend>* out);
+Status make_hierarchical_backend(const Config& config, const MpiWorld& world, int generation,
+                                 std::unique_ptr<Backend>* out);
+
+}  // namespace unison
