@@ -85,7 +85,8 @@ def cross_size():
 
 
 def backend_name():
-    """The data plane in use: 'shm' (several local ranks) or 'solo' (one)."""
+    """The data plane in use: 'solo' (one rank), 'shm' (one host), 'hierarchical'
+    (shared memory within hosts, MPI across) or 'mpi' (MPI between every pair)."""
     return ffi.string(lib.unison_backend_name()).decode()
 
 

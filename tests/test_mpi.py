@@ -1,0 +1,261 @@
+"""The MPI backend and launching through mpirun.
+
+The tox env `mpi` installs MPICH from PyPI and builds the core against it;
+these tests run there (and in CI). Where unison was built without MPI they
+are skipped, and test_without_mpi_the_error_says_how_to_get_it runs instead.
+
+Layouts on this one machine:
+  flat, 2 and 3 ranks        every byte over MPI (--no-hierarchical-allreduce)
+  2 simulated hosts x 2      hierarchical: shared memory within, MPI across
+  2 simulated hosts x 2      flat
+  2 network namespaces x 2   hierarchical, with MPI's bytes crossing a veth pair
+"""
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from unison import basics, mpi_run
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BUILT_WITH_MPI = "mpi" in basics.built_backends()
+needs_mpi = pytest.mark.skipif(not BUILT_WITH_MPI, reason="unison was built without MPI; the tox env 'mpi' runs these")
+
+LAYOUTS = {
+    "flat-np2": (["--mpi", "-np", "2", "--no-hierarchical-allreduce"], 2, "mpi"),
+    "flat-np3": (["--mpi", "-np", "3", "--no-hierarchical-allreduce"], 3, "mpi"),
+    "hierarchical-2x2": (["-np", "4", "--simulate-hosts", "2"], 4, "hierarchical"),
+    "flat-2x2": (["-np", "4", "--simulate-hosts", "2", "--no-hierarchical-allreduce"], 4, "mpi"),
+}
+
+
+def unisonrun(options, command, env=None, timeout=300):
+    full = [sys.executable, "-m", "unison.run"] + options + command
+    return subprocess.run(full, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout, cwd=HERE,
+                          env=dict(os.environ, **(env or {})))
+
+
+def pytest_command(suite):
+    return [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--timeout=120", "-x",
+            os.path.join(HERE, "parallel", suite)]
+
+
+@needs_mpi
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("suite", ["test_core_ops.py", "test_core_errors.py"])
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_core_grid_under_mpi(layout, suite):
+    options, ranks, backend = LAYOUTS[layout]
+    proc = unisonrun(options, pytest_command(suite), env={"UNISON_TEST_EXPECT_BACKEND": backend}, timeout=580)
+    output = proc.stdout.decode(errors="replace")
+    summaries = [line for line in output.splitlines() if " passed" in line or " failed" in line]
+    assert proc.returncode == 0, output[-20000:]
+    assert len([s for s in summaries if "passed" in s and "failed" not in s]) == ranks, output[-5000:]
+
+
+IDENTITY = """
+import os, numpy as np, unison, unison.numpy as unp
+unison.init()
+r, n = unison.rank(), unison.size()
+total = unp.allreduce(np.array([r + 1], dtype=np.int64), op=unison.Sum, name="total")
+ranks = unp.allgather(np.array([[r, unison.local_rank(), unison.local_size(), unison.cross_rank(),
+                                 unison.cross_size()]], dtype=np.int64), name="who")
+print("rank %d of %d: %s total %d who %s" % (r, n, unison.basics.backend_name(), total[0], ranks.tolist()))
+"""
+
+
+@needs_mpi
+@pytest.mark.timeout(120)
+def test_plain_mpirun_gives_every_rank_its_identity(tmp_path):
+    script = tmp_path / "identity.py"
+    script.write_text(IDENTITY)
+    mpirun = mpi_run.find_mpirun()
+    proc = subprocess.run([mpirun, "-np", "3", sys.executable, str(script)], stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, timeout=100)
+    output = proc.stdout.decode(errors="replace")
+    assert proc.returncode == 0, output
+    who = [[r, r, 3, 0, 1] for r in range(3)]
+    for r in range(3):
+        assert "rank %d of 3: shm total 6 who %s" % (r, who) in output, output
+
+
+@needs_mpi
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("setting,backend", [([], "hierarchical"), (["--no-hierarchical-allreduce"], "mpi"),
+                                             (["--hierarchical-allreduce"], "hierarchical"),
+                                             ("HOROVOD_HIERARCHICAL_ALLREDUCE=0", "mpi")])
+def test_simulated_hosts_identity_and_hierarchical_choice(tmp_path, setting, backend):
+    script = tmp_path / "identity.py"
+    script.write_text(IDENTITY)
+    env = {}
+    if isinstance(setting, str):
+        name, value = setting.split("=")
+        env[name] = value
+        setting = []
+    proc = unisonrun(["-np", "4", "--simulate-hosts", "2"] + setting, [sys.executable, str(script)], env=env,
+                     timeout=100)
+    output = proc.stdout.decode(errors="replace")
+    assert proc.returncode == 0, output
+    # Ranks 0, 1 on the first host, 2, 3 on the second.
+    who = [[0, 0, 2, 0, 2], [1, 1, 2, 0, 2], [2, 0, 2, 1, 2], [3, 1, 2, 1, 2]]
+    for r in range(4):
+        assert "[%d]<stdout>:rank %d of 4: %s total 10 who %s" % (r, r, backend, who) in output, output
+
+
+KILLED = """
+import os, time, numpy as np, unison, unison.numpy as unp
+unison.init()
+for step in range(20):
+    unp.allreduce(np.ones(1000), name="step")
+    if step == 5 and unison.rank() == 3:
+        os.kill(os.getpid(), 9)
+    time.sleep(0.05)
+time.sleep(60)  # only a rank the launcher fails to stop gets here
+"""
+
+
+@needs_mpi
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("flat", [False, True], ids=["hierarchical", "flat"])
+def test_rank_killed_on_a_simulated_host_ends_the_job(tmp_path, flat):
+    script = tmp_path / "killed.py"
+    script.write_text(KILLED)
+    start = time.monotonic()
+    options = ["-np", "4", "--simulate-hosts", "2"] + (["--no-hierarchical-allreduce"] if flat else [])
+    proc = unisonrun(options, [sys.executable, str(script)], timeout=100)
+    elapsed = time.monotonic() - start
+    output = proc.stdout.decode(errors="replace")
+    assert proc.returncode != 0, output
+    assert "unisonrun: job failed: rank 3 (host " in output and "killed by signal 9" in output, output
+    assert elapsed < 30, "the job took %.1f s to end" % elapsed
+
+
+@needs_mpi
+def test_check_build_lists_mpi():
+    proc = unisonrun(["--check-build"], [])
+    assert "[X] MPI" in proc.stdout.decode(), proc.stdout.decode()
+
+
+@needs_mpi
+@pytest.mark.timeout(60)
+def test_srun_variables_with_an_mpi_that_does_not_know_them():
+    # A srun job step whose MPI cannot read SLURM's PMI starts each process as
+    # a singleton: the mismatch is named instead of running N separate jobs.
+    env = dict(os.environ, SLURM_STEP_NUM_TASKS="2", SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_NODEID="0",
+               SLURM_STEP_TASKS_PER_NODE="2")
+    proc = subprocess.run([sys.executable, "-c", "import unison; unison.init()"], env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, timeout=50)
+    assert proc.returncode != 0
+    assert "SLURM says this job has 2 ranks but MPI says 1" in proc.stdout.decode(), proc.stdout.decode()
+
+
+@pytest.mark.skipif(BUILT_WITH_MPI, reason="this unison has MPI; the tox env 'core' builds one without")
+def test_without_mpi_the_error_says_how_to_get_it():
+    env = dict(os.environ, PMI_RANK="1", PMI_SIZE="2")
+    proc = subprocess.run([sys.executable, "-c", "import unison; unison.init()"], env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, timeout=50)
+    output = proc.stdout.decode()
+    assert proc.returncode != 0
+    assert "UnsupportedError" in output and "started by MPICH as rank 1 of 2" in output, output
+    assert "built without MPI" in output and "pip install mpich" in output, output
+
+
+# ---- mpirun command lines (no MPI needed) --------------------------------------------
+
+
+def test_hostfile_formats(tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# the cluster\nnode1 slots=4\nnode2:2\n\nnode3   # one slot\n")
+    assert mpi_run.parse_hostfile(str(hostfile)) == "node1:4,node2:2,node3:1"
+    assert mpi_run.slots("node1:4,node2:2,node3:1") == 7
+
+
+def test_mpirun_command_for_each_family():
+    wrapper = ["python", "-m", "unison.mpi_run", "--rank-wrapper", "--", "python", "train.py"]
+    hydra = mpi_run.mpirun_command("mpirun", "hydra", 8, "a:4,b:4", ["UNISON_CYCLE_TIME"], wrapper)
+    assert hydra == ["mpirun", "-np", "8", "-hosts", "a:4,b:4"] + wrapper
+    openmpi = mpi_run.mpirun_command("mpirun", "openmpi", 8, "a:4,b:4", ["PATH", "UNISON_CYCLE_TIME"], wrapper,
+                                     mpi_args="--mca btl ^openib")
+    root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
+    assert openmpi == (["mpirun", "-np", "8", "-H", "a:4,b:4"] + root +
+                       ["--bind-to", "none", "--map-by", "slot", "-x", "PATH", "-x", "UNISON_CYCLE_TIME",
+                        "--mca", "btl", "^openib"] + wrapper)
+
+
+# ---- across a real network interface ---------------------------------------------------
+
+
+NETWORK = """
+import numpy as np, unison, unison.numpy as unp
+def sent():
+    return int(open("/sys/class/net/uveth/statistics/tx_bytes").read())
+unison.init()
+before = sent()
+x = unp.allreduce(np.ones(1 << 20, dtype=np.float32) * (unison.rank() + 1), op=unison.Sum, name="big")
+assert (x == 10).all(), x[:4]
+g = unp.allgather(np.full((unison.rank() + 1, 3), unison.rank(), dtype=np.int32), name="rows")
+assert g.tolist() == [[r] * 3 for r in range(4) for _ in range(r + 1)], g.tolist()
+b = unp.broadcast(np.arange(5) * (unison.rank() + 1), root_rank=3, name="from3")
+assert b.tolist() == [0, 4, 8, 12, 16], b.tolist()
+print("rank %d %s sent %d bytes" % (unison.rank(), unison.basics.backend_name(), sent() - before))
+"""
+
+
+@pytest.fixture
+def two_namespaces():
+    """Two network namespaces joined by a veth pair, 10.77.x.1 and 10.77.x.2."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("network namespaces need root and iproute2's ip")
+    tag = uuid.uuid4().hex[:6]
+    names = ["un%sa" % tag, "un%sb" % tag]
+    subnet = 10 + int(tag[:2], 16) % 200
+    steps = [["netns", "add", names[0]], ["netns", "add", names[1]],
+             ["link", "add", "v%sa" % tag, "type", "veth", "peer", "name", "v%sb" % tag]]
+    for i, name in enumerate(names):
+        end = "v%s%s" % (tag, "ab"[i])
+        steps += [["link", "set", end, "netns", name], ["-n", name, "link", "set", end, "name", "uveth"],
+                  ["-n", name, "addr", "add", "10.77.%d.%d/24" % (subnet, i + 1), "dev", "uveth"],
+                  ["-n", name, "link", "set", "uveth", "up"], ["-n", name, "link", "set", "lo", "up"]]
+    try:
+        for step in steps:
+            subprocess.run(["ip"] + step, check=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        yield names
+    finally:
+        for name in names:
+            subprocess.run(["ip", "netns", "delete", name], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+@needs_mpi
+@pytest.mark.timeout(180)
+def test_across_network_namespaces(tmp_path, two_namespaces):
+    """Two ranks in each of two network namespaces: the hierarchical
+    collectives run, and MPI's bytes between the hosts leave through the veth.
+    MPICH is told to treat every peer as remote and to use TCP on the veth
+    (MPIR_CVAR_NOLOCAL, libfabric's tcp provider); the job is started with
+    Hydra's own syntax for per-rank settings."""
+    mpirun = mpi_run.find_mpirun()
+    if mpi_run.mpirun_family(mpirun) != "hydra":
+        pytest.skip("this test drives MPICH's Hydra; the tox env 'mpi' installs MPICH")
+    script = tmp_path / "network.py"
+    script.write_text(NETWORK)
+    command = [mpirun]
+    for i, name in enumerate(two_namespaces):
+        if i:
+            command.append(":")
+        command += ["-n", "2", "-env", "UNISON_HOSTNAME", "host%d" % i, "ip", "netns", "exec", name,
+                    sys.executable, str(script)]
+    env = dict(os.environ, MPIR_CVAR_NOLOCAL="1", MPIR_CVAR_CH4_NETMOD="ofi", FI_PROVIDER="tcp",
+               FI_TCP_IFACE="uveth")
+    proc = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=150)
+    output = proc.stdout.decode(errors="replace")
+    assert proc.returncode == 0, output
+    sent = dict(re.findall(r"rank (\d) hierarchical sent (\d+) bytes", output))
+    assert sorted(sent) == ["0", "1", "2", "3"], output
+    # Each host sends the other at least its half of the 4 MiB allreduce
+    # (the counter is the namespace's, shared by its two ranks).
+    assert all(int(n) >= 2 << 20 for n in sent.values()), sent
