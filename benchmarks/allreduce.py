@@ -1,11 +1,18 @@
 """Allreduce: unison against torch.distributed (gloo), side by side.
 
     unisonrun -np 2 python benchmarks/allreduce.py
+    unisonrun -np 4 --simulate-hosts 2 python benchmarks/allreduce.py --mpi-layouts
 
 Every rank joins both a unison job and a gloo process group, and the two
 are timed in alternating blocks in the same processes, so both see the same
 machine noise; each figure is the median over blocks. Rank 0 prints the
 table, the ratios and whether the targets of the core's issue are met.
+
+With --mpi-layouts (a job started through mpirun, e.g. on simulated hosts)
+the unison columns are the two MPI layouts, hierarchical (shared memory
+within hosts, MPI across) and flat (MPI between every pair): the processes
+shut unison down and start it again in the other layout before every block,
+so the two layouts and gloo alternate as well.
 """
 import argparse
 import hashlib
@@ -24,7 +31,9 @@ SIZES = [("4 KiB", 4 << 10), ("64 KiB", 64 << 10), ("1 MiB", 1 << 20), ("16 MiB"
 
 
 def setup_gloo():
-    job = os.environ.get("UNISON_JOB_ID", "solo")
+    job = os.environ.get("UNISON_JOB_ID")
+    if job is None:  # started by mpirun: rank 0 picks the port
+        job = str(int(unp.broadcast(np.array([os.getpid()]), root_rank=0, name="bench.port")[0]))
     port = os.environ.get("BENCH_GLOO_PORT") or str(20000 + int(hashlib.md5(job.encode()).hexdigest(), 16) % 20000)
     dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%s" % port, rank=unison.rank(),
                             world_size=unison.size())
@@ -60,10 +69,79 @@ def memcpy_bandwidth(nbytes=64 << 20):
     return nbytes / min(timed(lambda: np.copyto(b, a), 10) for _ in range(5))
 
 
+def iterations_for(nbytes):
+    return max(3, min(2000, int(2e8 // max(nbytes, 1) // 50)))
+
+
+LAYOUTS = [("hierarchical", "1"), ("flat", "0")]
+
+
+def in_layout(layout, fn):
+    """Runs fn() with unison started in an MPI layout, then stops unison."""
+    os.environ["UNISON_HIERARCHICAL_ALLREDUCE"] = dict(LAYOUTS)[layout]
+    unison.init()
+    try:
+        return fn()
+    finally:
+        unison.shutdown()
+
+
+def mpi_layouts(args):
+    """The MPI layouts against gloo, every block in every layout in turn."""
+    torch.set_num_threads(1)
+    unison.init()
+    setup_gloo()
+    rank, size = unison.rank(), unison.size()
+    hosts = unison.cross_size()
+    unison.shutdown()
+
+    def say(line=""):
+        if rank == 0:
+            print(line, flush=True)
+
+    say("allreduce of float32, %d ranks on %d hosts, median of %d blocks; each block runs every layout and gloo"
+        % (size, hosts, args.blocks))
+    say()
+    say("| size | hierarchical | flat MPI | gloo | hierarchical algbw | flat algbw | gloo algbw "
+        "| hierarchical / gloo speed | flat / gloo speed |")
+    say("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for label, nbytes in SIZES:
+        n = nbytes // 4
+        x = np.ones(n, dtype=np.float32)
+        t = torch.ones(n, dtype=torch.float32)
+        iterations = iterations_for(nbytes)
+        times = {"gloo": []}
+
+        def unison_block():
+            fn = lambda: unp.allreduce_(x, op=unison.Sum, name="bench.%d" % nbytes)  # noqa: E731
+            fn()  # warm-up and negotiation cache
+            unp.barrier()
+            return agree(timed(fn, iterations))
+
+        for _ in range(args.blocks):
+            for layout, _value in LAYOUTS:
+                times.setdefault(layout, []).append(in_layout(layout, unison_block))
+            dist.all_reduce(t)
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(iterations):
+                dist.all_reduce(t)
+            elapsed = (time.perf_counter() - start) / iterations
+            times["gloo"].append(in_layout("hierarchical", lambda: agree(elapsed)))
+        h, f, g = (statistics.median(times[k]) for k in ("hierarchical", "flat", "gloo"))
+        say("| %s | %.1f us | %.1f us | %.1f us | %.2f GB/s | %.2f GB/s | %.2f GB/s | %.2fx | %.2fx |"
+            % (label, h * 1e6, f * 1e6, g * 1e6, nbytes / h / 1e9, nbytes / f / 1e9, nbytes / g / 1e9, g / h, g / f))
+    dist.destroy_process_group()
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--blocks", type=int, default=7)
+    parser.add_argument("--mpi-layouts", action="store_true",
+                        help="compare the hierarchical and flat MPI layouts with gloo (start through mpirun)")
     args = parser.parse_args()
+    if args.mpi_layouts:
+        return mpi_layouts(args)
     torch.set_num_threads(1)
     unison.init()
     setup_gloo()
@@ -87,7 +165,7 @@ def main():
         n = nbytes // 4
         x = np.ones(n, dtype=np.float32)
         t = torch.ones(n, dtype=torch.float32)
-        iterations = max(3, min(2000, int(2e8 // max(nbytes, 1) // 50)))
+        iterations = iterations_for(nbytes)
         u, g = compare(lambda: unp.allreduce_(x, op=unison.Sum, name="bench.%d" % nbytes),
                        lambda: dist.all_reduce(t), iterations, args.blocks)
         results[label] = (u, g)
