@@ -6,8 +6,8 @@
 mpirun starts one small wrapper per rank (`python -m unison.mpi_run
 --rank-wrapper`), which runs the command, prefixes its output lines with
 the rank as the local launcher does, and, when the command fails, says
-which rank failed and how before exiting with its status; mpirun then
-stops the other ranks and unisonrun exits with that status, naming the rank.
+which rank failed and how; mpirun then stops the other ranks and unisonrun
+exits with that rank's status, naming it.
 
 Both families of mpirun are driven: Open MPI's (mpirun --version says
 "Open MPI") and the Hydra launcher of MPICH, Intel MPI and MVAPICH.
@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 # Variables every rank needs; Open MPI passes only what it is told to.
 PASSED_VARIABLES = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV", "PYTHONUNBUFFERED", "OMP_NUM_THREADS")
@@ -119,6 +120,7 @@ def launch(args, settings):
         wrapper += ["--simulate-hosts", str(args.simulate_hosts)]
     if args.output_filename:
         wrapper += ["--output-filename", args.output_filename]
+    wrapper += ["--failure-grace-seconds", str(args.failure_grace_seconds)]
     command = mpirun_command(mpirun, family, args.np, hosts, variables, wrapper + ["--"] + args.command,
                              args.mpi_args)
     if args.verbose:
@@ -147,9 +149,13 @@ def launch(args, settings):
     code = proc.wait()
     reader.join(timeout=5)
     if code != 0:
-        reason = failed[0][len("unisonrun: "):] if failed else "mpirun exited with status %d" % code
-        print("unisonrun: job failed: %s" % reason, file=sys.stderr, flush=True)
-        return code if code > 0 else 128 - code
+        if not failed:
+            print("unisonrun: job failed: mpirun exited with status %d" % code, file=sys.stderr, flush=True)
+            return code if code > 0 else 128 - code
+        print("unisonrun: job failed: %s" % failed[0][len("unisonrun: "):], file=sys.stderr, flush=True)
+        status = re.search(r"exited with status (\d+)", failed[0])
+        signum = re.search(r"killed by signal (\d+)", failed[0])
+        return int(status.group(1)) if status else 128 + int(signum.group(1))
     return 0
 
 
@@ -169,12 +175,15 @@ def rank_wrapper(argv):
 
     simulate_hosts = 0
     output_filename = None
+    grace_seconds = 3.0
     while argv and argv[0] != "--":
         option = argv.pop(0)
         if option == "--simulate-hosts":
             simulate_hosts = int(argv.pop(0))
         elif option == "--output-filename":
             output_filename = argv.pop(0)
+        elif option == "--failure-grace-seconds":
+            grace_seconds = float(argv.pop(0))
         else:
             raise SystemExit("unison.mpi_run: unknown option %s" % option)
     command = argv[1:]
@@ -214,7 +223,14 @@ def rank_wrapper(argv):
         f.close()
     if code != 0:
         print("unisonrun: rank %d (host %s) %s" % (rank, host, _describe(code)), file=sys.stderr, flush=True)
-    return code if code >= 0 else 128 - code
+        # Hydra ends a job early only when a rank dies by a signal, not when
+        # it exits with a status. So, after the same grace period the local
+        # launcher gives the other ranks to report the failure themselves,
+        # the wrapper ends itself by SIGKILL; unisonrun reads the real status
+        # from the line above.
+        time.sleep(grace_seconds)
+        os.kill(os.getpid(), signal.SIGKILL)
+    return code
 
 
 if __name__ == "__main__":

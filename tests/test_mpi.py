@@ -13,6 +13,7 @@ Layouts on this one machine:
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -133,6 +134,51 @@ def test_rank_killed_on_a_simulated_host_ends_the_job(tmp_path, flat):
     assert proc.returncode != 0, output
     assert "unisonrun: job failed: rank 3 (host " in output and "killed by signal 9" in output, output
     assert elapsed < 30, "the job took %.1f s to end" % elapsed
+
+
+EXITS = """
+import sys, time, numpy as np, unison, unison.numpy as unp
+unison.init()
+unp.allreduce(np.ones(3), name="first")
+if unison.rank() == 1:
+    sys.exit(3)
+time.sleep(60)  # the others are busy elsewhere: the launcher must stop them
+"""
+
+
+@needs_mpi
+@pytest.mark.timeout(120)
+def test_failed_rank_status_is_the_launchers_and_the_others_are_stopped(tmp_path):
+    script = tmp_path / "exits.py"
+    script.write_text(EXITS)
+    start = time.monotonic()
+    proc = unisonrun(["--mpi", "-np", "3"], [sys.executable, str(script)], timeout=100)
+    output = proc.stdout.decode(errors="replace")
+    assert proc.returncode == 3, output
+    assert "unisonrun: job failed: rank 1 (host " in output and "exited with status 3" in output, output
+    assert time.monotonic() - start < 30, output
+
+
+@needs_mpi
+@pytest.mark.timeout(120)
+def test_ctrl_c_stops_every_rank(tmp_path):
+    script = tmp_path / "waits.py"
+    marker = tmp_path / "started"
+    script.write_text("import time, unison, pathlib\nunison.init()\n"
+                      "pathlib.Path(%r + str(unison.rank())).touch()\ntime.sleep(60)\n" % str(marker))
+    proc = subprocess.Popen([sys.executable, "-m", "unison.run", "-np", "2", "--simulate-hosts", "2",
+                             sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 60
+    while not all(os.path.exists(str(marker) + str(r)) for r in range(2)):
+        assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read().decode()
+        time.sleep(0.1)
+    start = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode != 0, out.decode()
+    assert time.monotonic() - start < 15
+    left = subprocess.run(["pgrep", "-f", str(script)], stdout=subprocess.PIPE).stdout.decode().split()
+    assert left == [], "ranks still running: %s" % left
 
 
 @needs_mpi

@@ -19,10 +19,13 @@ namespace {
 
 std::atomic<bool> broken{false};
 
-void finalize_at_exit() {
+// MPI_Finalize waits for every other rank to finalize too. A process that
+// is failing (non-zero exit status) must not wait for ranks that may run on
+// for hours: it leaves without, and mpirun ends the job because of it.
+void finalize_at_exit(int status, void*) {
   int finalized = 0;
   MPI_Finalized(&finalized);
-  if (!finalized && !broken.load()) MPI_Finalize();
+  if (!finalized && status == 0 && !broken.load()) MPI_Finalize();
 }
 
 const char* thread_level_name(int level) {
@@ -48,7 +51,7 @@ Status start_mpi() {
     int provided = 0;
     int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
     if (rc != MPI_SUCCESS) return mpi_error("MPI_Init_thread", rc);
-    std::atexit(finalize_at_exit);
+    on_exit(finalize_at_exit, nullptr);  // glibc's atexit that is told the exit status
   }
   int level = 0;
   MPI_Query_thread(&level);
