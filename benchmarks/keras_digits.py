@@ -40,7 +40,6 @@ def rate_of(output):
 def mwms_worker(args):
     """One MultiWorkerMirroredStrategy worker (TF_CONFIG set by the parent)."""
     import keras
-    import numpy as np
     import tensorflow as tf
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
