@@ -85,9 +85,10 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
 
 def _allreduce(array, output, average, name, op, prescale_factor, postscale_factor, process_set):
     reduce_op = collective.resolve_op(op, average)
+    input_pointer = _pointer(array)
     handle_id = collective.enqueue(
         lib.UNISON_ALLREDUCE, name, _dtype_code(array, name), array.shape,
-        _pointer(array), _pointer(output), reduce_op=reduce_op,
+        input_pointer, input_pointer if output is array else _pointer(output), reduce_op=reduce_op,
         prescale_factor=prescale_factor, postscale_factor=postscale_factor, process_set=process_set)
     return Handle(handle_id, name, (array, output), lambda _: output)
 
