@@ -1,6 +1,5 @@
 #include "cycle_requests.h"
 
-#include <utility>
 
 namespace unison {
 namespace {
@@ -9,7 +8,12 @@ namespace {
 constexpr int kTag = 7;
 }  // namespace
 
-CycleRequests::CycleRequests(MPI_Comm comm, std::vector<int> peers) : comm_(comm), peers_(std::move(peers)) {
+CycleRequests::CycleRequests(MPI_Comm comm) : comm_(comm) {
+  int rank = 0, size = 1;
+  MPI_Comm_rank(comm, &rank);
+  MPI_Comm_size(comm, &size);
+  for (int r = 0; r < size; ++r)
+    if (r != rank) peers_.push_back(r);
   post_receive();
 }
 

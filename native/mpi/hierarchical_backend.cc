@@ -32,8 +32,6 @@
 namespace unison {
 namespace {
 
-constexpr double kLongestPoll = 1e-3;  // as in mpi_backend.cc
-
 // Length-prefixed strings in one string.
 std::string pack(const std::vector<std::string>& parts) {
   std::string out;
@@ -83,12 +81,7 @@ class HierarchicalBackend final : public Backend {
     s = MpiCommunicator::create(cross, config_, liveness, &cross_);
     MPI_Comm_free(&cross);
     if (!s.ok()) return s;
-    if (leader()) {
-      std::vector<int> other_leaders;
-      for (int h = 0; h < cross_->size(); ++h)
-        if (h != cross_->rank()) other_leaders.push_back(h);
-      requests_ = std::make_unique<CycleRequests>(cross_->comm(), other_leaders);
-    }
+    if (leader()) requests_ = std::make_unique<CycleRequests>(cross_->comm());  // the other leaders
     return Status::OK();
   }
   ~HierarchicalBackend() override { requests_.reset(); }
@@ -148,20 +141,13 @@ class HierarchicalBackend final : public Backend {
   uint32_t activity_token() const override { return local_->activity_token(); }
   void wait_for_activity(uint32_t token, double timeout_seconds) override {
     if (!leader()) return local_->wait_for_activity(token, timeout_seconds);
-    const double start = monotonic_seconds();
-    double pause = 20e-6;
-    for (;;) {
-      const uint64_t before = local_->requested_cycles();
-      if (relay() > before || local_->activity_token() != token) return;
-      const double now = monotonic_seconds();
-      if (now - start >= timeout_seconds) return;
-      if (now - start < config_.spin_microseconds * 1e-6) {
-        cpu_relax();
-        continue;
-      }
-      local_->wait_for_activity(token, std::min(pause, timeout_seconds - (now - start)));
-      pause = std::min(pause * 2, kLongestPoll);
-    }
+    poll_with_backoff(
+        [&] {
+          const uint64_t before = local_->requested_cycles();
+          return relay() > before || local_->activity_token() != token;
+        },
+        [&](double pause) { local_->wait_for_activity(token, pause); }, timeout_seconds,
+        config_.spin_microseconds * 1e-6);
   }
   void wake() override { local_->wake(); }
 
@@ -180,22 +166,22 @@ class HierarchicalBackend final : public Backend {
     ReducescatterOptions scatter;
     scatter.reduce = within;
     AllgatherOptions gather;
+    // Each tensor is cut into L near-equal parts; this rank's parts of all
+    // of them, one after another in chunk_, are what it carries across hosts.
+    std::vector<std::vector<size_t>> parts(o.segments.size(), std::vector<size_t>(L));
     size_t mine = 0;
-    for (const Segment& s : o.segments) {
-      const size_t count = s.bytes / element;
-      std::vector<size_t> parts(L);
-      for (int l = 0; l < L; ++l) parts[l] = (count * (l + 1) / L - count * l / L) * element;
-      mine += parts[me];
+    for (size_t i = 0; i < o.segments.size(); ++i) {
+      const size_t count = o.segments[i].bytes / element;
+      for (int l = 0; l < L; ++l) parts[i][l] = (count * (l + 1) / L - count * l / L) * element;
+      mine += parts[i][me];
     }
     chunk_.resize(mine + 1);
     size_t at = 0;
-    for (const Segment& s : o.segments) {
-      const size_t count = s.bytes / element;
-      std::vector<size_t> parts(L);
-      for (int l = 0; l < L; ++l) parts[l] = (count * (l + 1) / L - count * l / L) * element;
-      scatter.tensors.push_back({s.input, chunk_.data() + at, parts});
-      gather.tensors.push_back({chunk_.data() + at, s.output, parts});
-      at += parts[me];
+    for (size_t i = 0; i < o.segments.size(); ++i) {
+      const Segment& s = o.segments[i];
+      scatter.tensors.push_back({s.input, chunk_.data() + at, parts[i]});
+      gather.tensors.push_back({chunk_.data() + at, s.output, parts[i]});
+      at += parts[i][me];
     }
     Status s = local_->reducescatter(scatter);
     if (s.ok() && mine > 0) s = cross_->allreduce(AllreduceOptions{{{chunk_.data(), chunk_.data(), mine}}, across});

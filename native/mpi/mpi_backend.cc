@@ -19,10 +19,6 @@
 namespace unison {
 namespace {
 
-// How long an idle engine sleeps between looks for remote cycle requests,
-// at most: the latency a lone op pays when every other rank is idle.
-constexpr double kLongestPoll = 1e-3;
-
 // The peers on this rank's own host, watched through pidfds so that a
 // local death is seen at once, as in the shared-memory backend.
 class LocalPeers {
@@ -68,10 +64,7 @@ class MpiBackend final : public Backend {
   Status start() {
     Status s = MpiCommunicator::create(MPI_COMM_WORLD, config_, [this] { return check_peers(); }, &comm_);
     if (!s.ok()) return s;
-    std::vector<int> peers;
-    for (int r = 0; r < comm_->size(); ++r)
-      if (r != comm_->rank()) peers.push_back(r);
-    requests_ = std::make_unique<CycleRequests>(comm_->comm(), peers);
+    requests_ = std::make_unique<CycleRequests>(comm_->comm());
     return Status::OK();
   }
   ~MpiBackend() override { requests_.reset(); }
@@ -101,20 +94,10 @@ class MpiBackend final : public Backend {
   }
   uint32_t activity_token() const override { return doorbell_.token(); }
   void wait_for_activity(uint32_t token, double timeout_seconds) override {
-    const double start = monotonic_seconds();
     const uint64_t before = requested_;
-    double pause = 20e-6;
-    for (;;) {
-      if (requested_cycles() > before || doorbell_.token() != token) return;
-      const double now = monotonic_seconds();
-      if (now - start >= timeout_seconds) return;
-      if (now - start < config_.spin_microseconds * 1e-6) {
-        cpu_relax();
-        continue;
-      }
-      doorbell_.sleep(token, std::min(pause, timeout_seconds - (now - start)));
-      pause = std::min(pause * 2, kLongestPoll);
-    }
+    poll_with_backoff([&] { return requested_cycles() > before || doorbell_.token() != token; },
+                      [&](double pause) { doorbell_.sleep(token, pause); }, timeout_seconds,
+                      config_.spin_microseconds * 1e-6);
   }
   void wake() override { doorbell_.ring(); }  // any thread: no MPI here
 
