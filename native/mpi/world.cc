@@ -5,14 +5,14 @@
 //   otherwise                         MPI between every pair of ranks (flat)
 #include "world.h"
 
-#include "communicator.h"
-
 #include <unistd.h>
 
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <random>
+
+#include "communicator.h"
 
 namespace unison {
 namespace {
@@ -73,7 +73,8 @@ Status wait_for_start(MPI_Request* request, const Config& config) {
   return s;
 }
 
-// Every rank's host name and pid, gathered over a communicator of our own.
+// Every rank's host name and pid. This and the job id go over
+// MPI_COMM_WORLD itself: they come before any communicator of unison's.
 Status learn_world(const Config& config, MpiWorld* world) {
   struct Identity {
     char host[256];
@@ -178,7 +179,7 @@ Status make_mpi_backend(Config* config, int generation, std::unique_ptr<Backend>
   if (config->hierarchical && hosts == 1) return make_shm_backend(*config, generation, out);
   if (config->hierarchical && same_size_hosts && config->local_size > 1)
     return make_hierarchical_backend(*config, world, generation, out);
-  if (config->hierarchical && config->local_size > 1 && config->rank == 0 && config->log_level >= 0)
+  if (config->hierarchical && config->local_size > 1 && config->rank == 0)
     std::fprintf(stderr, "unison: hosts run different numbers of ranks, so every collective goes over MPI (flat)\n");
   return make_flat_mpi_backend(*config, world, out);
 }
