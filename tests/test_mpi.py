@@ -48,7 +48,7 @@ def pytest_command(suite):
 
 @needs_mpi
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("suite", ["test_core_ops.py", "test_core_errors.py"])
+@pytest.mark.parametrize("suite", ["test_core_ops.py", "test_core_errors.py", "test_core_training.py"])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_core_grid_under_mpi(layout, suite):
     options, ranks, backend = LAYOUTS[layout]
@@ -281,9 +281,10 @@ def two_namespaces():
 
 @needs_mpi
 @pytest.mark.timeout(180)
-def test_across_network_namespaces(tmp_path, two_namespaces):
-    """Two ranks in each of two network namespaces: the hierarchical
-    collectives run, and MPI's bytes between the hosts leave through the veth.
+@pytest.mark.parametrize("backend", ["hierarchical", "mpi"])
+def test_across_network_namespaces(tmp_path, two_namespaces, backend):
+    """Two ranks in each of two network namespaces: the collectives run in
+    both layouts, and MPI's bytes between the hosts leave through the veth.
     MPICH is told to treat every peer as remote and to use TCP on the veth
     (MPIR_CVAR_NOLOCAL, libfabric's tcp provider); the job is started with
     Hydra's own syntax for per-rank settings."""
@@ -299,12 +300,13 @@ def test_across_network_namespaces(tmp_path, two_namespaces):
         command += ["-n", "2", "-env", "UNISON_HOSTNAME", "host%d" % i, "ip", "netns", "exec", name,
                     sys.executable, str(script)]
     env = dict(os.environ, MPIR_CVAR_NOLOCAL="1", MPIR_CVAR_CH4_NETMOD="ofi", FI_PROVIDER="tcp",
-               FI_TCP_IFACE="uveth")
+               FI_TCP_IFACE="uveth", UNISON_HIERARCHICAL_ALLREDUCE="1" if backend == "hierarchical" else "0")
     proc = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=150)
     output = proc.stdout.decode(errors="replace")
     assert proc.returncode == 0, output
-    sent = dict(re.findall(r"rank (\d) hierarchical sent (\d+) bytes", output))
+    sent = dict(re.findall(r"rank (\d) %s sent (\d+) bytes" % backend, output))
     assert sorted(sent) == ["0", "1", "2", "3"], output
-    # Each host sends the other at least its half of the 4 MiB allreduce
-    # (the counter is the namespace's, shared by its two ranks).
+    # Each host sends the other at least half of the 4 MiB allreduce (the
+    # counter is the namespace's, shared by its two ranks; traffic between
+    # the two ranks of a namespace stays on its loopback).
     assert all(int(n) >= 2 << 20 for n in sent.values()), sent
