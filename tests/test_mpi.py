@@ -111,6 +111,32 @@ def test_simulated_hosts_identity_and_hierarchical_choice(tmp_path, setting, bac
         assert "[%d]<stdout>:rank %d of 4: %s total 10 who %s" % (r, r, backend, who) in output, output
 
 
+SETTINGS = """
+import os, unison
+unison.init()
+print("rank %d of %d cycle time %s" % (unison.rank(), unison.size(), os.environ.get("UNISON_CYCLE_TIME")))
+"""
+
+
+@needs_mpi
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("hosts", ["-H", "--hostfile"])
+def test_hosts_and_settings_reach_every_rank(tmp_path, hosts):
+    script = tmp_path / "settings.py"
+    script.write_text(SETTINGS)
+    if hosts == "-H":
+        options = ["-H", "localhost:2"]
+    else:
+        hostfile = tmp_path / "hosts"
+        hostfile.write_text("localhost slots=2\n")
+        options = ["--hostfile", str(hostfile)]
+    proc = unisonrun(["-np", "2", "--cycle-time-ms", "3"] + options, [sys.executable, str(script)], timeout=100)
+    output = proc.stdout.decode(errors="replace")
+    assert proc.returncode == 0, output
+    for r in range(2):
+        assert "[%d]<stdout>:rank %d of 2 cycle time 3.0" % (r, r) in output, output
+
+
 KILLED = """
 import os, time, numpy as np, unison, unison.numpy as unp
 unison.init()
