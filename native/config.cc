@@ -50,22 +50,27 @@ int slurm_tasks_on_node(const std::string& list, int node) try {
 // The identity an MPI launcher or srun gives its processes. MPI's own answer
 // is what the job runs on; these tell init() which launcher it is under.
 void read_launcher_identity(Config* c) {
-  if (lookup("OMPI_COMM_WORLD_RANK", nullptr) != nullptr) {
-    c->mpi_launcher = "Open MPI";
-    read_int(&c->rank, "OMPI_COMM_WORLD_RANK");
-    read_int(&c->size, "OMPI_COMM_WORLD_SIZE");
+  struct Launcher {
+    const char *name, *rank, *size, *local_rank, *local_size;
+  };
+  static const Launcher kMpiLaunchers[] = {
+      {"Open MPI", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+       "OMPI_COMM_WORLD_LOCAL_SIZE"},
+      // Hydra's PMI variables: MPICH, Intel MPI, MVAPICH.
+      {"MPICH", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"},
+  };
+  for (const Launcher& l : kMpiLaunchers) {
+    if (lookup(l.rank, nullptr) == nullptr) continue;
+    c->mpi_launcher = l.name;
+    read_int(&c->rank, l.rank);
+    read_int(&c->size, l.size);
     c->local_rank = c->rank, c->local_size = c->size;
-    read_int(&c->local_rank, "OMPI_COMM_WORLD_LOCAL_RANK");
-    read_int(&c->local_size, "OMPI_COMM_WORLD_LOCAL_SIZE");
-  } else if (lookup("PMI_RANK", nullptr) != nullptr) {
-    c->mpi_launcher = "MPICH";
-    read_int(&c->rank, "PMI_RANK");
-    read_int(&c->size, "PMI_SIZE");
-    c->local_rank = c->rank, c->local_size = c->size;
-    read_int(&c->local_rank, "MPI_LOCALRANKID");
-    read_int(&c->local_size, "MPI_LOCALNRANKS");
-  } else if (lookup("SLURM_STEP_NUM_TASKS", nullptr) != nullptr && lookup("SLURM_PROCID", nullptr) != nullptr) {
-    // srun, not the batch script: only a job step has SLURM_STEP_NUM_TASKS.
+    read_int(&c->local_rank, l.local_rank);
+    read_int(&c->local_size, l.local_size);
+    return;
+  }
+  // srun, not the batch script: only a job step has SLURM_STEP_NUM_TASKS.
+  if (lookup("SLURM_STEP_NUM_TASKS", nullptr) != nullptr && lookup("SLURM_PROCID", nullptr) != nullptr) {
     c->mpi_launcher = "SLURM";
     read_int(&c->rank, "SLURM_PROCID");
     read_int(&c->size, "SLURM_STEP_NUM_TASKS");
