@@ -75,7 +75,7 @@ Status mpi_wait(MPI_Request* request, const std::string& what, double limit_seco
         return Status::Error(UNISON_ERR_RANK_FAILED,
                              "unison: " + what + " got no answer from some rank within " +
                                  std::to_string((int)limit_seconds) +
-                                 " s; a rank on another host has died or stopped (UNISON_PEER_TIMEOUT_SECONDS)");
+                                 " s: it has died on another host, or stopped (UNISON_PEER_TIMEOUT_SECONDS)");
     }
     if (now - start < spin_seconds) {
       cpu_relax();
