@@ -112,8 +112,12 @@ def launch(args, settings):
         env.setdefault("OMP_NUM_THREADS", "1")
     # The launcher's identity variables would override MPI's.
     for name in ("UNISON_RANK", "UNISON_SIZE", "UNISON_LOCAL_RANK", "UNISON_LOCAL_SIZE", "UNISON_CROSS_RANK",
-                 "UNISON_CROSS_SIZE", "UNISON_JOB_ID"):
+                 "UNISON_CROSS_SIZE"):
         env.pop(name, None)
+    # The job's name for its shared memory on every host, so that each
+    # rank's wrapper can remove what a crash during start-up left there.
+    from unison.run import new_job_id
+    env["UNISON_JOB_ID"] = new_job_id()
     variables = sorted(n for n in env if n.startswith(("UNISON_", "HOROVOD_")) or n in PASSED_VARIABLES)
     wrapper = [sys.executable, "-m", "unison.mpi_run", "--rank-wrapper"]
     if args.simulate_hosts:
@@ -171,7 +175,7 @@ def _rank_from_environment():
 
 
 def rank_wrapper(argv):
-    from unison.run import _describe, _die_with_parent, _forward
+    from unison.run import _describe, _die_with_parent, _forward, remove_shared_memory
 
     simulate_hosts = 0
     output_filename = None
@@ -221,6 +225,8 @@ def rank_wrapper(argv):
         t.join(timeout=5)
     for f in logs:
         f.close()
+    if code != 0 and "UNISON_JOB_ID" in env:
+        remove_shared_memory(env["UNISON_JOB_ID"])
     if code != 0:
         print("unisonrun: rank %d (host %s) %s" % (rank, host, _describe(code)), file=sys.stderr, flush=True)
         # Hydra ends a job early only when a rank dies by a signal, not when

@@ -157,7 +157,7 @@ def _describe(code):
 class Job:
     def __init__(self, args):
         self.args = args
-        self.job_id = "%d-%s" % (os.getpid(), uuid.uuid4().hex[:8])
+        self.job_id = new_job_id()
         self.procs = []
         self.threads = []
         self.logs = []
@@ -245,13 +245,21 @@ class Job:
         return code if code > 0 else 128 - code
 
     def cleanup(self):
-        # Ranks unlink their shared memory once all have attached; a crash
-        # during start-up can still leave a segment behind.
-        for path in glob.glob("/dev/shm/unison-%s-*" % self.job_id):
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
+        remove_shared_memory(self.job_id)
+
+
+def new_job_id():
+    return "%d-%s" % (os.getpid(), uuid.uuid4().hex[:8])
+
+
+def remove_shared_memory(job_id):
+    """Ranks unlink their shared memory once all have attached; a crash
+    during start-up can still leave a segment of the job behind."""
+    for path in glob.glob("/dev/shm/unison-%s-*" % job_id):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
 
 
 def main(argv=None):

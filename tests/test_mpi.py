@@ -188,6 +188,30 @@ def test_failed_rank_status_is_the_launchers_and_the_others_are_stopped(tmp_path
     assert time.monotonic() - start < 30, output
 
 
+LEFTOVER = """
+import os, sys
+# What a rank that crashed while its host's ranks were attaching to shared
+# memory leaves behind: a segment under the job's name.
+path = "/dev/shm/unison-%s-2-g0" % os.environ["UNISON_JOB_ID"]
+open(path, "w").close()
+print("left", path, flush=True)
+sys.exit(1)
+"""
+
+
+@needs_mpi
+@pytest.mark.timeout(120)
+def test_a_failed_job_leaves_no_shared_memory(tmp_path):
+    script = tmp_path / "leftover.py"
+    script.write_text(LEFTOVER)
+    proc = unisonrun(["--mpi", "-np", "2"], [sys.executable, str(script)], timeout=100)
+    output = proc.stdout.decode(errors="replace")
+    assert proc.returncode == 1, output
+    left = re.findall(r"left (\S+)", output)
+    assert len(left) == 2, output
+    assert not any(os.path.exists(path) for path in left), left
+
+
 @needs_mpi
 @pytest.mark.timeout(120)
 def test_ctrl_c_stops_every_rank(tmp_path):

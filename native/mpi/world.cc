@@ -169,7 +169,9 @@ Status make_mpi_backend(Config* config, int generation, std::unique_ptr<Backend>
     ++config->cross_size;
   }
   config->host_ranks = mine;
-  s = agree_on_job_id(*config, world, &config->job_id);
+  // unisonrun names the job (and removes what a crash leaves under that
+  // name); under a plain mpirun rank 0 chooses a name.
+  if (config->job_id.empty()) s = agree_on_job_id(*config, world, &config->job_id);
   if (!s.ok()) return s;
   config->job_id += "-host" + std::to_string(world.my_host());
 
