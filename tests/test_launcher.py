@@ -118,12 +118,13 @@ def test_sigterm_is_forwarded_to_every_rank(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "unison.run", "-np", "2", sys.executable, str(script)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 30
-    seen = b""
-    while seen.count(b"ready") < 2 and time.monotonic() < deadline:
-        seen += proc.stdout.readline()
+    ready = 0
+    while ready < 2 and time.monotonic() < deadline:
+        ready += proc.stdout.readline().endswith(b">:ready\n")
+    assert ready == 2, "the ranks did not start within 30 s"
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=30)
-    out = (seen + out).decode()
+    out = out.decode()
     assert "rank 0 got 15" in out and "rank 1 got 15" in out
 
 

@@ -48,3 +48,20 @@ def test_shutdown_fails_pending_work_cleanly(solo):
     unison.shutdown()
     unison.init()
     assert unp.allreduce(np.ones(2), name="x")[0] == 1
+
+
+def test_background_thread_leaves_signals_to_the_main_thread(solo):
+    # A SIGTERM the kernel hands to the core's thread would not wake a main
+    # thread sleeping in Python, so the thread must block it (see engine.cc).
+    import os
+    import signal
+    ours = []
+    for tid in os.listdir("/proc/self/task"):
+        with open("/proc/self/task/%s/status" % tid) as f:
+            fields = dict(line.rstrip("\n").split(":\t", 1) for line in f if ":\t" in line)
+        if fields["Name"] == "unison-engine":
+            ours.append((tid, int(fields["SigBlk"], 16)))
+    assert len(ours) == 1, "expected the core's background thread, found %r" % ours
+    for tid, blocked in ours:
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGCHLD):
+            assert blocked & (1 << (sig - 1)), "thread %d does not block %s" % (tid, sig.name)
