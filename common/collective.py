@@ -36,31 +36,42 @@ def split_into_groups(items, num_groups):
 
 
 class _Scratch(threading.local):
-    """One options struct, shape array and handle slot per thread, reused
-    by every enqueue: the core copies what it needs before returning, and
-    skipping three allocations per call is a third of the front end's cost
-    when a model's gradients are enqueued one by one."""
+    """One options struct and handle slot per thread, reused by every
+    enqueue: the core copies what it needs before returning. A model's
+    gradients are enqueued one by one, each call costing a few
+    microseconds of Python, so the front end keeps per thread what repeats
+    from call to call instead of rebuilding it: the C strings of names, the
+    C arrays of shapes, and the fields that rarely change."""
 
     def __init__(self):
         self.options = ffi.new("unison_op_options*")
-        self.shape = ffi.new("int64_t[%d]" % lib.UNISON_MAX_DIMS)
         self.handle = ffi.new("unison_handle*")
-        # Training enqueues the same names every step; their C strings are
-        # kept (for this thread, up to a bound) instead of built each time.
-        self.names = {}
+        self.names = {}   # name -> char[]
+        self.shapes = {}  # shape tuple -> int64_t[]
+        self.rare = None  # (root_rank, splits, process_set, device) last set
 
 
 _scratch = _Scratch()
-_NAMES_KEPT = 4096
+_MAX_DIMS = lib.UNISON_MAX_DIMS
+_KEPT = 4096  # names and shapes kept per thread; beyond, built per call
 
 
 def _c_name(scratch, name):
     c_name = scratch.names.get(name)
     if c_name is None:
         c_name = ffi.new("char[]", name.encode())
-        if len(scratch.names) < _NAMES_KEPT:
+        if len(scratch.names) < _KEPT:
             scratch.names[name] = c_name
     return c_name
+
+
+def _c_shape(scratch, shape):
+    c_shape = scratch.shapes.get(shape)
+    if c_shape is None:
+        c_shape = ffi.new("int64_t[]", [int(d) for d in shape] or [0])
+        if len(scratch.shapes) < _KEPT:
+            scratch.shapes[shape] = c_shape
+    return c_shape
 
 
 def enqueue(op, name, dtype=0, shape=(), input=NULL, output=NULL, reduce_op=0,
@@ -69,33 +80,37 @@ def enqueue(op, name, dtype=0, shape=(), input=NULL, output=NULL, reduce_op=0,
     """Starts one collective and returns the core's handle id.
 
     input and output are cffi pointers (or NULL); `name` may be None for an
-    automatically numbered one."""
+    automatically numbered one; `shape` a tuple (or list) of ints."""
     scratch = _scratch
     options = scratch.options
     ndim = len(shape)
-    if ndim > lib.UNISON_MAX_DIMS:
+    if ndim > _MAX_DIMS:
         raise InvalidArgumentError("unison: %s has %d dimensions; at most %d are supported"
-                                   % (name or "a tensor", ndim, lib.UNISON_MAX_DIMS))
-    for i, d in enumerate(shape):
-        scratch.shape[i] = int(d)
-    c_name = _c_name(scratch, name) if name else NULL
-    options.name = c_name
+                                   % (name or "a tensor", ndim, _MAX_DIMS))
+    options.name = _c_name(scratch, name) if name else NULL
     options.op = op
     options.dtype = dtype
     options.ndim = ndim
-    options.shape = scratch.shape if ndim else NULL
+    options.shape = _c_shape(scratch, tuple(shape)) if ndim else NULL
     options.input = input
     options.output = output
     options.reduce_op = reduce_op
     options.prescale_factor = prescale_factor
     options.postscale_factor = postscale_factor
-    options.root_rank = root_rank
-    splits_array = NULL
-    if splits is not None:
-        splits_array = ffi.new("int64_t[]", [int(s) for s in splits])
-    options.splits = splits_array
-    options.nsplits = len(splits) if splits is not None else 0
-    options.process_set_id = process_set_id(process_set)
-    options.device = device
-    basics.check(lib.unison_enqueue(options, scratch.handle))
+    rare = (root_rank, splits, process_set, device)
+    if splits is not None or rare != scratch.rare:
+        scratch.rare = None  # until every field below is set
+        splits_array = NULL
+        if splits is not None:
+            splits_array = ffi.new("int64_t[]", [int(s) for s in splits])
+        options.root_rank = root_rank
+        options.splits = splits_array
+        options.nsplits = len(splits) if splits is not None else 0
+        options.process_set_id = process_set_id(process_set)
+        options.device = device
+        if splits is None:  # splits_array dies with this call
+            scratch.rare = rare
+    code = lib.unison_enqueue(options, scratch.handle)
+    if code:
+        basics.check(code)
     return scratch.handle[0]

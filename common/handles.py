@@ -10,18 +10,22 @@ from unison._native import ffi, lib
 # Handles whose op may still be running, so their buffers stay alive even
 # when the caller drops the Handle without synchronizing.
 _in_flight = {}
+_OK, _TIMEOUT = lib.UNISON_OK, lib.UNISON_ERR_TIMEOUT
 
 
 class Handle:
+    """An op in flight. Its result is finish(handle id) once the op has
+    completed, or `result` itself when finish is None (in-place ops, whose
+    result is a buffer the caller already holds)."""
     __slots__ = ("id", "name", "_buffers", "_finish", "_result", "_done", "__weakref__")
 
-    def __init__(self, handle_id, name, buffers, finish):
+    def __init__(self, handle_id, name, buffers, finish, result=None):
         self.id = handle_id
         self.name = name
         self._buffers = buffers
         self._finish = finish
         self._done = False
-        self._result = None
+        self._result = result
         _in_flight[handle_id] = self
 
     def __repr__(self):
@@ -68,23 +72,24 @@ def synchronize(handle):
         return handle._finish(results) if handle._finish else results
     if handle._done:
         return handle._result
-    while True:
+    handle_id = handle.id
+    code = lib.unison_wait(handle_id, 0.2)
+    while code == _TIMEOUT:
         # Wait in slices so that Ctrl-C reaches Python between them.
-        code = lib.unison_wait(handle.id, 0.2)
-        if code != lib.UNISON_ERR_TIMEOUT:
-            break
-    _in_flight.pop(handle.id, None)
+        code = lib.unison_wait(handle_id, 0.2)
+    _in_flight.pop(handle_id, None)
     try:
-        if code != lib.UNISON_OK:
+        if code != _OK:
             message = ffi.new("char[]", 4096)
-            lib.unison_handle_error(handle.id, message, 4096)
+            lib.unison_handle_error(handle_id, message, 4096)
             raise basics.error_for(code, ffi.string(message).decode(errors="replace"))
-        handle._result = handle._finish(handle.id)
+        if handle._finish is not None:
+            handle._result = handle._finish(handle_id)
         handle._done = True
         return handle._result
     finally:
         handle._buffers = None
-        lib.unison_release(handle.id)
+        lib.unison_release(handle_id)
 
 
 def result_buffer(handle_id):

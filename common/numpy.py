@@ -48,10 +48,12 @@ def _contiguous(tensor):
 
 
 def _in_place_target(tensor, name):
-    if not isinstance(tensor, np.ndarray) or not tensor.flags.c_contiguous or not tensor.flags.writeable:
-        raise InvalidArgumentError(
-            "unison: in-place op on %r needs a writable C-contiguous numpy array" % (name or "(unnamed)"))
-    return tensor
+    if isinstance(tensor, np.ndarray):
+        flags = tensor.flags
+        if flags.c_contiguous and flags.writeable:
+            return tensor
+    raise InvalidArgumentError(
+        "unison: in-place op on %r needs a writable C-contiguous numpy array" % (name or "(unnamed)"))
 
 
 def _pointer(array):
@@ -84,13 +86,17 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
 
 
 def _allreduce(array, output, average, name, op, prescale_factor, postscale_factor, process_set):
-    reduce_op = collective.resolve_op(op, average)
+    # The path every gradient takes, so it is kept short: see collective.py.
+    reduce_op = op if op is not None and average is None else collective.resolve_op(op, average)
+    code = _DTYPES.get(array.dtype)
+    if code is None:
+        _dtype_code(array, name)  # raises, naming the tensor
     input_pointer = _pointer(array)
     handle_id = collective.enqueue(
-        lib.UNISON_ALLREDUCE, name, _dtype_code(array, name), array.shape,
-        input_pointer, input_pointer if output is array else _pointer(output), reduce_op=reduce_op,
-        prescale_factor=prescale_factor, postscale_factor=postscale_factor, process_set=process_set)
-    return Handle(handle_id, name, (array, output), lambda _: output)
+        lib.UNISON_ALLREDUCE, name, code, array.shape,
+        input_pointer, input_pointer if output is array else _pointer(output), reduce_op,
+        prescale_factor, postscale_factor, 0, None, process_set)
+    return Handle(handle_id, name, (array, output), None, output)
 
 
 def allreduce(tensor, average=None, name=None, op=None, prescale_factor=1.0,

@@ -117,61 +117,64 @@ Status Engine::enqueue(const unison_op_options& o, int64_t* handle) {
 
   if (o.op < UNISON_ALLREDUCE || o.op > UNISON_JOIN) return invalid("unknown op " + std::to_string(o.op));
   const bool carries_tensor = o.op != UNISON_BARRIER && o.op != UNISON_JOIN;
-  std::string what = std::string(op_name(o.op)) + (o.name != nullptr && *o.name ? std::string(" '") + o.name + "'" : "");
+  // Built only for an error message: this function runs once per tensor.
+  auto what = [&o] {
+    return std::string(op_name(o.op)) + (o.name != nullptr && *o.name ? std::string(" '") + o.name + "'" : "");
+  };
   if (carries_tensor) {
-    if (!dtype_valid(o.dtype)) return invalid(what + ": unsupported dtype code " + std::to_string(o.dtype));
+    if (!dtype_valid(o.dtype)) return invalid(what() + ": unsupported dtype code " + std::to_string(o.dtype));
     if (o.ndim < 0 || o.ndim > UNISON_MAX_DIMS)
-      return invalid(what + ": ndim " + std::to_string(o.ndim) + " is outside 0.." + std::to_string(UNISON_MAX_DIMS));
-    if (o.ndim > 0 && o.shape == nullptr) return invalid(what + ": shape is NULL");
+      return invalid(what() + ": ndim " + std::to_string(o.ndim) + " is outside 0.." + std::to_string(UNISON_MAX_DIMS));
+    if (o.ndim > 0 && o.shape == nullptr) return invalid(what() + ": shape is NULL");
     r.shape.assign(o.shape, o.shape + o.ndim);
     for (int64_t d : r.shape)
-      if (d < 0) return invalid(what + ": negative size in shape " + shape_string(r.shape));
+      if (d < 0) return invalid(what() + ": negative size in shape " + shape_string(r.shape));
     const int64_t elements = element_count(r.shape);
     if (elements > 0 && (size_t)elements > (SIZE_MAX / 4) / dtype_size(o.dtype))
-      return invalid(what + ": shape " + shape_string(r.shape) + " is too large");
+      return invalid(what() + ": shape " + shape_string(r.shape) + " is too large");
     const size_t bytes = (size_t)elements * dtype_size(o.dtype);
     const bool needs_input = o.op != UNISON_BROADCAST || o.root_rank == r.rank;
-    if (bytes > 0 && needs_input && o.input == nullptr) return invalid(what + ": input pointer is NULL");
+    if (bytes > 0 && needs_input && o.input == nullptr) return invalid(what() + ": input pointer is NULL");
     if (bytes > 0 && (o.op == UNISON_ALLREDUCE || o.op == UNISON_BROADCAST) && o.output == nullptr)
-      return invalid(what + ": output pointer is NULL");
+      return invalid(what() + ": output pointer is NULL");
     if ((o.op == UNISON_ALLGATHER || o.op == UNISON_ALLTOALL || o.op == UNISON_REDUCESCATTER) && o.ndim == 0)
-      return invalid(what + ": needs a tensor with at least one dimension, got a scalar");
+      return invalid(what() + ": needs a tensor with at least one dimension, got a scalar");
   }
   if (o.op == UNISON_ALLREDUCE || o.op == UNISON_REDUCESCATTER) {
     if (o.reduce_op == UNISON_ADASUM)
-      return Status::Error(UNISON_ERR_UNSUPPORTED, "unison: " + what + ": Adasum is not implemented yet");
+      return Status::Error(UNISON_ERR_UNSUPPORTED, "unison: " + what() + ": Adasum is not implemented yet");
     if (o.reduce_op < UNISON_SUM || o.reduce_op > UNISON_PRODUCT)
-      return invalid(what + ": unknown reduce op " + std::to_string(o.reduce_op));
+      return invalid(what() + ": unknown reduce op " + std::to_string(o.reduce_op));
     if (o.dtype == UNISON_BOOL && (o.reduce_op == UNISON_AVERAGE || r.prescale != 1.0 || r.postscale != 1.0))
-      return invalid(what + ": bool tensors support Sum (any), Max (any), Min (all) and Product (all) without scale factors");
+      return invalid(what() + ": bool tensors support Sum (any), Max (any), Min (all) and Product (all) without scale factors");
   }
   if (o.op == UNISON_BROADCAST && (o.root_rank < 0 || o.root_rank >= size))
-    return invalid(what + ": root rank " + std::to_string(o.root_rank) + " is outside 0.." + std::to_string(size - 1));
+    return invalid(what() + ": root rank " + std::to_string(o.root_rank) + " is outside 0.." + std::to_string(size - 1));
   if (o.op == UNISON_ALLTOALL) {
     const int64_t rows = r.shape[0];
     if (o.splits == nullptr) {
       if (rows % size != 0)
-        return invalid(what + ": first dimension " + std::to_string(rows) + " does not divide evenly among " +
+        return invalid(what() + ": first dimension " + std::to_string(rows) + " does not divide evenly among " +
                        std::to_string(size) + " ranks; pass splits");
       r.splits.assign(size, rows / size);
     } else {
       if (o.nsplits != size)
-        return invalid(what + ": got " + std::to_string(o.nsplits) + " splits for " + std::to_string(size) + " ranks");
+        return invalid(what() + ": got " + std::to_string(o.nsplits) + " splits for " + std::to_string(size) + " ranks");
       r.splits.assign(o.splits, o.splits + o.nsplits);
       int64_t total = 0;
       for (int64_t s : r.splits) {
-        if (s < 0) return invalid(what + ": negative split in " + shape_string(r.splits));
+        if (s < 0) return invalid(what() + ": negative split in " + shape_string(r.splits));
         total += s;
       }
       if (total != rows)
-        return invalid(what + ": splits " + shape_string(r.splits) + " add up to " + std::to_string(total) +
+        return invalid(what() + ": splits " + shape_string(r.splits) + " add up to " + std::to_string(total) +
                        " rows, the tensor has " + std::to_string(rows));
     }
   }
   if (o.process_set_id != UNISON_GLOBAL_PROCESS_SET)
-    return Status::Error(UNISON_ERR_UNSUPPORTED, "unison: " + what + ": only the global process set (0) exists so far");
+    return Status::Error(UNISON_ERR_UNSUPPORTED, "unison: " + what() + ": only the global process set (0) exists so far");
   if (o.device != UNISON_CPU_DEVICE)
-    return Status::Error(UNISON_ERR_UNSUPPORTED, "unison: " + what + ": device " + std::to_string(o.device) +
+    return Status::Error(UNISON_ERR_UNSUPPORTED, "unison: " + what() + ": device " + std::to_string(o.device) +
                                                      " given, but this build supports CPU memory only");
 
   std::lock_guard<std::mutex> lock(queue_mutex_);
