@@ -76,9 +76,12 @@ struct Config {
 
   // Shared-memory staging area per rank. It is split into two halves so
   // one round can be filled while the previous one is still being read;
-  // a collective larger than a half moves in rounds. 8 MiB halves keep a
-  // round's working set inside this class of machine's L3 cache.
-  size_t shm_slot_bytes = 16u << 20;
+  // a collective larger than a half moves in rounds. 2 MiB halves keep a
+  // round's data in cache while it is staged, reduced and gathered: on the
+  // 2-core VM, 8 MiB halves ran 16 and 64 MiB allreduces 20-40% slower.
+  // Smaller still adds barriers, which cost most when ranks outnumber cores
+  // (benchmarks/README.md, "Round size").
+  size_t shm_slot_bytes = 4u << 20;
 
   // Control messages (requests, responses) per rank per cycle.
   size_t control_message_bytes = 1u << 20;
