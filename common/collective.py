@@ -48,7 +48,7 @@ class _Scratch(threading.local):
         self.handle = ffi.new("unison_handle*")
         self.names = {}   # name -> char[]
         self.shapes = {}  # shape tuple -> int64_t[]
-        self.rare = None  # (root_rank, splits, process_set, device) last set
+        self.rare = None  # (root_rank, process set id, device) last set
 
 
 _scratch = _Scratch()
@@ -97,17 +97,15 @@ def enqueue(op, name, dtype=0, shape=(), input=NULL, output=NULL, reduce_op=0,
     options.reduce_op = reduce_op
     options.prescale_factor = prescale_factor
     options.postscale_factor = postscale_factor
-    rare = (root_rank, splits, process_set, device)
+    rare = (root_rank, 0 if process_set is None else process_set_id(process_set), device)
     if splits is not None or rare != scratch.rare:
         scratch.rare = None  # until every field below is set
         splits_array = NULL
         if splits is not None:
             splits_array = ffi.new("int64_t[]", [int(s) for s in splits])
-        options.root_rank = root_rank
+        options.root_rank, options.process_set_id, options.device = rare
         options.splits = splits_array
         options.nsplits = len(splits) if splits is not None else 0
-        options.process_set_id = process_set_id(process_set)
-        options.device = device
         if splits is None:  # splits_array dies with this call
             scratch.rare = rare
     code = lib.unison_enqueue(options, scratch.handle)
