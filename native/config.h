@@ -78,7 +78,7 @@ struct Config {
   // one round can be filled while the previous one is still being read;
   // a collective larger than a half moves in rounds. 2 MiB halves keep a
   // round's data in cache while it is staged, reduced and gathered: on the
-  // 2-core VM, 8 MiB halves ran 16 and 64 MiB allreduces 20-40% slower.
+  // 2-core VM, 8 MiB halves ran 16 and 64 MiB allreduces 30-55% slower.
   // Smaller still adds barriers, which cost most when ranks outnumber cores
   // (benchmarks/README.md, "Round size").
   size_t shm_slot_bytes = 4u << 20;
