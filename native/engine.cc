@@ -9,10 +9,10 @@
 #include <tuple>
 
 #include <pthread.h>
-#include <signal.h>
 
 #include "dtype.h"
 #include "futex.h"
+#include "signals.h"
 
 namespace unison {
 namespace {
@@ -20,21 +20,14 @@ namespace {
 // How long an idle engine sleeps before it looks at its peers again.
 constexpr double kIdleWakeSeconds = 0.25;
 
-// Starts the background thread, named, with every asynchronous signal
-// blocked, so that SIGINT/SIGTERM always land on the application's own
-// threads. Python runs its handlers on the main thread, but a signal the
-// kernel hands to this thread instead would not interrupt the main thread's
-// sleep or wait: a rank told to stop would carry on until that call returned
-// by itself. The faults a bug in this thread raises (SIGSEGV, SIGBUS, ...)
-// are sent to the thread that caused them and cannot be blocked usefully,
-// so they stay open.
+// Starts the background thread, named, with asynchronous signals blocked
+// (signals.h: they must reach Python's main thread).
 std::thread start_engine_thread(std::function<void()> body) {
-  sigset_t all, previous;
-  sigfillset(&all);
-  for (int fault : {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGTRAP, SIGABRT}) sigdelset(&all, fault);
-  pthread_sigmask(SIG_BLOCK, &all, &previous);
-  std::thread thread(std::move(body));
-  pthread_sigmask(SIG_SETMASK, &previous, nullptr);
+  std::thread thread;
+  {
+    AsyncSignalsBlocked blocked;
+    thread = std::thread(std::move(body));
+  }
   pthread_setname_np(thread.native_handle(), "unison-engine");  // as top -H and gdb show it
   return thread;
 }

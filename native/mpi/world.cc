@@ -12,6 +12,7 @@
 #include <cstring>
 #include <random>
 
+#include "../signals.h"
 #include "communicator.h"
 
 namespace unison {
@@ -49,7 +50,11 @@ Status start_mpi() {
                                                  "started again; leave MPI_Finalize to unison (it runs at exit)");
   if (!initialized) {
     int provided = 0;
-    int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
+    int rc;
+    {
+      AsyncSignalsBlocked blocked;  // for the threads MPI starts (signals.h)
+      rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
+    }
     if (rc != MPI_SUCCESS) return mpi_error("MPI_Init_thread", rc);
     on_exit(finalize_at_exit, nullptr);  // glibc's atexit that is told the exit status
   }
