@@ -161,6 +161,12 @@ class Job:
         self.procs = []
         self.threads = []
         self.logs = []
+        # (rank, exit code) in the order the ranks ended, appended by one
+        # waiting thread per rank. Polling all ranks in turn cannot tell which
+        # of two ranks that ended between two polls ended first, and the first
+        # is the one to blame: the others usually ended because it did.
+        self.exits = []
+        self.exited = threading.Condition()
 
     def log(self, message):
         if self.args.verbose:
@@ -188,6 +194,8 @@ class Job:
                                     stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
                                     start_new_session=True, preexec_fn=_die_with_parent)
             self.procs.append(proc)
+            waiter = threading.Thread(target=self._await_exit, args=(rank, proc), daemon=True)
+            waiter.start()
             for stream, kind, sink in ((proc.stdout, "stdout", sys.stdout), (proc.stderr, "stderr", sys.stderr)):
                 log_file = None
                 if self.args.output_filename:
@@ -199,9 +207,17 @@ class Job:
                 t.start()
                 self.threads.append(t)
 
+    def _await_exit(self, rank, proc):
+        code = proc.wait()
+        with self.exited:
+            self.exits.append((rank, code))
+            self.exited.notify_all()
+
     def signal_all(self, signum):
-        for proc in self.procs:
-            if proc.poll() is None:
+        with self.exited:
+            ended = {rank for rank, _ in self.exits}
+        for rank, proc in enumerate(self.procs):
+            if rank not in ended:
                 try:
                     os.killpg(proc.pid, signum)
                 except ProcessLookupError:
@@ -209,30 +225,31 @@ class Job:
 
     def wait(self):
         """Returns the launcher's exit status."""
-        failed = None  # (rank, code)
+        failed = None  # (rank, code) of the first rank that ended with an error
         deadline = None
+        seen = 0
         while True:
-            running = 0
-            for rank, proc in enumerate(self.procs):
-                code = proc.poll()
-                if code is None:
-                    running += 1
-                elif code != 0 and failed is None:
+            with self.exited:
+                # Short waits, so that Ctrl-C and SIGTERM handlers run.
+                self.exited.wait_for(lambda: len(self.exits) > seen, timeout=0.05)
+                ended = list(self.exits)
+            for rank, code in ended[seen:]:
+                if code != 0 and failed is None:
                     failed = (rank, code)
                     deadline = time.monotonic() + self.args.failure_grace_seconds
                     print("unisonrun: rank %d %s; stopping the other ranks" % (rank, _describe(code)),
                           file=sys.stderr, flush=True)
-            if running == 0:
+            seen = len(ended)
+            if seen == len(self.procs):
                 break
             if deadline is not None and time.monotonic() > deadline:
                 self.log("grace period over: terminating the remaining ranks")
                 self.signal_all(signal.SIGTERM)
                 end = time.monotonic() + 5
-                while time.monotonic() < end and any(p.poll() is None for p in self.procs):
+                while time.monotonic() < end and len(self.exits) < len(self.procs):
                     time.sleep(0.05)
                 self.signal_all(signal.SIGKILL)
                 deadline = None
-            time.sleep(0.02)
         for t in self.threads:
             t.join(timeout=5)
         for f in self.logs:
