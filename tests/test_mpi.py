@@ -35,6 +35,31 @@ LAYOUTS = {
 }
 
 
+# The MPI libraries' own shared-memory files. Tests here kill ranks on
+# purpose, and a killed MPICH or Open MPI process leaves its files in
+# /dev/shm under names unison cannot know; each test removes the ones that
+# appeared while it ran, so that repeated runs do not fill the machine.
+MPI_SHM_PREFIXES = ("mpich_shm_", "sm_segment.", "vader_segment.")
+
+
+def mpi_shm_files():
+    try:
+        return {f for f in os.listdir("/dev/shm") if f.startswith(MPI_SHM_PREFIXES)}
+    except FileNotFoundError:
+        return set()
+
+
+@pytest.fixture(autouse=True)
+def remove_mpi_shm_left_by_the_test():
+    before = mpi_shm_files()
+    yield
+    for name in mpi_shm_files() - before:
+        try:
+            os.unlink(os.path.join("/dev/shm", name))
+        except OSError:
+            pass
+
+
 def unisonrun(options, command, env=None, timeout=300):
     full = [sys.executable, "-m", "unison.run"] + options + command
     return subprocess.run(full, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout, cwd=HERE,
