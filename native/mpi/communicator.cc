@@ -32,6 +32,17 @@ constexpr double kLongestPause = 1e-3;
 
 size_t round_down(size_t n, size_t to) { return n / to * to; }
 
+// Bytes of each rank's part, summed over the tensors of a fused allgather or
+// reducescatter: what each rank contributes in the first, what each rank is
+// sent in the second.
+template <typename Tensors>
+std::vector<size_t> bytes_by_rank(const Tensors& tensors, int size) {
+  std::vector<size_t> total(size, 0);
+  for (const auto& t : tensors)
+    for (int r = 0; r < size; ++r) total[r] += t.bytes_per_rank[r];
+  return total;
+}
+
 // MPI counts and displacements are ints. Parts of 2 GiB or more are refused
 // with an error that says so, never truncated.
 Status to_counts(const std::vector<size_t>& bytes, std::vector<int>* counts, std::vector<int>* offsets,
@@ -249,9 +260,7 @@ Status MpiCommunicator::allreduce_window(const ReduceSpec& spec, size_t bytes) {
 
 Status MpiCommunicator::allgather(const AllgatherOptions& o) {
   // Rank r's stream: its part of each tensor in turn.
-  std::vector<size_t> stream(size_, 0);
-  for (const auto& t : o.tensors)
-    for (int r = 0; r < size_; ++r) stream[r] += t.bytes_per_rank[r];
+  const std::vector<size_t> stream = bytes_by_rank(o.tensors, size_);
   std::vector<int> counts, offsets;
   Status s = to_counts(stream, &counts, &offsets, "allgather");
   if (!s.ok()) return s;
@@ -324,9 +333,7 @@ Status MpiCommunicator::alltoall(const AlltoallOptions& o) {
 Status MpiCommunicator::reducescatter(const ReducescatterOptions& o) {
   // Each rank sends rank r the r-th part of every tensor, in one block, and
   // receives its own part of every tensor from every rank.
-  std::vector<size_t> to_rank(size_, 0);
-  for (const auto& t : o.tensors)
-    for (int r = 0; r < size_; ++r) to_rank[r] += t.bytes_per_rank[r];
+  const std::vector<size_t> to_rank = bytes_by_rank(o.tensors, size_);
   std::vector<int> send_counts, send_offsets;
   Status s = to_counts(to_rank, &send_counts, &send_offsets, "reducescatter");
   if (!s.ok()) return s;
