@@ -36,42 +36,51 @@ def split_into_groups(items, num_groups):
 
 
 class _Scratch(threading.local):
-    """One options struct and handle slot per thread, reused by every
-    enqueue: the core copies what it needs before returning. A model's
-    gradients are enqueued one by one, each call costing a few
-    microseconds of Python, so the front end keeps per thread what repeats
-    from call to call instead of rebuilding it: the C strings of names, the
-    C arrays of shapes, and the fields that rarely change."""
+    """Per thread: the options structs of recent ops, and one handle slot.
+
+    A model's gradients are enqueued one by one, every step, under the same
+    names and shapes, so each call's Python cost is paid per tensor per
+    step. The front end therefore keeps, per thread, one fully filled
+    options struct for each distinct op it has seen (name, shape, dtype,
+    reduce op, factors, root, process set, device): a repeat call only
+    points it at this call's buffers. The core copies what it needs before
+    unison_enqueue returns, so the structs can be reused at once."""
 
     def __init__(self):
-        self.options = ffi.new("unison_op_options*")
         self.handle = ffi.new("unison_handle*")
-        self.names = {}   # name -> char[]
-        self.shapes = {}  # shape tuple -> int64_t[]
-        self.rare = None  # (root_rank, process set id, device) last set
+        self.prepared = {}  # key (see enqueue) -> (options, the C memory it points to...)
 
 
 _scratch = _Scratch()
 _MAX_DIMS = lib.UNISON_MAX_DIMS
-_KEPT = 4096  # names and shapes kept per thread; beyond, built per call
+_KEPT = 4096  # prepared ops kept per thread; beyond, built per call
 
 
-def _c_name(scratch, name):
-    c_name = scratch.names.get(name)
-    if c_name is None:
-        c_name = ffi.new("char[]", name.encode())
-        if len(scratch.names) < _KEPT:
-            scratch.names[name] = c_name
-    return c_name
-
-
-def _c_shape(scratch, shape):
-    c_shape = scratch.shapes.get(shape)
-    if c_shape is None:
-        c_shape = ffi.new("int64_t[]", [int(d) for d in shape] or [0])
-        if len(scratch.shapes) < _KEPT:
-            scratch.shapes[shape] = c_shape
-    return c_shape
+def _prepare(op, name, dtype, shape, reduce_op, prescale_factor, postscale_factor, root_rank, splits,
+             process_set, device):
+    """A filled options struct, with the C memory it points to."""
+    ndim = len(shape)
+    if ndim > _MAX_DIMS:
+        raise InvalidArgumentError("unison: %s has %d dimensions; at most %d are supported"
+                                   % (name or "a tensor", ndim, _MAX_DIMS))
+    options = ffi.new("unison_op_options*")
+    c_name = ffi.new("char[]", name.encode()) if name else NULL
+    c_shape = ffi.new("int64_t[]", [int(d) for d in shape]) if ndim else NULL
+    c_splits = ffi.new("int64_t[]", [int(s) for s in splits]) if splits is not None else NULL
+    options.name = c_name
+    options.op = op
+    options.dtype = dtype
+    options.ndim = ndim
+    options.shape = c_shape
+    options.reduce_op = reduce_op
+    options.prescale_factor = prescale_factor
+    options.postscale_factor = postscale_factor
+    options.root_rank = root_rank
+    options.splits = c_splits
+    options.nsplits = len(splits) if splits is not None else 0
+    options.process_set_id = process_set
+    options.device = device
+    return options, c_name, c_shape, c_splits
 
 
 def enqueue(op, name, dtype=0, shape=(), input=NULL, output=NULL, reduce_op=0,
@@ -82,33 +91,28 @@ def enqueue(op, name, dtype=0, shape=(), input=NULL, output=NULL, reduce_op=0,
     input and output are cffi pointers (or NULL); `name` may be None for an
     automatically numbered one; `shape` a tuple (or list) of ints."""
     scratch = _scratch
-    options = scratch.options
-    ndim = len(shape)
-    if ndim > _MAX_DIMS:
-        raise InvalidArgumentError("unison: %s has %d dimensions; at most %d are supported"
-                                   % (name or "a tensor", ndim, _MAX_DIMS))
-    options.name = _c_name(scratch, name) if name else NULL
-    options.op = op
-    options.dtype = dtype
-    options.ndim = ndim
-    options.shape = _c_shape(scratch, tuple(shape)) if ndim else NULL
+    if not isinstance(shape, tuple):
+        shape = tuple(shape)
+    process_set = 0 if process_set is None else process_set_id(process_set)
+    # Ops with splits (alltoall) or no name (numbered by the core) rarely
+    # repeat exactly, so they are built per call.
+    key = None
+    if splits is None and name:
+        key = (op, name, dtype, shape, reduce_op, prescale_factor, postscale_factor, root_rank, process_set,
+               device)
+        prepared = scratch.prepared.get(key)
+    else:
+        prepared = None
+    if prepared is None:
+        prepared = _prepare(op, name, dtype, shape, reduce_op, prescale_factor, postscale_factor, root_rank,
+                            splits, process_set, device)
+        if key is not None and len(scratch.prepared) < _KEPT:
+            scratch.prepared[key] = prepared
+    options = prepared[0]
     options.input = input
     options.output = output
-    options.reduce_op = reduce_op
-    options.prescale_factor = prescale_factor
-    options.postscale_factor = postscale_factor
-    rare = (root_rank, 0 if process_set is None else process_set_id(process_set), device)
-    if splits is not None or rare != scratch.rare:
-        scratch.rare = None  # until every field below is set
-        splits_array = NULL
-        if splits is not None:
-            splits_array = ffi.new("int64_t[]", [int(s) for s in splits])
-        options.root_rank, options.process_set_id, options.device = rare
-        options.splits = splits_array
-        options.nsplits = len(splits) if splits is not None else 0
-        if splits is None:  # splits_array dies with this call
-            scratch.rare = rare
-    code = lib.unison_enqueue(options, scratch.handle)
+    handle = scratch.handle
+    code = lib.unison_enqueue(options, handle)
     if code:
         basics.check(code)
-    return scratch.handle[0]
+    return handle[0]

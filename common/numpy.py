@@ -85,6 +85,9 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
     return _allreduce(array, array, average, name, op, prescale_factor, postscale_factor, process_set)
 
 
+_ALLREDUCE = lib.UNISON_ALLREDUCE
+
+
 def _allreduce(array, output, average, name, op, prescale_factor, postscale_factor, process_set):
     # The path every gradient takes, so it is kept short: see collective.py.
     reduce_op = op if op is not None and average is None else collective.resolve_op(op, average)
@@ -93,7 +96,7 @@ def _allreduce(array, output, average, name, op, prescale_factor, postscale_fact
         _dtype_code(array, name)  # raises, naming the tensor
     input_pointer = _pointer(array)
     handle_id = collective.enqueue(
-        lib.UNISON_ALLREDUCE, name, code, array.shape,
+        _ALLREDUCE, name, code, array.shape,
         input_pointer, input_pointer if output is array else _pointer(output), reduce_op,
         prescale_factor, postscale_factor, 0, None, process_set)
     return Handle(handle_id, name, (array, output), None, output)

@@ -107,6 +107,27 @@ def test_average_is_the_default_op_as_in_horovod():
     np.testing.assert_array_equal(result, np.full(4, (unison.size() - 1) / 2))
 
 
+def test_one_name_reused_with_other_dtype_shape_op_and_factors():
+    # The front end keeps a filled options struct per distinct op; a name
+    # that comes back with anything changed must not run with the old one.
+    n, rank = unison.size(), unison.rank()
+    total = n * (n - 1) / 2
+    for _ in range(2):  # the second pass finds every variant already kept
+        variants = [
+            (np.float32, (3,), unison.Sum, 1.0, 1.0, np.full(3, total + n)),
+            (np.float64, (2, 2), unison.Sum, 1.0, 1.0, np.full((2, 2), total + n)),
+            (np.float64, (2, 2), unison.Max, 1.0, 1.0, np.full((2, 2), float(n))),
+            (np.float64, (2, 2), unison.Sum, 2.0, 0.5, np.full((2, 2), total + n)),
+            (np.float64, (2, 2), unison.Sum, 3.0, 1.0, np.full((2, 2), 3 * (total + n))),
+            (np.int32, (5,), unison.Min, 1.0, 1.0, np.full(5, 1)),
+        ]
+        for dtype, shape, op, pre, post, expected in variants:
+            mine = np.full(shape, rank + 1, dtype=dtype)
+            result = unp.allreduce(mine, op=op, prescale_factor=pre, postscale_factor=post, name="reused")
+            assert result.dtype == np.dtype(dtype) and result.shape == shape
+            np.testing.assert_array_equal(result, expected.astype(dtype))
+
+
 def test_thousand_small_async_allreduces_fused():
     n = unison.size()
     handles = [unp.allreduce_async(np.full(7, i + unison.rank(), dtype=np.float32), op=unison.Sum,
