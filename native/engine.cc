@@ -336,17 +336,18 @@ Status Engine::run_cycle() {
       resend = true;
     }
   }
-  std::vector<Response> responses;
-  for (int p = 0; p < cache_.capacity(); ++p) {
-    if (!test_bit(invalid, p)) continue;
+  // What runs this cycle, in the order every rank executes it. Pointers:
+  // the cache is not changed again until everything here has run.
+  std::vector<const Response*> responses;
+  for_each_set_bit(invalid, [&](int p) {
     cache_.erase(p);
     partial_bits_.erase(p);
-  }
+  });
   if (!any_joined) {
-    for (int p = 0; p < cache_.capacity(); ++p) {
-      if (!test_bit(anywhere, p) || test_bit(invalid, p)) continue;
+    for_each_set_bit(anywhere, [&](int p) {
+      if (p >= cache_.capacity() || test_bit(invalid, p)) return;
       if (test_bit(agreed, p)) {
-        responses.push_back(cache_.response(p));
+        responses.push_back(&cache_.response(p));
         cache_.touch(p);
         partial_bits_.erase(p);
       } else if (rank == 0) {
@@ -356,7 +357,7 @@ Status Engine::run_cycle() {
         it->second.submitted.assign(size, false);
         for (int r = 0; r < size; ++r) it->second.submitted[r] = test_bit(all[r].ready_bits, p);
       }
-    }
+    });
   }
 
   // Full negotiation, only when some rank needed it.
@@ -392,7 +393,7 @@ Status Engine::run_cycle() {
       if (!s.ok()) return s;
     }
   }
-  for (const Response& r : decided.responses) responses.push_back(r);
+  for (const Response& r : decided.responses) responses.push_back(&r);
 
   for (const auto& group : fuse(responses)) {
     execute(group);
@@ -424,14 +425,15 @@ std::vector<Waiting> Engine::stalled_candidates() {
 
 // ---- fusion and execution -------------------------------------------------------
 
-std::vector<std::vector<const Response*>> Engine::fuse(const std::vector<Response>& responses) const {
+std::vector<std::vector<const Response*>> Engine::fuse(const std::vector<const Response*>& responses) const {
   // Compatible responses share a group until it would pass the threshold.
   // The grouping depends only on the list, which every rank has the same.
   using Key = std::tuple<int, int, int, double, double, int>;
   std::vector<std::vector<const Response*>> groups;
   std::map<Key, std::pair<size_t, size_t>> open;  // key -> (group index, bytes)
   const int size = backend_->size();
-  for (const Response& r : responses) {
+  for (const Response* response : responses) {
+    const Response& r = *response;
     const bool fusable = !r.is_error() && (r.op == UNISON_ALLREDUCE || r.op == UNISON_ALLGATHER ||
                                            r.op == UNISON_REDUCESCATTER);
     if (!fusable) {

@@ -60,7 +60,7 @@ class Engine {
   bool has_local_work();
   Status run_cycle();
   void take_new_requests(CycleMessage* message);
-  std::vector<std::vector<const Response*>> fuse(const std::vector<Response>& responses) const;
+  std::vector<std::vector<const Response*>> fuse(const std::vector<const Response*>& responses) const;
   void execute(const std::vector<const Response*>& group);
   // Finishes this rank's op `name`; its handle completes at the next
   // publish_completions(), together with the rest of its group.

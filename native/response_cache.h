@@ -47,5 +47,13 @@ class ResponseCache {
 // Bit sets over cache positions, as carried in CycleMessage.
 void set_bit(std::vector<uint64_t>* bits, int position);
 bool test_bit(const std::vector<uint64_t>& bits, int position);
+// fn(position) for each set bit, in increasing order: a cycle scans the
+// words, not the cache's every position.
+template <typename Fn>
+void for_each_set_bit(const std::vector<uint64_t>& bits, Fn&& fn) {
+  for (size_t w = 0; w < bits.size(); ++w)
+    for (uint64_t word = bits[w]; word != 0; word &= word - 1)
+      fn((int)(w * 64 + (size_t)__builtin_ctzll(word)));
+}
 
 }  // namespace unison
