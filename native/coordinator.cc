@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <functional>
+#include <limits>
 #include <sstream>
 
 #include "dtype.h"
@@ -185,6 +186,10 @@ std::vector<Waiting> Coordinator::waiting() const {
     out.push_back(Waiting{name, op, p.submitted, p.since});
   }
   return out;
+}
+
+double Coordinator::oldest_since() const {
+  return arrival_order_.empty() ? std::numeric_limits<double>::infinity() : table_.at(arrival_order_.front()).since;
 }
 
 void Coordinator::fail(const std::string& name, int code, const std::string& message) {

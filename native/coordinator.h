@@ -34,6 +34,8 @@ class Coordinator {
   std::vector<Response> take_ready(size_t budget_bytes, bool* more);
   // Tensors submitted by some ranks but not all.
   std::vector<Waiting> waiting() const;
+  // When the oldest of them arrived; +infinity when none waits.
+  double oldest_since() const;
   // Fails a waiting tensor on the ranks that submitted it.
   void fail(const std::string& name, int code, const std::string& message);
   bool any_joined() const { return joined_count_ > 0; }

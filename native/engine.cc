@@ -212,7 +212,7 @@ void Engine::loop() {
       continue;
     }
     const double now = monotonic_seconds();
-    if (backend_->rank() == 0 && stall_inspector_.due(stalled_candidates(), now)) {
+    if (backend_->rank() == 0 && stall_inspector_.due(oldest_waiting_since(), now)) {
       backend_->request_cycles(cycles_done_ + 1);
       continue;
     }
@@ -284,7 +284,7 @@ Status Engine::run_cycle() {
   bool coordinator_news = false;
   bool stall_check = false;
   if (rank == 0) {
-    stall_check = stall_inspector_.due(stalled_candidates(), now);
+    stall_check = stall_inspector_.due(oldest_waiting_since(), now);
     coordinator_news = another_cycle_ || stall_check;
   }
   if (coordinator_news) mine.flags |= CycleMessage::kMoreQueued;
@@ -415,6 +415,12 @@ Status Engine::run_cycle() {
   }
   another_cycle_ = more || decided.more_ready || resend;
   return Status::OK();
+}
+
+double Engine::oldest_waiting_since() const {
+  double oldest = coordinator_.oldest_since();
+  for (const auto& [position, partial] : partial_bits_) oldest = std::min(oldest, partial.since);
+  return oldest;
 }
 
 std::vector<Waiting> Engine::stalled_candidates() {

@@ -68,6 +68,7 @@ class Engine {
   void publish_completions();
   void fail_everything(const Status& status);
   std::vector<Waiting> stalled_candidates();
+  double oldest_waiting_since() const;  // of stalled_candidates(), without building them
 
   const Config config_;
   std::unique_ptr<Backend> backend_;

@@ -16,15 +16,11 @@ std::string ranks_where(const std::vector<bool>& submitted, bool value) {
 
 }  // namespace
 
-bool StallInspector::due(const std::vector<Waiting>& waiting, double now) const {
+bool StallInspector::due(double oldest_since, double now) const {
   if (!config_.stall_check_enabled) return false;
-  for (const Waiting& w : waiting) {
-    double age = now - w.since;
-    if (age >= config_.stall_warning_seconds && now - last_report_ >= config_.stall_warning_seconds)
-      return true;
-    if (config_.stall_shutdown_seconds > 0 && age >= config_.stall_shutdown_seconds) return true;
-  }
-  return false;
+  const double age = now - oldest_since;  // -infinity when nothing waits
+  if (age >= config_.stall_warning_seconds && now - last_report_ >= config_.stall_warning_seconds) return true;
+  return config_.stall_shutdown_seconds > 0 && age >= config_.stall_shutdown_seconds;
 }
 
 std::vector<std::pair<std::string, std::string>> StallInspector::inspect(

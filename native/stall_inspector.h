@@ -15,8 +15,9 @@ namespace unison {
 class StallInspector {
  public:
   explicit StallInspector(const Config& config) : config_(config) {}
-  // Whether anything in `waiting` is old enough to look at now.
-  bool due(const std::vector<Waiting>& waiting, double now) const;
+  // Whether a tensor waiting since `oldest_since` is old enough to look at
+  // now. Asked on every engine wake-up, so it takes one number.
+  bool due(double oldest_since, double now) const;
   // Prints a warning for what waited past the warning time; returns the
   // names waiting past the shutdown time (when that is set), with messages.
   std::vector<std::pair<std::string, std::string>> inspect(const std::vector<Waiting>& waiting, double now);
