@@ -67,6 +67,32 @@ def compare(unison_fn, gloo_fn, iterations, blocks):
     return statistics.median(u), statistics.median(g)
 
 
+def alternate(fns, iterations, blocks):
+    """Times unison functions in alternating blocks, each block starting with
+    one untimed call, like compare() but without gloo in between: a ratio
+    of two unison figures then compares like with like. Timed in rotations
+    with gloo, each would follow a different gloo workload, and whichever
+    followed gloo's 200 tensors ran up to twice as slowly. (Alternating call
+    by call would be unfair the other way: the large allreduce would always
+    find its buffer evicted by the 200 small ones.)"""
+    times = [[] for _ in fns]
+    for _ in range(blocks):
+        for fn, samples in zip(fns, times):
+            unp.barrier()
+            fn()
+            samples.append(agree(timed(fn, iterations)))
+    return [statistics.median(t) for t in times]
+
+
+def gloo_only(fn, iterations, blocks):
+    fn()
+    samples = []
+    for _ in range(blocks):
+        dist.barrier()
+        samples.append(agree(timed(fn, iterations)))
+    return statistics.median(samples)
+
+
 def memcpy_bandwidth(nbytes=64 << 20):
     a = np.ones(nbytes, dtype=np.uint8)
     b = np.empty_like(a)
@@ -75,7 +101,9 @@ def memcpy_bandwidth(nbytes=64 << 20):
 
 
 def iterations_for(nbytes):
-    return max(3, min(2000, int(2e8 // max(nbytes, 1) // 50)))
+    # At least 10 calls a block: with 3, one slow wake-up of a sleeping
+    # thread moved a 16 MiB block's figure by half.
+    return max(10, min(2000, int(2e8 // max(nbytes, 1) // 50)))
 
 
 LAYOUTS = [("hierarchical", "1"), ("flat", "0")]
@@ -194,9 +222,9 @@ def main():
         for w in [dist.all_reduce(a, async_op=True) for a in small_t]:
             w.wait()
 
-    many, gloo_many_t = compare(unison_many, gloo_many, 10, args.blocks)
-    one, _ = compare(lambda: unp.allreduce_(big, op=unison.Sum, name="bench.one"),
-                     lambda: dist.all_reduce(torch.ones(1)), 10, args.blocks)
+    many, one = alternate([unison_many, lambda: unp.allreduce_(big, op=unison.Sum, name="bench.one")],
+                          10, args.blocks)
+    gloo_many_t = gloo_only(gloo_many, 10, args.blocks)
     say()
     say("200 x 40 KB async: unison %.2f ms, gloo %.2f ms; one 8 MB allreduce: unison %.2f ms; "
         "200 small / one large = %.2fx" % (many * 1e3, gloo_many_t * 1e3, one * 1e3, many / one))
