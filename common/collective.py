@@ -1,38 +1,15 @@
-"""Building the core's op options, shared by every front end: a front end
-turns its tensors into (pointer, dtype code, shape) and calls enqueue()."""
+"""Starting ops in the core, shared by every front end: a front end turns
+its tensors into (pointer, dtype code, shape) and calls enqueue(); barrier
+and join, which carry no tensor, are here whole."""
 import threading
 
 from unison import basics
+from unison import handles as _handles
 from unison.process_sets import process_set_id
 from unison.exceptions import InvalidArgumentError
 from unison._native import ffi, lib
 
 NULL = ffi.NULL
-
-
-def resolve_op(op, average, default=basics.Average):
-    """Horovod's rules: `op` wins; the deprecated `average` flag maps to
-    Average or Sum; neither means the default."""
-    if op is not None and average is not None:
-        raise InvalidArgumentError("unison: give op or the deprecated average, not both")
-    if op is not None:
-        return op
-    if average is not None:
-        return basics.Average if average else basics.Sum
-    return default
-
-
-def split_into_groups(items, num_groups):
-    """num_groups consecutive groups of near-equal length (the first ones
-    one longer when it does not divide), empty ones left out: Horovod's
-    num_groups for the optimizer wrappers of every framework."""
-    groups, start = [], 0
-    for g in range(num_groups):
-        length = len(items) // num_groups + (1 if g < len(items) % num_groups else 0)
-        if length:
-            groups.append(items[start:start + length])
-        start += length
-    return groups
 
 
 class _Scratch(threading.local):
@@ -116,3 +93,16 @@ def enqueue(op, name, dtype=0, shape=(), input=NULL, output=NULL, reduce_op=0,
     if code:
         basics.check(code)
     return handle[0]
+
+
+def barrier(process_set=None):
+    """Returns once every rank of the process set has called barrier()."""
+    handle_id = enqueue(lib.UNISON_BARRIER, "barrier", process_set=process_set)
+    _handles.synchronize(_handles.Handle(handle_id, "barrier", (), lambda _: None))
+
+
+def join(process_set=None):
+    """Declares this rank out of data and waits until every rank has; returns
+    the rank that joined last, the same on every rank."""
+    handle_id = enqueue(lib.UNISON_JOIN, "join", process_set=process_set)
+    return _handles.synchronize(_handles.Handle(handle_id, "join", (), _handles.join_rank))

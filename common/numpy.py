@@ -4,102 +4,75 @@ Framework-neutral, and the reference every adapter is tested against.
 Arrays go to the core by pointer; a non-contiguous input is copied to a
 contiguous one first. Each op has a blocking form, an `_async` form that
 returns a handle for synchronize()/poll(), and in-place `_` forms where
-the result has the input's shape.
+the result has the input's shape. The work is done by the shared front
+end (frontend.py); this module says what a numpy array is.
 """
 import numpy as np
 
-from unison import collective
+from unison import arguments, collective, frontend
 from unison.basics import Adasum, Average, Max, Min, Product, Sum, size  # noqa: F401
 from unison.exceptions import InvalidArgumentError
 from unison.handles import Handle, poll, synchronize  # noqa: F401
-from unison import handles as _handles
-from unison._native import ffi, lib
+from unison._native import ffi
 
-_DTYPES = {
-    np.dtype(np.uint8): lib.UNISON_UINT8,
-    np.dtype(np.int8): lib.UNISON_INT8,
-    np.dtype(np.int16): lib.UNISON_INT16,
-    np.dtype(np.int32): lib.UNISON_INT32,
-    np.dtype(np.int64): lib.UNISON_INT64,
-    np.dtype(np.float16): lib.UNISON_FLOAT16,
-    np.dtype(np.float32): lib.UNISON_FLOAT32,
-    np.dtype(np.float64): lib.UNISON_FLOAT64,
-    np.dtype(np.bool_): lib.UNISON_BOOL,
-}
-try:  # numpy has no bfloat16; ml_dtypes (used by JAX and TensorFlow) does
-    import ml_dtypes
+class NumpyTensors(frontend.Tensors):
+    """numpy arrays for the shared front end."""
 
-    _DTYPES[np.dtype(ml_dtypes.bfloat16)] = lib.UNISON_BFLOAT16
-except ImportError:
-    pass
+    def dtype_key(self, array):
+        return array.dtype
 
+    def dtype_name(self, array):
+        return array.dtype.name
 
-def _dtype_code(array, name):
-    code = _DTYPES.get(array.dtype)
-    if code is None:
-        raise InvalidArgumentError(
-            "unison: tensor %r has dtype %s, which unison does not reduce or move; supported: %s"
-            % (name or "(unnamed)", array.dtype, ", ".join(sorted(str(d) for d in _DTYPES))))
-    return code
+    def check(self, array, name):
+        if not isinstance(array, np.ndarray):
+            raise InvalidArgumentError("unison: tensor %r must be a numpy array, got %s"
+                                       % (name or "(unnamed)", type(array).__name__))
 
+    def readable(self, array):
+        return np.asarray(array, order="C")  # ascontiguousarray would make a scalar 1-d
 
-def _contiguous(tensor):
-    return np.asarray(tensor, order="C")  # ascontiguousarray would make a scalar 1-d
+    def shape(self, array):
+        return array.shape
 
+    def pointer(self, array):
+        return ffi.from_buffer(array) if array.size else ffi.NULL
 
-def _in_place_target(tensor, name):
-    if isinstance(tensor, np.ndarray):
-        flags = tensor.flags
+    def empty_like(self, array):
+        return np.empty_like(array)
+
+    def writable(self, array, name):
+        flags = array.flags
         if flags.c_contiguous and flags.writeable:
-            return tensor
-    raise InvalidArgumentError(
-        "unison: in-place op on %r needs a writable C-contiguous numpy array" % (name or "(unnamed)"))
+            return array, None
+        raise InvalidArgumentError(
+            "unison: in-place op on %r needs a writable C-contiguous numpy array" % (name or "(unnamed)"))
 
-
-def _pointer(array):
-    return ffi.from_buffer(array) if array.size else ffi.NULL
-
-
-def _core_allocated(dtype):
-    """Finisher for ops whose output the core allocated."""
-    def finish(handle_id):
-        owned, nbytes, shape = _handles.result_buffer(handle_id)
+    def adopt(self, owned, nbytes, shape, like):
         if nbytes == 0:
-            return np.zeros(shape, dtype=dtype)
-        return np.frombuffer(ffi.buffer(owned, nbytes), dtype=dtype).reshape(shape)
-    return finish
+            return np.zeros(shape, dtype=like.dtype)
+        return np.frombuffer(ffi.buffer(owned, nbytes), dtype=like.dtype).reshape(shape)
+
+
+front_end = frontend.FrontEnd(NumpyTensors())
+
+
+def _array(tensor):
+    return tensor if isinstance(tensor, np.ndarray) else np.asarray(tensor)
 
 
 # ---- allreduce ----------------------------------------------------------------
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                     postscale_factor=1.0, process_set=None):
-    array = _contiguous(tensor)
-    output = np.empty_like(array)
-    return _allreduce(array, output, average, name, op, prescale_factor, postscale_factor, process_set)
+    op = op if op is not None and average is None else arguments.resolve_op(op, average)
+    return front_end.allreduce_async(_array(tensor), name, op, prescale_factor, postscale_factor, process_set)
 
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                      postscale_factor=1.0, process_set=None):
-    array = _in_place_target(tensor, name)
-    return _allreduce(array, array, average, name, op, prescale_factor, postscale_factor, process_set)
-
-
-_ALLREDUCE = lib.UNISON_ALLREDUCE
-
-
-def _allreduce(array, output, average, name, op, prescale_factor, postscale_factor, process_set):
-    # The path every gradient takes, so it is kept short: see collective.py.
-    reduce_op = op if op is not None and average is None else collective.resolve_op(op, average)
-    code = _DTYPES.get(array.dtype)
-    if code is None:
-        _dtype_code(array, name)  # raises, naming the tensor
-    input_pointer = _pointer(array)
-    handle_id = collective.enqueue(
-        _ALLREDUCE, name, code, array.shape,
-        input_pointer, input_pointer if output is array else _pointer(output), reduce_op,
-        prescale_factor, postscale_factor, 0, None, process_set)
-    return Handle(handle_id, name, (array, output), None, output)
+    op = op if op is not None and average is None else arguments.resolve_op(op, average)
+    return front_end.allreduce_async_(tensor, name, op, prescale_factor, postscale_factor, process_set)
 
 
 def allreduce(tensor, average=None, name=None, op=None, prescale_factor=1.0,
@@ -117,24 +90,28 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
 
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                             postscale_factor=1.0, process_set=None):
-    base = name or "grouped_allreduce"
-    return [allreduce_async(t, average, "%s.%d" % (base, i) if name else None, op,
-                            prescale_factor, postscale_factor, process_set) for i, t in enumerate(tensors)]
+    op = arguments.resolve_op(op, average)
+    return front_end.grouped_allreduce_async([_array(t) for t in tensors], name, op, prescale_factor,
+                                             postscale_factor, process_set)
 
 
 def grouped_allreduce(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                       postscale_factor=1.0, process_set=None):
-    return [synchronize(h) for h in grouped_allreduce_async(
-        tensors, average, name, op, prescale_factor, postscale_factor, process_set)]
+    return synchronize(grouped_allreduce_async(tensors, average, name, op, prescale_factor, postscale_factor,
+                                               process_set))
+
+
+def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                       postscale_factor=1.0, process_set=None):
+    op = arguments.resolve_op(op, average)
+    return synchronize(front_end.grouped_allreduce_async(tensors, name, op, prescale_factor, postscale_factor,
+                                                         process_set, in_place=True))
 
 
 # ---- allgather ----------------------------------------------------------------
 
 def allgather_async(tensor, name=None, process_set=None):
-    array = _contiguous(tensor)
-    handle_id = collective.enqueue(lib.UNISON_ALLGATHER, name, _dtype_code(array, name), array.shape,
-                                   _pointer(array), process_set=process_set)
-    return Handle(handle_id, name, (array,), _core_allocated(array.dtype))
+    return front_end.allgather_async(_array(tensor), name, process_set)
 
 
 def allgather(tensor, name=None, process_set=None):
@@ -143,24 +120,18 @@ def allgather(tensor, name=None, process_set=None):
     return synchronize(allgather_async(tensor, name, process_set))
 
 
+def grouped_allgather(tensors, name=None, process_set=None):
+    return synchronize(front_end.grouped_allgather_async([_array(t) for t in tensors], name, process_set))
+
+
 # ---- broadcast ----------------------------------------------------------------
 
 def broadcast_async(tensor, root_rank, name=None, process_set=None):
-    array = _contiguous(tensor)
-    output = np.empty_like(array)
-    return _broadcast(array, output, root_rank, name, process_set)
+    return front_end.broadcast_async(_array(tensor), root_rank, name, process_set)
 
 
 def broadcast_async_(tensor, root_rank, name=None, process_set=None):
-    array = _in_place_target(tensor, name)
-    return _broadcast(array, array, root_rank, name, process_set)
-
-
-def _broadcast(array, output, root_rank, name, process_set):
-    handle_id = collective.enqueue(lib.UNISON_BROADCAST, name, _dtype_code(array, name), array.shape,
-                                   _pointer(array), _pointer(output), root_rank=root_rank,
-                                   process_set=process_set)
-    return Handle(handle_id, name, (array, output), lambda _: output)
+    return front_end.broadcast_async_(tensor, root_rank, name, process_set)
 
 
 def broadcast(tensor, root_rank, name=None, process_set=None):
@@ -174,19 +145,14 @@ def broadcast_(tensor, root_rank, name=None, process_set=None):
 # ---- alltoall -----------------------------------------------------------------
 
 def alltoall_async(tensor, splits=None, name=None, process_set=None):
-    array = _contiguous(tensor)
-    split_list = None if splits is None else [int(s) for s in np.asarray(splits).reshape(-1)]
-    handle_id = collective.enqueue(lib.UNISON_ALLTOALL, name, _dtype_code(array, name), array.shape,
-                                   _pointer(array), splits=split_list, process_set=process_set)
-    gather = _core_allocated(array.dtype)
-    count = size()
+    handle = front_end.alltoall_async(_array(tensor), splits, name, process_set)
+    gathered = handle._finish
 
     def finish(hid):
-        output = gather(hid)
-        if splits is None:
-            return output
-        return output, np.asarray(_handles.received_splits(hid, count), dtype=np.int64)
-    return Handle(handle_id, name, (array,), finish)
+        output, received = gathered(hid)
+        return output if splits is None else (output, np.asarray(received, dtype=np.int64))
+    handle._finish = finish
+    return handle
 
 
 def alltoall(tensor, splits=None, name=None, process_set=None):
@@ -200,11 +166,8 @@ def alltoall(tensor, splits=None, name=None, process_set=None):
 
 def reducescatter_async(tensor, op=Average, name=None, prescale_factor=1.0, postscale_factor=1.0,
                         process_set=None):
-    array = _contiguous(tensor)
-    handle_id = collective.enqueue(lib.UNISON_REDUCESCATTER, name, _dtype_code(array, name), array.shape,
-                                   _pointer(array), reduce_op=op, prescale_factor=prescale_factor,
-                                   postscale_factor=postscale_factor, process_set=process_set)
-    return Handle(handle_id, name, (array,), _core_allocated(array.dtype))
+    return front_end.reducescatter_async(_array(tensor), name, op, prescale_factor, postscale_factor,
+                                         process_set)
 
 
 def reducescatter(tensor, op=Average, name=None, prescale_factor=1.0, postscale_factor=1.0,
@@ -217,31 +180,19 @@ def reducescatter(tensor, op=Average, name=None, prescale_factor=1.0, postscale_
 
 def grouped_reducescatter(tensors, op=Average, name=None, prescale_factor=1.0, postscale_factor=1.0,
                           process_set=None):
-    base = name or "grouped_reducescatter"
-    handles = [reducescatter_async(t, op, "%s.%d" % (base, i) if name else None, prescale_factor,
-                                   postscale_factor, process_set) for i, t in enumerate(tensors)]
-    return [synchronize(h) for h in handles]
-
-
-def grouped_allgather(tensors, name=None, process_set=None):
-    base = name or "grouped_allgather"
-    handles = [allgather_async(t, "%s.%d" % (base, i) if name else None, process_set)
-               for i, t in enumerate(tensors)]
-    return [synchronize(h) for h in handles]
+    return synchronize(front_end.grouped_reducescatter_async([_array(t) for t in tensors], name, op,
+                                                             prescale_factor, postscale_factor, process_set))
 
 
 # ---- barrier and join -----------------------------------------------------------
 
 def barrier(process_set=None):
     """Returns once every rank has called barrier()."""
-    handle_id = collective.enqueue(lib.UNISON_BARRIER, "barrier", process_set=process_set)
-    synchronize(Handle(handle_id, "barrier", (), lambda _: None))
+    collective.barrier(process_set)
 
 
 def join(process_set=None):
     """Declares that this rank has no more data: until every rank has
-    joined, it takes part in the others' collectives with zeros (allreduce,
-    reducescatter) or nothing (allgather, alltoall). Returns the rank that
-    joined last. Average still divides by the full size."""
-    handle_id = collective.enqueue(lib.UNISON_JOIN, "join", process_set=process_set)
-    return synchronize(Handle(handle_id, "join", (), _handles.join_rank))
+    joined, it takes part in the others' allreduces with zeros. Returns the
+    rank that joined last. Average still divides by the full size."""
+    return collective.join(process_set)

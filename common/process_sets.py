@@ -29,6 +29,11 @@ class ProcessSet:
 global_process_set = ProcessSet(process_set_id=0)
 
 
+def size_of(process_set):
+    """The size of `process_set` (None means the global set)."""
+    return basics.size() if process_set is None else process_set.size()
+
+
 def process_set_id(process_set):
     """The core's id for `process_set` (None means the global set)."""
     if process_set is None or process_set is global_process_set:

@@ -7,9 +7,11 @@ from unison.basics import (  # noqa: F401
 from unison.exceptions import HorovodInternalError, UnisonError  # noqa: F401
 from unison.process_sets import (  # noqa: F401
     ProcessSet, add_process_set, global_process_set, remove_process_set)
+from unison.mxnet.compression import Compression  # noqa: F401
 from unison.mxnet.ops import (  # noqa: F401
     Adasum, Average, Max, Min, Product, Sum, allgather, allreduce, allreduce_, alltoall, barrier,
-    broadcast, broadcast_, grouped_allreduce, grouped_allreduce_, join, reducescatter)
+    broadcast, broadcast_, grouped_allgather, grouped_allreduce, grouped_allreduce_, grouped_reducescatter,
+    join, reducescatter)
 from unison.mxnet.functions import (  # noqa: F401
     allgather_object, broadcast_object, broadcast_parameters)
 from unison.mxnet.optimizer import DistributedOptimizer, DistributedTrainer  # noqa: F401

@@ -16,26 +16,17 @@ import threading
 import mxnet as mx
 import numpy as np
 
-from unison import basics, collective
+from unison import arguments, basics, collective, frontend
 from unison import handles as _handles
 from unison.exceptions import InvalidArgumentError, UnsupportedError
 from unison.handles import Handle
 from unison.process_sets import global_process_set
 from unison._native import ffi, lib
+from unison.mxnet.compression import Compression
 from unison.mxnet.engine import bridge, data_pointer
 
 Sum, Average, Min, Max, Product, Adasum = (basics.Sum, basics.Average, basics.Min, basics.Max,
                                            basics.Product, basics.Adasum)
-
-_DTYPES = {
-    np.dtype(np.uint8): lib.UNISON_UINT8,
-    np.dtype(np.int8): lib.UNISON_INT8,
-    np.dtype(np.int32): lib.UNISON_INT32,
-    np.dtype(np.int64): lib.UNISON_INT64,
-    np.dtype(np.float16): lib.UNISON_FLOAT16,
-    np.dtype(np.float32): lib.UNISON_FLOAT32,
-    np.dtype(np.float64): lib.UNISON_FLOAT64,
-}
 
 # Ops pushed to the engine may start in any order on its threads, so their
 # names are fixed here, in program order, which every rank shares.
@@ -51,22 +42,37 @@ def _name(kind, name):
         return "%s.mx.%d" % (kind, _counters[kind])
 
 
+class MXNetTensors(frontend.Tensors):
+    """NDArrays, as far as the shared checks need to see them: MXNet's
+    collectives start on its engine threads (engine.py), so they take the
+    front end's checks and enqueue from there."""
+
+    def dtype_key(self, tensor):
+        return tensor.dtype
+
+    def dtype_name(self, tensor):
+        return np.dtype(tensor.dtype).name
+
+    def check(self, tensor, name):
+        if not isinstance(tensor, mx.nd.NDArray):
+            raise InvalidArgumentError("unison: tensor %r must be an mxnet NDArray, got %s"
+                                       % (name, type(tensor).__name__))
+        if tensor.context.device_type != "cpu":
+            raise UnsupportedError("unison: tensor %r is on %s; this build moves CPU arrays only"
+                                   % (name, tensor.context))
+        if tensor.stype != "default":
+            raise InvalidArgumentError("unison: tensor %r has storage type %s; pass a dense NDArray"
+                                       % (name, tensor.stype))
+
+    def shape(self, tensor):
+        return tuple(tensor.shape)
+
+
+_front = frontend.FrontEnd(MXNetTensors())
+
+
 def _dtype_code(tensor, name):
-    if not isinstance(tensor, mx.nd.NDArray):
-        raise InvalidArgumentError("unison: tensor %r must be an mxnet NDArray, got %s"
-                                   % (name, type(tensor).__name__))
-    if tensor.context.device_type != "cpu":
-        raise UnsupportedError("unison: tensor %r is on %s; this build moves CPU arrays only"
-                               % (name, tensor.context))
-    if tensor.stype != "default":
-        raise InvalidArgumentError("unison: tensor %r has storage type %s; pass a dense NDArray"
-                                   % (name, tensor.stype))
-    code = _DTYPES.get(np.dtype(tensor.dtype))
-    if code is None:
-        raise InvalidArgumentError("unison: tensor %r has dtype %s, which unison does not reduce or move; "
-                                   "supported: %s" % (name, np.dtype(tensor.dtype),
-                                                      ", ".join(str(d) for d in _DTYPES)))
-    return code
+    return _front.dtype_code(tensor, name)
 
 
 def _pointer(array):
@@ -84,59 +90,63 @@ def _push(name, reads, writes, enqueue, priority):
 # ---- allreduce ----------------------------------------------------------------
 
 def _allreduce_async(tensor, output, name, op, prescale_factor, postscale_factor, process_set, priority):
-    code = _dtype_code(tensor, name)
     if op == Adasum:
         raise UnsupportedError("unison: Adasum is not implemented for MXNet")
+    prepared = _front.prepare("allreduce", tensor, name, op, prescale_factor, postscale_factor)
     name = _name("allreduce", name)
-    shape = tensor.shape
 
     def enqueue():
-        return collective.enqueue(lib.UNISON_ALLREDUCE, name, code, shape, _pointer(tensor), _pointer(output),
-                                  reduce_op=op, prescale_factor=prescale_factor,
+        return collective.enqueue(lib.UNISON_ALLREDUCE, name, prepared.code, prepared.shape, _pointer(tensor),
+                                  _pointer(output), reduce_op=op, prescale_factor=prescale_factor,
                                   postscale_factor=postscale_factor, process_set=process_set)
     reads = [] if output is tensor else [tensor]
     return _push(name, reads, [output], enqueue, priority)
 
 
 def allreduce(tensor, average=None, name=None, priority=0, prescale_factor=1.0, postscale_factor=1.0,
-              process_set=global_process_set, op=None):
+              process_set=global_process_set, op=None, compression=Compression.none):
     """A new NDArray: `tensor` reduced across ranks (Average by default)."""
-    op = collective.resolve_op(op, average)
-    _dtype_code(tensor, name)
-    output = mx.nd.empty(tensor.shape, ctx=tensor.context, dtype=tensor.dtype)
-    _allreduce_async(tensor, output, name, op, prescale_factor, postscale_factor, process_set, priority).wait()
-    return output
+    return grouped_allreduce([tensor], average, name, priority, prescale_factor, postscale_factor,
+                             process_set, op, compression)[0]
 
 
 def allreduce_(tensor, average=None, name=None, priority=0, prescale_factor=1.0, postscale_factor=1.0,
                process_set=global_process_set, op=None):
     """Reduces `tensor` in place; returns it."""
-    op = collective.resolve_op(op, average)
+    op = arguments.resolve_op(op, average)
     _allreduce_async(tensor, tensor, name, op, prescale_factor, postscale_factor, process_set, priority).wait()
     return tensor
 
 
-def _grouped(tensors, name):
-    base = _name("grouped_allreduce", name)
-    return [(t, "%s.%d" % (base, i)) for i, t in enumerate(tensors)]
+def _grouped(tensors, name, kind="grouped_allreduce"):
+    """(tensor, core name) pairs: a lone tensor keeps the name itself."""
+    if len(tensors) == 1 and name:
+        return [(tensors[0], name)]
+    base = _name(kind, name)
+    return [(t, arguments.member_name(base, i)) for i, t in enumerate(tensors)]
 
 
 def grouped_allreduce(tensors, average=None, name=None, priority=0, prescale_factor=1.0,
-                      postscale_factor=1.0, process_set=global_process_set, op=None):
+                      postscale_factor=1.0, process_set=global_process_set, op=None,
+                      compression=Compression.none):
     """New NDArrays, each tensor reduced; the core fuses them."""
-    op = collective.resolve_op(op, average)
+    op = arguments.resolve_op(op, average)
+    wires, contexts = [], []
     for t in tensors:
-        _dtype_code(t, name)
-    outputs = [mx.nd.empty(t.shape, ctx=t.context, dtype=t.dtype) for t in tensors]
+        _front.prepare("allreduce", t, name, op, prescale_factor, postscale_factor)
+        wire, ctx = compression.compress(t)
+        wires.append(wire)
+        contexts.append(ctx)
+    outputs = [mx.nd.empty(t.shape, ctx=t.context, dtype=t.dtype) for t in wires]
     ops = [_allreduce_async(t, out, n, op, prescale_factor, postscale_factor, process_set, priority)
-           for (t, n), out in zip(_grouped(tensors, name), outputs)]
+           for (t, n), out in zip(_grouped(wires, name), outputs)]
     _wait_all(ops)
-    return outputs
+    return [compression.decompress(out, ctx) for out, ctx in zip(outputs, contexts)]
 
 
 def grouped_allreduce_(tensors, average=None, name=None, priority=0, prescale_factor=1.0,
                        postscale_factor=1.0, process_set=global_process_set, op=None):
-    op = collective.resolve_op(op, average)
+    op = arguments.resolve_op(op, average)
     ops = [_allreduce_async(t, t, n, op, prescale_factor, postscale_factor, process_set, priority)
            for t, n in _grouped(tensors, name)]
     _wait_all(ops)
@@ -159,14 +169,13 @@ def _wait_all(ops):
 # ---- broadcast ----------------------------------------------------------------
 
 def _broadcast_async(tensor, root_rank, name, process_set, priority):
-    code = _dtype_code(tensor, name)
+    prepared = _front.prepare("broadcast", tensor, name)
     name = _name("broadcast", name)
-    shape = tensor.shape
 
     def enqueue():
         p = _pointer(tensor)
-        return collective.enqueue(lib.UNISON_BROADCAST, name, code, shape, p, p, root_rank=root_rank,
-                                  process_set=process_set)
+        return collective.enqueue(lib.UNISON_BROADCAST, name, prepared.code, prepared.shape, p, p,
+                                  root_rank=root_rank, process_set=process_set)
     return _push(name, [], [tensor], enqueue, priority)
 
 
@@ -183,69 +192,103 @@ def broadcast(tensor, root_rank, name=None, priority=0, process_set=global_proce
 
 # ---- reducescatter ------------------------------------------------------------
 
-def reducescatter(tensor, op=Average, name=None, priority=0, process_set=global_process_set,
-                  prescale_factor=1.0, postscale_factor=1.0):
-    """This rank's part of the first dimension of `tensor` reduced across
-    ranks: rows split as evenly as possible, the first ranks taking one more."""
-    code = _dtype_code(tensor, name)
-    if len(tensor.shape) == 0:
-        raise InvalidArgumentError("unison: reducescatter of %r needs at least one dimension" % name)
-    size, rank = basics.size(), basics.rank()
-    rows = tensor.shape[0]
-    mine = rows // size + (1 if rank < rows % size else 0)
-    output = mx.nd.empty((mine,) + tuple(tensor.shape[1:]), ctx=tensor.context, dtype=tensor.dtype)
+def _reducescatter_async(tensor, name, op, prescale_factor, postscale_factor, process_set, priority):
+    """(output NDArray, pushed op)."""
+    prepared = _front.prepare("reducescatter", tensor, name, op, prescale_factor, postscale_factor)
+    rows = arguments.scatter_rows(tensor.shape[0], process_set.size(), process_set.rank())
+    output = mx.nd.empty((rows,) + tuple(tensor.shape[1:]), ctx=tensor.context, dtype=tensor.dtype)
     name = _name("reducescatter", name)
-    shape = tensor.shape
 
     def enqueue():
-        return collective.enqueue(lib.UNISON_REDUCESCATTER, name, code, shape, _pointer(tensor),
+        return collective.enqueue(lib.UNISON_REDUCESCATTER, name, prepared.code, prepared.shape, _pointer(tensor),
                                   _pointer(output), reduce_op=op, prescale_factor=prescale_factor,
                                   postscale_factor=postscale_factor, process_set=process_set)
-    _push(name, [tensor], [output], enqueue, priority).wait()
-    return output
+    return output, _push(name, [tensor], [output], enqueue, priority)
+
+
+def reducescatter(tensor, op=Average, name=None, priority=0, process_set=global_process_set,
+                  prescale_factor=1.0, postscale_factor=1.0, compression=Compression.none):
+    """This rank's part of the first dimension of `tensor` reduced across
+    ranks: rows split as evenly as possible, the first ranks taking one more."""
+    return grouped_reducescatter([tensor], op, name, priority, process_set, prescale_factor, postscale_factor,
+                                 compression)[0]
+
+
+def grouped_reducescatter(tensors, op=Average, name=None, priority=0, process_set=global_process_set,
+                          prescale_factor=1.0, postscale_factor=1.0, compression=Compression.none):
+    """Each tensor reduce-scattered; the core fuses them."""
+    wires, contexts = [], []
+    for t in tensors:
+        _front.prepare("reducescatter", t, name, op, prescale_factor, postscale_factor)
+        wire, ctx = compression.compress(t)
+        wires.append(wire)
+        contexts.append(ctx)
+    started = [_reducescatter_async(t, n, op, prescale_factor, postscale_factor, process_set, priority)
+               for t, n in _grouped(wires, name, "grouped_reducescatter")]
+    _wait_all([pushed for _, pushed in started])
+    return [compression.decompress(out, ctx) for (out, _), ctx in zip(started, contexts)]
 
 
 # ---- ops whose output shape only negotiation tells ----------------------------
 
-def _run_now(tensor, kind, name, op_code, **options):
-    """Runs a core op on `tensor` once MXNet has finished writing it and
-    returns the core-allocated result as a new NDArray (one copy)."""
-    code = _dtype_code(tensor, name)
+def _to_ndarray(tensor):
+    def adopt(owned, nbytes, shape):
+        dtype = np.dtype(tensor.dtype)
+        values = np.frombuffer(ffi.buffer(owned, nbytes), dtype=dtype) if nbytes else np.zeros(0, dtype=dtype)
+        return mx.nd.array(values.reshape(shape), ctx=tensor.context, dtype=tensor.dtype)
+    return adopt
+
+
+def _start_now(tensor, kind, name, op_code, process_set, splits=None):
+    """Starts a core op on `tensor` once MXNet has finished writing it; the
+    handle's result is the core's output as a new NDArray (one copy), with
+    the received splits for alltoall."""
+    prepared = _front.prepare(kind, tensor, name)
+    counts = arguments.split_counts(splits, name)
     tensor.wait_to_read()
     name = _name(kind, name)
-    handle_id = collective.enqueue(op_code, name, code, tensor.shape, _pointer(tensor), **options)
+    handle_id = collective.enqueue(op_code, name, prepared.code, prepared.shape, _pointer(tensor),
+                                   splits=counts, process_set=process_set)
+    adopt = _to_ndarray(tensor)
+    ranks = process_set.size()
 
     def finish(hid):
-        owned, nbytes, shape = _handles.result_buffer(hid)
-        values = np.frombuffer(ffi.buffer(owned, nbytes), dtype=np.dtype(tensor.dtype)) if nbytes else \
-            np.zeros(0, dtype=np.dtype(tensor.dtype))
-        return mx.nd.array(values.reshape(shape), ctx=tensor.context, dtype=tensor.dtype)
-    return _handles.synchronize(Handle(handle_id, name, (tensor,), finish))
+        output = adopt(*_handles.result_buffer(hid))
+        if op_code == lib.UNISON_ALLTOALL:
+            return output, mx.nd.array(_handles.received_splits(hid, ranks), dtype=np.int32)
+        return output
+    return Handle(handle_id, name, (tensor,), finish)
 
 
 def allgather(tensor, name=None, priority=0, process_set=global_process_set):
     """Every rank's `tensor` concatenated on the first dimension, in rank
     order (first dimensions may differ)."""
-    if len(tensor.shape) == 0:
-        raise InvalidArgumentError("unison: allgather of %r needs at least one dimension" % name)
-    return _run_now(tensor, "allgather", name, lib.UNISON_ALLGATHER, process_set=process_set)
+    return _handles.synchronize(_start_now(tensor, "allgather", name, lib.UNISON_ALLGATHER, process_set))
+
+
+def grouped_allgather(tensors, name=None, priority=0, process_set=global_process_set):
+    """Each tensor allgathered; started together, so the core fuses them."""
+    handles = [_start_now(t, "allgather", n, lib.UNISON_ALLGATHER, process_set)
+               for t, n in _grouped(tensors, name, "grouped_allgather")]
+    return _handles.synchronize(_handles.HandleGroup(handles))
 
 
 def alltoall(tensor, splits=None, name=None, priority=0, process_set=global_process_set):
     """Sends splits[i] rows of `tensor` to rank i (equal parts if None);
-    returns the rows received, in rank order."""
-    if splits is not None:
-        splits = [int(s) for s in (splits.asnumpy() if isinstance(splits, mx.nd.NDArray) else splits)]
-    return _run_now(tensor, "alltoall", name, lib.UNISON_ALLTOALL, splits=splits, process_set=process_set)
+    returns the rows received, in rank order, and with splits also the
+    number of rows received from each rank, as Horovod's MXNet alltoall."""
+    if isinstance(splits, mx.nd.NDArray):
+        splits = splits.asnumpy()
+    output, received = _handles.synchronize(
+        _start_now(tensor, "alltoall", name, lib.UNISON_ALLTOALL, process_set, splits))
+    return output if splits is None else (output, received)
 
 
 def barrier(process_set=global_process_set):
     """Returns once every rank has called barrier()."""
-    handle_id = collective.enqueue(lib.UNISON_BARRIER, "barrier", process_set=process_set)
-    _handles.synchronize(Handle(handle_id, "barrier", (), lambda _: None))
+    collective.barrier(process_set)
 
 
 def join():
     """Declares this rank out of data; returns the last rank to join."""
-    handle_id = collective.enqueue(lib.UNISON_JOIN, "join")
-    return _handles.synchronize(Handle(handle_id, "join", (), _handles.join_rank))
+    return collective.join()

@@ -11,7 +11,7 @@ import warnings
 
 import mxnet as mx
 
-from unison.collective import split_into_groups
+from unison.arguments import split_into_groups
 from unison.process_sets import global_process_set
 from unison.mxnet.ops import Sum, _allreduce_async, _wait_all
 

@@ -45,7 +45,9 @@ extern "C" {
 int unison_init(void) {
   std::lock_guard<std::mutex> lock(lifecycle_mutex);
   if (engine != nullptr) return UNISON_OK;  // as Horovod: a second init is harmless
-  Config c = Config::from_environment();
+  Config c;
+  Status read = Config::from_environment(&c);
+  if (!read.ok()) return report(read);
   if (c.size < 1 || c.rank < 0 || c.rank >= c.size)
     return report(Status::Error(UNISON_ERR_INVALID_ARGUMENT, "unison: rank " + std::to_string(c.rank) +
                                                                  " of size " + std::to_string(c.size) +

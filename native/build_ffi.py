@@ -91,7 +91,13 @@ ffibuilder = FFI()
 ffibuilder.cdef(_cdef())
 ffibuilder.set_source(
     "unison._native",
-    '#include "unison.h"',
+    # The build's choice of MPI is written into the generated module source.
+    # setuptools rebuilds an extension only when a source is newer than it,
+    # and choosing MPI changes no source file, so without this line a build
+    # with MPI after one without (a checkout whose build/ is left over) would
+    # silently keep the MPI-less core. cffi rewrites the file when this text
+    # changes, which makes it newer than the old extension.
+    '#include "unison.h"\n/* unison core built with MPI: %s */' % (MPICC or "no"),
     sources=_sources(MPICC is not None),
     include_dirs=[os.path.relpath(HERE, ROOT)] + MPI["include_dirs"],
     library_dirs=MPI["library_dirs"],

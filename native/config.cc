@@ -1,29 +1,127 @@
 #include "config.h"
 
+#include <cctype>
+#include <cerrno>
+#include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <string>
+#include <utility>
 
 namespace unison {
 namespace {
 
-// The first of the names that is set, or nullptr.
-const char* lookup(const char* unison_name, const char* horovod_name) {
+// The first of the names that is set, or nullptr; *which says which one, so
+// that an error names the variable the user actually wrote.
+const char* lookup(const char* unison_name, const char* horovod_name, const char** which = nullptr) {
+  const char* name = unison_name;
   const char* value = std::getenv(unison_name);
-  if (value == nullptr && horovod_name != nullptr) value = std::getenv(horovod_name);
+  if ((value == nullptr || *value == '\0') && horovod_name != nullptr) {
+    name = horovod_name;
+    value = std::getenv(horovod_name);
+  }
+  if (which != nullptr) *which = name;
   return (value != nullptr && *value != '\0') ? value : nullptr;
 }
 
-void read_int(int* field, const char* unison_name, const char* horovod_name = nullptr) {
-  if (const char* v = lookup(unison_name, horovod_name)) *field = std::atoi(v);
+// Every setting is either understood completely or rejected: a value that
+// only starts like a number ("64MB" read as 64, "abc" read as 0) would run
+// the job with a setting nobody asked for, which is worse than not starting.
+Status bad_setting(const char* name, const char* value, const std::string& expected) {
+  return Status::Error(UNISON_ERR_INVALID_ARGUMENT, std::string("unison: ") + name + "='" + value +
+                                                        "' is not " + expected);
 }
 
-void read_size(size_t* field, const char* unison_name, const char* horovod_name = nullptr) {
-  if (const char* v = lookup(unison_name, horovod_name)) *field = (size_t)std::strtoull(v, nullptr, 10);
+std::string trimmed(const char* value) {
+  std::string s(value);
+  const size_t first = s.find_first_not_of(" \t");
+  const size_t last = s.find_last_not_of(" \t");
+  return first == std::string::npos ? std::string() : s.substr(first, last - first + 1);
 }
 
-void read_double(double* field, const char* unison_name, const char* horovod_name = nullptr) {
-  if (const char* v = lookup(unison_name, horovod_name)) *field = std::strtod(v, nullptr);
+Status read_int(int* field, const char* unison_name, const char* horovod_name = nullptr, int minimum = 0) {
+  const char* name = nullptr;
+  const char* v = lookup(unison_name, horovod_name, &name);
+  if (v == nullptr) return Status::OK();
+  const std::string text = trimmed(v);
+  char* end = nullptr;
+  errno = 0;
+  const long long parsed = std::strtoll(text.c_str(), &end, 10);
+  if (text.empty() || *end != '\0' || errno == ERANGE || parsed < minimum || parsed > INT32_MAX)
+    return bad_setting(name, v, "an integer of at least " + std::to_string(minimum));
+  *field = (int)parsed;
+  return Status::OK();
 }
+
+// A byte count: digits, then optionally a unit. KB, MB and GB are powers of
+// 1000 and KiB, MiB and GiB powers of 1024, as the units say; a bare K, M or
+// G means the binary one, as ulimit and dd read it. Case does not matter.
+Status read_size(size_t* field, const char* unison_name, const char* horovod_name = nullptr, size_t minimum = 0) {
+  const char* name = nullptr;
+  const char* v = lookup(unison_name, horovod_name, &name);
+  if (v == nullptr) return Status::OK();
+  const std::string expected = "a size in bytes of at least " + std::to_string(minimum) +
+                               " (such as 67108864, 64MiB or 64MB)";
+  const std::string text = trimmed(v);
+  size_t digits = 0;
+  while (digits < text.size() && std::isdigit((unsigned char)text[digits])) ++digits;
+  if (digits == 0 || digits > 18) return bad_setting(name, v, expected);
+  std::string unit = trimmed(text.substr(digits).c_str());
+  for (char& ch : unit) ch = (char)std::tolower((unsigned char)ch);
+  static const std::pair<const char*, unsigned long long> kUnits[] = {
+      {"", 1ull},           {"b", 1ull},
+      {"k", 1ull << 10},    {"kib", 1ull << 10},  {"kb", 1000ull},
+      {"m", 1ull << 20},    {"mib", 1ull << 20},  {"mb", 1000000ull},
+      {"g", 1ull << 30},    {"gib", 1ull << 30},  {"gb", 1000000000ull},
+  };
+  unsigned long long multiplier = 0;
+  for (const auto& [spelling, factor] : kUnits)
+    if (unit == spelling) multiplier = factor;
+  if (multiplier == 0) return bad_setting(name, v, expected);
+  const unsigned long long count = std::stoull(text.substr(0, digits));
+  if (count > (unsigned long long)SIZE_MAX / multiplier || count * multiplier < minimum)
+    return bad_setting(name, v, expected);
+  *field = (size_t)(count * multiplier);
+  return Status::OK();
+}
+
+Status read_double(double* field, const char* unison_name, const char* horovod_name = nullptr) {
+  const char* name = nullptr;
+  const char* v = lookup(unison_name, horovod_name, &name);
+  if (v == nullptr) return Status::OK();
+  const std::string text = trimmed(v);
+  char* end = nullptr;
+  const double parsed = std::strtod(text.c_str(), &end);
+  if (text.empty() || *end != '\0' || !std::isfinite(parsed) || parsed < 0)
+    return bad_setting(name, v, "a non-negative number");
+  *field = parsed;
+  return Status::OK();
+}
+
+Status read_flag(bool* field, const char* unison_name, const char* horovod_name = nullptr) {
+  const char* name = nullptr;
+  const char* v = lookup(unison_name, horovod_name, &name);
+  if (v == nullptr) return Status::OK();
+  std::string text = trimmed(v);
+  for (char& ch : text) ch = (char)std::tolower((unsigned char)ch);
+  if (text == "1" || text == "true" || text == "yes" || text == "on") {
+    *field = true;
+  } else if (text == "0" || text == "false" || text == "no" || text == "off") {
+    *field = false;
+  } else {
+    return bad_setting(name, v, "a flag (1, 0, true, false, yes, no, on or off)");
+  }
+  return Status::OK();
+}
+
+// Keeps the first failure of a sequence of reads, so that init reports the
+// first bad setting and every read stays one line.
+struct Settings {
+  Status status;
+  void operator()(Status next) {
+    if (status.ok()) status = std::move(next);
+  }
+};
 
 // Tasks on node `node` from SLURM's compressed list: "2(x3),1" is three
 // nodes with 2 tasks, then one with 1.
@@ -49,7 +147,7 @@ int slurm_tasks_on_node(const std::string& list, int node) try {
 
 // The identity an MPI launcher or srun gives its processes. MPI's own answer
 // is what the job runs on; these tell init() which launcher it is under.
-void read_launcher_identity(Config* c) {
+Status read_launcher_identity(Config* c) {
   struct Launcher {
     const char *name, *rank, *size, *local_rank, *local_size;
   };
@@ -59,72 +157,70 @@ void read_launcher_identity(Config* c) {
       // Hydra's PMI variables: MPICH, Intel MPI, MVAPICH.
       {"MPICH", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"},
   };
+  Settings read;
   for (const Launcher& l : kMpiLaunchers) {
     if (lookup(l.rank, nullptr) == nullptr) continue;
     c->mpi_launcher = l.name;
-    read_int(&c->rank, l.rank);
-    read_int(&c->size, l.size);
+    read(read_int(&c->rank, l.rank));
+    read(read_int(&c->size, l.size, nullptr, 1));
     c->local_rank = c->rank, c->local_size = c->size;
-    read_int(&c->local_rank, l.local_rank);
-    read_int(&c->local_size, l.local_size);
-    return;
+    read(read_int(&c->local_rank, l.local_rank));
+    read(read_int(&c->local_size, l.local_size, nullptr, 1));
+    return read.status;
   }
   // srun, not the batch script: only a job step has SLURM_STEP_NUM_TASKS.
   if (lookup("SLURM_STEP_NUM_TASKS", nullptr) != nullptr && lookup("SLURM_PROCID", nullptr) != nullptr) {
     c->mpi_launcher = "SLURM";
-    read_int(&c->rank, "SLURM_PROCID");
-    read_int(&c->size, "SLURM_STEP_NUM_TASKS");
+    read(read_int(&c->rank, "SLURM_PROCID"));
+    read(read_int(&c->size, "SLURM_STEP_NUM_TASKS", nullptr, 1));
     c->local_rank = c->rank, c->local_size = c->size;
-    read_int(&c->local_rank, "SLURM_LOCALID");
+    read(read_int(&c->local_rank, "SLURM_LOCALID"));
     int node = 0;
-    read_int(&node, "SLURM_NODEID");
+    read(read_int(&node, "SLURM_NODEID"));
     if (const char* list = lookup("SLURM_STEP_TASKS_PER_NODE", nullptr)) c->local_size = slurm_tasks_on_node(list, node);
   }
+  return read.status;
 }
 
 }  // namespace
 
-Config Config::from_environment() {
+Status Config::from_environment(Config* out) {
   Config c;
-  if (lookup("UNISON_RANK", "HOROVOD_RANK") == nullptr) read_launcher_identity(&c);
-  read_int(&c.rank, "UNISON_RANK", "HOROVOD_RANK");
-  read_int(&c.size, "UNISON_SIZE", "HOROVOD_SIZE");
+  Settings read;
+  if (lookup("UNISON_RANK", "HOROVOD_RANK") == nullptr) read(read_launcher_identity(&c));
+  read(read_int(&c.rank, "UNISON_RANK", "HOROVOD_RANK"));
+  read(read_int(&c.size, "UNISON_SIZE", "HOROVOD_SIZE", 1));
   if (c.mpi_launcher.empty()) {
     c.local_rank = c.rank;
     c.local_size = c.size;
   }
-  read_int(&c.local_rank, "UNISON_LOCAL_RANK", "HOROVOD_LOCAL_RANK");
-  read_int(&c.local_size, "UNISON_LOCAL_SIZE", "HOROVOD_LOCAL_SIZE");
-  read_int(&c.cross_rank, "UNISON_CROSS_RANK", "HOROVOD_CROSS_RANK");
-  read_int(&c.cross_size, "UNISON_CROSS_SIZE", "HOROVOD_CROSS_SIZE");
+  read(read_int(&c.local_rank, "UNISON_LOCAL_RANK", "HOROVOD_LOCAL_RANK"));
+  read(read_int(&c.local_size, "UNISON_LOCAL_SIZE", "HOROVOD_LOCAL_SIZE", 1));
+  read(read_int(&c.cross_rank, "UNISON_CROSS_RANK", "HOROVOD_CROSS_RANK"));
+  read(read_int(&c.cross_size, "UNISON_CROSS_SIZE", "HOROVOD_CROSS_SIZE", 1));
   if (const char* v = lookup("UNISON_JOB_ID", nullptr)) c.job_id = v;
   if (const char* v = lookup("UNISON_HOSTNAME", "HOROVOD_HOSTNAME")) c.hostname = v;
-  int hierarchical = 1;
-  read_int(&hierarchical, "UNISON_HIERARCHICAL_ALLREDUCE", "HOROVOD_HIERARCHICAL_ALLREDUCE");
-  c.hierarchical = hierarchical != 0;
+  read(read_flag(&c.hierarchical, "UNISON_HIERARCHICAL_ALLREDUCE", "HOROVOD_HIERARCHICAL_ALLREDUCE"));
 
-  read_size(&c.fusion_threshold_bytes, "UNISON_FUSION_THRESHOLD", "HOROVOD_FUSION_THRESHOLD");
-  read_double(&c.cycle_time_ms, "UNISON_CYCLE_TIME", "HOROVOD_CYCLE_TIME");
-  read_int(&c.cache_capacity, "UNISON_CACHE_CAPACITY", "HOROVOD_CACHE_CAPACITY");
-  int disable = 0;
-  read_int(&disable, "UNISON_STALL_CHECK_DISABLE", "HOROVOD_STALL_CHECK_DISABLE");
-  c.stall_check_enabled = disable == 0;
-  read_double(&c.stall_warning_seconds, "UNISON_STALL_CHECK_TIME_SECONDS",
-              "HOROVOD_STALL_CHECK_TIME_SECONDS");
-  read_double(&c.stall_shutdown_seconds, "UNISON_STALL_SHUTDOWN_TIME_SECONDS",
-              "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS");
-  read_double(&c.peer_timeout_seconds, "UNISON_PEER_TIMEOUT_SECONDS");
-  read_double(&c.start_timeout_seconds, "UNISON_START_TIMEOUT", "HOROVOD_START_TIMEOUT");
-  read_size(&c.shm_slot_bytes, "UNISON_SHM_SLOT_BYTES");
-  read_size(&c.control_message_bytes, "UNISON_CONTROL_MESSAGE_BYTES");
-  read_size(&c.small_allreduce_bytes, "UNISON_SMALL_ALLREDUCE_BYTES");
-  read_double(&c.spin_microseconds, "UNISON_SPIN_MICROSECONDS");
-  read_int(&c.log_level, "UNISON_LOG_LEVEL", "HOROVOD_LOG_LEVEL");
-
-  if (c.cache_capacity < 0) c.cache_capacity = 0;
-  if (c.shm_slot_bytes < 4096) c.shm_slot_bytes = 4096;
-  if (c.control_message_bytes < 4096) c.control_message_bytes = 4096;
-  return c;
+  read(read_size(&c.fusion_threshold_bytes, "UNISON_FUSION_THRESHOLD", "HOROVOD_FUSION_THRESHOLD"));
+  read(read_double(&c.cycle_time_ms, "UNISON_CYCLE_TIME", "HOROVOD_CYCLE_TIME"));
+  read(read_int(&c.cache_capacity, "UNISON_CACHE_CAPACITY", "HOROVOD_CACHE_CAPACITY"));
+  bool stall_check_disabled = false;
+  read(read_flag(&stall_check_disabled, "UNISON_STALL_CHECK_DISABLE", "HOROVOD_STALL_CHECK_DISABLE"));
+  c.stall_check_enabled = !stall_check_disabled;
+  read(read_double(&c.stall_warning_seconds, "UNISON_STALL_CHECK_TIME_SECONDS", "HOROVOD_STALL_CHECK_TIME_SECONDS"));
+  read(read_double(&c.stall_shutdown_seconds, "UNISON_STALL_SHUTDOWN_TIME_SECONDS",
+                   "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"));
+  read(read_double(&c.peer_timeout_seconds, "UNISON_PEER_TIMEOUT_SECONDS"));
+  read(read_double(&c.start_timeout_seconds, "UNISON_START_TIMEOUT", "HOROVOD_START_TIMEOUT"));
+  // The shared-memory areas must hold at least a page each.
+  read(read_size(&c.shm_slot_bytes, "UNISON_SHM_SLOT_BYTES", nullptr, 4096));
+  read(read_size(&c.control_message_bytes, "UNISON_CONTROL_MESSAGE_BYTES", nullptr, 4096));
+  read(read_size(&c.small_allreduce_bytes, "UNISON_SMALL_ALLREDUCE_BYTES"));
+  read(read_double(&c.spin_microseconds, "UNISON_SPIN_MICROSECONDS"));
+  read(read_int(&c.log_level, "UNISON_LOG_LEVEL", "HOROVOD_LOG_LEVEL"));
+  if (read.status.ok()) *out = c;
+  return read.status;
 }
 
 }  // namespace unison

@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include "status.h"
+
 namespace unison {
 
 struct Config {
@@ -101,7 +103,9 @@ struct Config {
 
   int log_level = 0;  // 0 warnings, 1 info, 2 debug
 
-  static Config from_environment();
+  // Every value is either understood or rejected with an error naming the
+  // variable and its value; nothing set is silently ignored.
+  static Status from_environment(Config* out);
 };
 
 }  // namespace unison

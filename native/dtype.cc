@@ -2,14 +2,14 @@
 
 namespace unison {
 
-bool dtype_valid(int dtype) { return dtype >= UNISON_UINT8 && dtype <= UNISON_BOOL; }
+bool dtype_valid(int dtype) { return dtype >= UNISON_UINT8 && dtype <= UNISON_UINT64; }
 
 size_t dtype_size(int dtype) {
   switch (dtype) {
     case UNISON_UINT8: case UNISON_INT8: case UNISON_BOOL: return 1;
-    case UNISON_INT16: case UNISON_FLOAT16: case UNISON_BFLOAT16: return 2;
-    case UNISON_INT32: case UNISON_FLOAT32: return 4;
-    case UNISON_INT64: case UNISON_FLOAT64: return 8;
+    case UNISON_INT16: case UNISON_UINT16: case UNISON_FLOAT16: case UNISON_BFLOAT16: return 2;
+    case UNISON_INT32: case UNISON_UINT32: case UNISON_FLOAT32: return 4;
+    case UNISON_INT64: case UNISON_UINT64: case UNISON_FLOAT64: return 8;
     default: return 0;
   }
 }
@@ -26,6 +26,9 @@ const char* dtype_name(int dtype) {
     case UNISON_FLOAT32: return "float32";
     case UNISON_FLOAT64: return "float64";
     case UNISON_BOOL: return "bool";
+    case UNISON_UINT16: return "uint16";
+    case UNISON_UINT32: return "uint32";
+    case UNISON_UINT64: return "uint64";
     default: return "unknown dtype";
   }
 }

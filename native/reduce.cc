@@ -40,13 +40,18 @@ inline C scale(C v, double factor) {
   }
 }
 
-// Wrapping integer arithmetic without signed-overflow undefined behaviour.
+// Wrapping integer arithmetic without signed-overflow undefined behaviour:
+// computed in an unsigned type at least as wide as `unsigned`, because
+// narrower ones are promoted to (signed) int first, where 65535 * 65535
+// would overflow.
+template <typename C>
+using Wide = std::conditional_t<(sizeof(C) < sizeof(unsigned)), unsigned, std::make_unsigned_t<C>>;
 template <typename C>
 inline C add(C a, C b) {
   if constexpr (std::is_floating_point_v<C>) {
     return a + b;
   } else {
-    using U = std::make_unsigned_t<C>;
+    using U = Wide<C>;
     return (C)(U)((U)a + (U)b);
   }
 }
@@ -55,7 +60,7 @@ inline C multiply(C a, C b) {
   if constexpr (std::is_floating_point_v<C>) {
     return a * b;
   } else {
-    using U = std::make_unsigned_t<C>;
+    using U = Wide<C>;
     return (C)(U)((U)a * (U)b);
   }
 }
@@ -143,6 +148,9 @@ void reduce(const ReduceSpec& spec, const void* const* inputs, int n_inputs, voi
     case UNISON_UINT8: return reduce_with_op<NativeCodec<uint8_t>>(spec, inputs, n_inputs, out, count, also_out);
     case UNISON_INT8: return reduce_with_op<NativeCodec<int8_t>>(spec, inputs, n_inputs, out, count, also_out);
     case UNISON_INT16: return reduce_with_op<NativeCodec<int16_t>>(spec, inputs, n_inputs, out, count, also_out);
+    case UNISON_UINT16: return reduce_with_op<NativeCodec<uint16_t>>(spec, inputs, n_inputs, out, count, also_out);
+    case UNISON_UINT32: return reduce_with_op<NativeCodec<uint32_t>>(spec, inputs, n_inputs, out, count, also_out);
+    case UNISON_UINT64: return reduce_with_op<NativeCodec<uint64_t>>(spec, inputs, n_inputs, out, count, also_out);
     case UNISON_INT32: return reduce_with_op<NativeCodec<int32_t>>(spec, inputs, n_inputs, out, count, also_out);
     case UNISON_INT64: return reduce_with_op<NativeCodec<int64_t>>(spec, inputs, n_inputs, out, count, also_out);
     case UNISON_FLOAT16: return reduce_with_op<HalfCodec>(spec, inputs, n_inputs, out, count, also_out);

@@ -385,3 +385,32 @@ def test_across_network_namespaces(tmp_path, two_namespaces, backend):
     # counter is the namespace's, shared by its two ranks; traffic between
     # the two ranks of a namespace stays on its loopback).
     assert all(int(n) >= 2 << 20 for n in sent.values()), sent
+
+
+@needs_mpi
+@pytest.mark.timeout(600)
+def test_build_with_mpi_after_a_build_without_it_rebuilds_the_core(tmp_path):
+    # A checkout whose build/ holds an MPI-less core: UNISON_WITH_MPI=1 must
+    # give a core with the MPI backend, not quietly reuse the old object.
+    root = os.path.dirname(HERE)
+    files = subprocess.run(["git", "ls-files"], cwd=root, stdout=subprocess.PIPE, text=True, check=True)
+    for relative in files.stdout.split():
+        if relative.startswith(("native/", "common/")) or relative in ("setup.py", "pyproject.toml"):
+            os.makedirs(os.path.dirname(os.path.join(tmp_path, relative)) or str(tmp_path), exist_ok=True)
+            shutil.copy(os.path.join(root, relative), os.path.join(tmp_path, relative))
+    for package in ("torch_adapter", "tf_adapter", "tf_adapter/keras", "mxnet_adapter", "common/keras"):
+        os.makedirs(os.path.join(tmp_path, package), exist_ok=True)
+
+    def build(**settings):
+        env = dict(os.environ, **settings)
+        env.pop("UNISON_WITH_MPI" if "UNISON_WITHOUT_MPI" in settings else "UNISON_WITHOUT_MPI", None)
+        proc = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=tmp_path, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=500)
+        assert proc.returncode == 0, proc.stdout[-5000:]
+        with open(os.path.join(tmp_path, "common", next(f for f in os.listdir(os.path.join(tmp_path, "common"))
+                                                          if f.startswith("_native") and f.endswith(".so"))),
+                  "rb") as f:
+            return b"MPI_Init_thread" in f.read()
+
+    assert not build(UNISON_WITHOUT_MPI="1")
+    assert build(UNISON_WITH_MPI="1")

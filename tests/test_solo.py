@@ -65,3 +65,42 @@ def test_background_thread_leaves_signals_to_the_main_thread(solo):
     for tid, blocked in ours:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGCHLD):
             assert blocked & (1 << (sig - 1)), "thread %d does not block %s" % (tid, sig.name)
+
+
+# ---- settings: understood or refused, never half-read -------------------------
+
+@pytest.mark.parametrize("variable,value,expected", [
+    ("UNISON_FUSION_THRESHOLD", "64XB", "a size in bytes"),
+    ("UNISON_FUSION_THRESHOLD", "-1", "a size in bytes"),
+    ("HOROVOD_FUSION_THRESHOLD", "lots", "a size in bytes"),
+    ("UNISON_CACHE_CAPACITY", "abc", "an integer"),
+    ("UNISON_CACHE_CAPACITY", "12.5", "an integer"),
+    ("UNISON_CYCLE_TIME", "5ms", "a non-negative number"),
+    ("UNISON_PEER_TIMEOUT_SECONDS", "-3", "a non-negative number"),
+    ("UNISON_HIERARCHICAL_ALLREDUCE", "maybe", "a flag"),
+    ("UNISON_SHM_SLOT_BYTES", "1KiB", "at least 4096"),
+])
+def test_bad_setting_is_refused_at_init_naming_variable_and_value(monkeypatch, variable, value, expected):
+    unison.shutdown()
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(unison.InvalidArgumentError) as info:
+        unison.init()
+    message = str(info.value)
+    assert variable in message and repr(value) in message and expected in message, message
+    assert not unison.is_initialized()
+    # The process stays usable: with the setting fixed, init works.
+    monkeypatch.delenv(variable)
+    unison.init()
+    np.testing.assert_array_equal(unp.allreduce(np.ones(3), name="after.bad.setting"), np.ones(3))
+    unison.shutdown()
+
+
+@pytest.mark.parametrize("value", ["67108864", "64MiB", "64MB", "64 mib", "64M", "512kb", "1GiB", "4096B"])
+def test_sizes_with_units_are_understood(monkeypatch, value):
+    unison.shutdown()
+    monkeypatch.setenv("UNISON_FUSION_THRESHOLD", value)
+    monkeypatch.setenv("UNISON_HIERARCHICAL_ALLREDUCE", "false")
+    monkeypatch.setenv("UNISON_CACHE_CAPACITY", "0")
+    unison.init()
+    np.testing.assert_array_equal(unp.allreduce(np.ones(3), name="with.units"), np.ones(3))
+    unison.shutdown()

@@ -2,7 +2,7 @@
 reduction that the Keras DistributedOptimizer shares with it."""
 import tensorflow as tf
 
-from unison.collective import split_into_groups
+from unison.arguments import gradient_scaling, split_into_groups
 from unison.exceptions import InvalidArgumentError
 from unison.process_sets import global_process_set
 from unison.tensorflow.compression import Compression
@@ -47,9 +47,7 @@ class GradientReducer:
 
     def _scaling(self):
         """(op, prescale, postscale) for the core."""
-        if self.predivide != 1.0:
-            return Sum, 1.0 / self.predivide, self.predivide / self.process_set.size()
-        return self.op, 1.0, 1.0
+        return (self.op,) + gradient_scaling(self.op, self.predivide)
 
     def _partition(self, dense, variables):
         """Lists of indices into `dense`, one list per grouped node."""

@@ -28,49 +28,34 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python import pywrap_tfe
 
-from unison import basics, collective
-import unison.numpy as unp
+from unison import arguments, basics, collective, dtypes, frontend, gradients
+from unison.dtypes import label as _label
 from unison.exceptions import InvalidArgumentError, UnsupportedError
 from unison.handles import HandleGroup, synchronize
+from unison.numpy import NumpyTensors
 from unison.process_sets import global_process_set
 from unison.tensorflow.compression import Compression
 
 Sum, Average, Min, Max, Product, Adasum = (basics.Sum, basics.Average, basics.Min, basics.Max,
                                            basics.Product, basics.Adasum)
 
-_SUPPORTED = (tf.uint8, tf.int8, tf.int16, tf.int32, tf.int64, tf.float16, tf.bfloat16, tf.float32,
-              tf.float64, tf.bool)
-
-_SAME_BITS = {tf.uint16: tf.int16, tf.uint32: tf.int32, tf.uint64: tf.int64}
-
 # The last collective node traced into each graph (see "Ordering" above).
 _last_in_graph = weakref.WeakKeyDictionary()
 
 
-def _label(name):
-    return repr(name) if name else "(unnamed)"
-
-
 def _check(tensor, name):
-    if tensor.dtype not in _SUPPORTED:
-        raise InvalidArgumentError("unison: tensor %s has dtype %s, which unison does not reduce or move; "
-                                   "supported: %s" % (_label(name), tensor.dtype.name,
-                                                      ", ".join(d.name for d in _SUPPORTED)))
+    dtypes.code_of(tensor.dtype.name, name)
     device = tensor.device if tf.executing_eagerly() else ""
     if "GPU" in device.upper():
         raise UnsupportedError("unison: tensor %s is on %s; this build moves CPU tensors only"
                                % (_label(name), device))
 
 
-def _grad_name(name):
-    return None if name is None else name + ".grad"
-
-
 def _view(tensor):
     """A CPU tensor's values as a read-only numpy view, without the copy
     that EagerTensor.numpy() makes."""
     view = getattr(tensor, "_numpy", None)
-    return view() if view is not None else tensor.numpy()
+    return np.asarray(view() if view is not None else tensor.numpy())  # a scalar's is a numpy scalar
 
 
 def aligned_empty(shape, dtype):
@@ -81,6 +66,17 @@ def aligned_empty(shape, dtype):
     raw = np.empty(count * dtype.itemsize + 64, dtype=np.uint8)
     offset = (-raw.ctypes.data) % 64
     return raw[offset:offset + count * dtype.itemsize].view(dtype).reshape(shape)
+
+
+class _AlignedArrays(NumpyTensors):
+    """The numpy views of TensorFlow tensors; outputs are aligned so that
+    TensorFlow adopts them without a copy."""
+
+    def empty_like(self, array):
+        return aligned_empty(array.shape, array.dtype)
+
+
+_front = frontend.FrontEnd(_AlignedArrays())
 
 
 def _to_tensor(array, dtype):
@@ -128,12 +124,6 @@ def _member_names(name, count):
     return [None if name is None else "%s.%d" % (name, i) for i in range(count)]
 
 
-def _grad_names(name):
-    if isinstance(name, (list, tuple)):
-        return [_grad_name(n) for n in name]
-    return _grad_name(name)
-
-
 def _needs_gradient(tensors):
     """False when no gradient tape could want these tensors' gradients:
     eagerly with no tape watching them, the op skips tf.custom_gradient,
@@ -170,19 +160,52 @@ def _zeros_for_missing(grads, like):
     return [tf.zeros_like(x) if g is None else g for g, x in zip(grads, like)]
 
 
+class _TensorFlowGradients(gradients.GradientOps):
+    """unison.gradients' building blocks as TensorFlow collectives (graph
+    nodes inside a tf.function), themselves differentiable."""
+
+    def grouped_allreduce(self, tensors, op, prescale_factor, postscale_factor, process_set, name):
+        return _grouped_allreduce(list(tensors), _member_names(name, len(tensors)) if name else None, op,
+                                  prescale_factor, postscale_factor, process_set)
+
+    def grouped_allgather(self, tensors, process_set, name):
+        return _grouped_allgather_raw(list(tensors), name, process_set)
+
+    def alltoall(self, tensor, splits, process_set, name):
+        return _alltoall_raw(tensor, splits, name, process_set)[0]
+
+    def my_rows(self, tensor, process_set, name):
+        dims = _first_dims(tensor, name, process_set)
+        rank = process_set.rank()
+        return tf.reduce_sum(dims[:rank]), dims[rank]
+
+    def narrow(self, tensor, start, length):
+        return tensor[start:start + length]
+
+    def scale(self, tensor, factor):
+        return tensor * tf.constant(factor, dtype=tensor.dtype)
+
+    def zeros_like(self, tensor):
+        return tf.zeros_like(tensor)
+
+
+_grads = _TensorFlowGradients()
+
+
 # ---- allreduce ----------------------------------------------------------------
 
 def _grouped_allreduce_raw(tensors, name, op, prescale_factor, postscale_factor, process_set):
-    return _grouped_node(tensors, name, lambda a, n: unp._allreduce(
-        a, aligned_empty(a.shape, a.dtype), None, n, op, prescale_factor, postscale_factor, process_set),
-        lambda t: t.shape)
+    return _grouped_node(tensors, name, lambda a, n: _front.allreduce_async(
+        a, n, op, prescale_factor, postscale_factor, process_set), lambda t: t.shape)
 
 
 def _grouped_allreduce(tensors, name, op, prescale_factor, postscale_factor, process_set):
+    names = _member_names(name, len(tensors))
+    for t, n in zip(tensors, names):
+        _check(t, n)
+        arguments.check_reduce("allreduce", op, prescale_factor, postscale_factor, n)
     if op == Adasum:
         raise UnsupportedError("unison: Adasum is not implemented for TensorFlow")
-    for t, n in zip(tensors, _member_names(name, len(tensors))):
-        _check(t, n)
     if not _needs_gradient(tensors):
         return _grouped_allreduce_raw(list(tensors), name, op, prescale_factor, postscale_factor, process_set)
 
@@ -191,10 +214,17 @@ def _grouped_allreduce(tensors, name, op, prescale_factor, postscale_factor, pro
         ys = _grouped_allreduce_raw(list(xs), name, op, prescale_factor, postscale_factor, process_set)
 
         def grad(*dys):
-            return _grouped_allreduce(_zeros_for_missing(dys, ys), _grad_names(name), op, prescale_factor,
-                                      postscale_factor, process_set)
+            return gradients.allreduce(_grads, _zeros_for_missing(dys, ys), op, prescale_factor,
+                                       postscale_factor, process_set, _group_label(name))
         return ys, grad
     return list(forward(*tensors))
+
+
+def _group_label(name):
+    """One name for a group whose members may be named one by one."""
+    if isinstance(name, (list, tuple)):
+        return None if any(n is None for n in name) else "|".join(name)
+    return name
 
 
 def _sparse_allreduce(slices, name, op, prescale_factor, postscale_factor, process_set):
@@ -218,7 +248,7 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="", compressi
               process_set=global_process_set, ignore_name_scope=False):
     """`tensor` reduced across ranks (Average by default); IndexedSlices are
     allgathered instead. Differentiable."""
-    op = collective.resolve_op(op, average)
+    op = arguments.resolve_op(op, average)
     if isinstance(tensor, tf.IndexedSlices):
         return _sparse_allreduce(tensor, name, op, prescale_factor, postscale_factor, process_set)
     tensor = tf.convert_to_tensor(tensor)
@@ -231,13 +261,13 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
                       compression=Compression.none, op=None, prescale_factor=1.0, postscale_factor=1.0,
                       name=None, process_set=global_process_set, ignore_name_scope=False):
     """Each tensor reduced across ranks, in one node so that they fuse."""
-    op = collective.resolve_op(op, average)
+    op = arguments.resolve_op(op, average)
     if not tensors:
         return []
     if any(isinstance(t, tf.IndexedSlices) for t in tensors):
         return [allreduce(t, op=op, compression=compression, prescale_factor=prescale_factor,
-                          postscale_factor=postscale_factor,
-                          name=None if name is None else "%s.%d" % (name, i), process_set=process_set)
+                          postscale_factor=postscale_factor, name=arguments.member_name(name, i),
+                          process_set=process_set)
                 for i, t in enumerate(tensors)]
     wires, ctxs = zip(*[compression.compress(tf.convert_to_tensor(t)) for t in tensors])
     reduced = _grouped_allreduce(list(wires), name, op, prescale_factor, postscale_factor, process_set)
@@ -253,8 +283,7 @@ def _first_dims(tensor, name, process_set):
 
 
 def _grouped_allgather_raw(tensors, name, process_set):
-    return _grouped_node(tensors, name, lambda a, n: unp.allgather_async(a, name=n, process_set=process_set),
-                         _rows_unknown)
+    return _grouped_node(tensors, name, lambda a, n: _front.allgather_async(a, n, process_set), _rows_unknown)
 
 
 def grouped_allgather(tensors, name=None, ignore_name_scope=False, process_set=global_process_set):
@@ -263,11 +292,9 @@ def grouped_allgather(tensors, name=None, ignore_name_scope=False, process_set=g
     tensors = _tensors(tensors)
     if not tensors:
         return []
-    for i, t in enumerate(tensors):
-        _check(t, name)
-        if t.shape.rank == 0:
-            raise InvalidArgumentError("unison: allgather of %s needs at least one dimension"
-                                       % _label(name if len(tensors) == 1 else "%s[%d]" % (name, i)))
+    for t, n in zip(tensors, _member_names(name, len(tensors))):
+        _check(t, n)
+        arguments.check_has_rows("allgather", tuple(t.shape), n)
     if not _needs_gradient(tensors):
         return _grouped_allgather_raw(tensors, name, process_set)
 
@@ -276,15 +303,7 @@ def grouped_allgather(tensors, name=None, ignore_name_scope=False, process_set=g
         ys = _grouped_allgather_raw(list(xs), name, process_set)
 
         def grad(*dys):
-            dys = _zeros_for_missing(dys, ys)
-            averaged = _grouped_allreduce(dys, _grad_name(name), Average, 1.0, 1.0, process_set)
-            rank = process_set.rank()
-            out = []
-            for i, (x, g) in enumerate(zip(xs, averaged)):
-                dims = _first_dims(x, None if name is None else "%s.grad.%d" % (name, i), process_set)
-                start = tf.reduce_sum(dims[:rank])
-                out.append(g[start:start + dims[rank]])
-            return out
+            return gradients.allgather(_grads, _zeros_for_missing(dys, ys), xs, process_set, _group_label(name))
         return ys, grad
     return list(forward(*tensors))
 
@@ -296,8 +315,8 @@ def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_pro
 # ---- broadcast ----------------------------------------------------------------
 
 def _broadcast_raw(tensors, root_rank, name, process_set):
-    return _grouped_node(tensors, name, lambda a, n: unp._broadcast(
-        a, aligned_empty(a.shape, a.dtype), root_rank, n, process_set), lambda t: t.shape)
+    return _grouped_node(tensors, name, lambda a, n: _front.broadcast_async(a, root_rank, n, process_set),
+                         lambda t: t.shape)
 
 
 def broadcast(tensor, root_rank, name=None, ignore_name_scope=False, process_set=global_process_set):
@@ -312,8 +331,7 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False, process_set
         y = _broadcast_raw([x], root_rank, name, process_set)[0]
 
         def grad(dy):
-            averaged = _grouped_allreduce([dy], _grad_name(name), Average, 1.0, 1.0, process_set)[0]
-            return averaged if process_set.rank() == root_rank else averaged * 0
+            return gradients.broadcast(_grads, [dy], root_rank, process_set, name)[0]
         return y, grad
     return forward(tensor)
 
@@ -324,16 +342,11 @@ def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
     variables = list(variables)
     if not variables:
         return []
-    # Unsigned types that no reduction needs (Keras's seed generators hold
-    # uint32 state) travel as the signed type of the same width: a
-    # broadcast moves bits, which a bitcast keeps exactly.
     values = [tf.convert_to_tensor(v) for v in variables]
-    values = [tf.bitcast(t, _SAME_BITS[t.dtype]) if t.dtype in _SAME_BITS else t for t in values]
     for v, t in zip(variables, values):
         _check(t, getattr(v, "name", name))
     received = _broadcast_raw(values, root_rank, name, process_set)
-    return [v.assign(tf.bitcast(r, v.dtype) if v.dtype in _SAME_BITS else r)
-            for v, r in zip(variables, received)]
+    return [v.assign(r) for v, r in zip(variables, received)]
 
 
 # ---- alltoall -----------------------------------------------------------------
@@ -341,8 +354,8 @@ def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
 def _alltoall_raw(tensor, splits, name, process_set):
     """(output, received splits)."""
     def fn(array, split_array):
-        out, received = unp.alltoall(array, split_array, name=name, process_set=process_set)
-        return out, received.astype(np.int64)
+        out, received = synchronize(_front.alltoall_async(array, split_array, name, process_set))
+        return out, np.asarray(received, dtype=np.int64)
     if splits is None:
         n = process_set.size()
         rows = tf.shape(tensor, out_type=tf.int64)[0]
@@ -359,9 +372,11 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_se
     rows received from each rank. Differentiable."""
     tensor = tf.convert_to_tensor(tensor)
     _check(tensor, name)
-    if tensor.shape.rank == 0:
-        raise InvalidArgumentError("unison: alltoall of %s needs at least one dimension" % _label(name))
+    arguments.check_has_rows("alltoall", tuple(tensor.shape), name)
     split_tensor = None if splits is None else tf.reshape(tf.convert_to_tensor(splits), [-1])
+    if split_tensor is not None and not split_tensor.dtype.is_integer:
+        raise InvalidArgumentError("unison: alltoall of %s: splits must be integers, got %s"
+                                   % (_label(name), split_tensor.dtype.name))
     split_dtype = split_tensor.dtype if split_tensor is not None else tf.int32
 
     @tf.custom_gradient
@@ -369,8 +384,7 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_se
         y, received = _alltoall_raw(x, split_tensor, name, process_set)
 
         def grad(dy, _d_received=None):
-            back, _ = _alltoall_raw(dy, received, _grad_name(name), process_set)
-            return back
+            return gradients.alltoall(_grads, dy, received, process_set, name)
         return (y, tf.cast(received, split_dtype)), grad
 
     if _needs_gradient([tensor]):
@@ -388,11 +402,10 @@ def _grouped_reducescatter_raw(tensors, name, op, prescale_factor, postscale_fac
 
     def static_shape(t):
         rows = t.shape[0]
-        mine = None if rows is None else rows // size + (1 if rank < rows % size else 0)
+        mine = None if rows is None else arguments.scatter_rows(rows, size, rank)
         return tf.TensorShape([mine]).concatenate(t.shape[1:])
-    return _grouped_node(tensors, name, lambda a, n: unp.reducescatter_async(
-        a, op=op, name=n, prescale_factor=prescale_factor, postscale_factor=postscale_factor,
-        process_set=process_set), static_shape)
+    return _grouped_node(tensors, name, lambda a, n: _front.reducescatter_async(
+        a, n, op, prescale_factor, postscale_factor, process_set), static_shape)
 
 
 def grouped_reducescatter(tensors, op=Average, name=None, ignore_name_scope=False,
@@ -403,12 +416,10 @@ def grouped_reducescatter(tensors, op=Average, name=None, ignore_name_scope=Fals
     tensors = _tensors(tensors)
     if not tensors:
         return []
-    if op not in (Sum, Average):
-        raise InvalidArgumentError("unison: reducescatter supports Sum and Average, got op %r" % op)
-    for t in tensors:
-        _check(t, name)
-        if t.shape.rank == 0:
-            raise InvalidArgumentError("unison: reducescatter of %s needs at least one dimension" % _label(name))
+    for t, n in zip(tensors, _member_names(name, len(tensors))):
+        _check(t, n)
+        arguments.check_reduce("reducescatter", op, prescale_factor, postscale_factor, n)
+        arguments.check_has_rows("reducescatter", tuple(t.shape), n)
     if not _needs_gradient(tensors):
         return _grouped_reducescatter_raw(tensors, name, op, prescale_factor, postscale_factor, process_set)
 
@@ -417,10 +428,8 @@ def grouped_reducescatter(tensors, op=Average, name=None, ignore_name_scope=Fals
         ys = _grouped_reducescatter_raw(list(xs), name, op, prescale_factor, postscale_factor, process_set)
 
         def grad(*dys):
-            dys = _zeros_for_missing(dys, ys)
-            if op == Sum:
-                dys = [d * tf.cast(process_set.size(), d.dtype) for d in dys]
-            return _grouped_allgather_raw(dys, _grad_name(name), process_set)
+            return gradients.reducescatter(_grads, _zeros_for_missing(dys, ys), op, prescale_factor,
+                                           postscale_factor, process_set, _group_label(name))
         return ys, grad
     return list(forward(*tensors))
 
@@ -436,7 +445,7 @@ def reducescatter(tensor, op=Average, name=None, ignore_name_scope=False, proces
 def barrier(process_set=global_process_set):
     """Returns once every rank has reached it (a node, inside tf.function)."""
     def fn():
-        unp.barrier(process_set=process_set)
+        collective.barrier(process_set)
         return [np.int32(0)]
     _run(fn, [], [tf.int32])
 
@@ -445,6 +454,5 @@ def join(process_set=global_process_set):
     """Declares this rank out of data (it takes part in the others'
     collectives with nothing) and returns the rank that joined last."""
     def fn():
-        return [np.int32(unp.join(process_set=process_set))]
+        return [np.int32(collective.join(process_set))]
     return _run(fn, [], [tf.int32])[0]
-

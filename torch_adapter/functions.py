@@ -50,8 +50,8 @@ def allgather_object(obj, name=None, process_set=global_process_set):
 
 def _initialize_state(optimizer):
     """Gives a fresh optimizer the state its first step would create, by a
-    step on zero gradients, leaving parameters and gradients as they were
-    (weight decay and the like would otherwise move the parameters)."""
+    step on zero gradients, leaving parameters as they were (weight decay
+    and the like would otherwise move them) and existing gradients too."""
     params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
     saved = [(p.detach().clone(), p.grad) for p in params]
     for p in params:
@@ -63,10 +63,13 @@ def _initialize_state(optimizer):
             step = cls.step.__get__(optimizer)
             break
     step()
+    # As Horovod: a parameter that had no gradient keeps the zeros it was
+    # given, so code that reads .grad after this finds a tensor, not None.
     with torch.no_grad():
         for p, (value, grad) in zip(params, saved):
             p.copy_(value)
-            p.grad = grad
+            if grad is not None:
+                p.grad = grad
 
 
 def broadcast_optimizer_state(optimizer, root_rank, model=None):

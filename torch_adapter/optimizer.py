@@ -14,6 +14,7 @@ import weakref
 import torch
 
 from unison import basics
+from unison.arguments import gradient_scaling, split_into_groups
 from unison.handles import synchronize as _wait
 from unison.process_sets import global_process_set
 from unison.torch.compression import Compression
@@ -92,11 +93,7 @@ class _DistributedOptimizer:
             self._handles[p] = (h, ctx)
 
     def _scale_factors(self):
-        # Average's division by the size is split around the sum, so large
-        # gradients are divided before they are added (gradient_predivide_factor).
-        if self._op == Average:
-            return 1.0 / self._gradient_predivide_factor, self._gradient_predivide_factor
-        return 1.0, 1.0
+        return gradient_scaling(self._op, self._gradient_predivide_factor)
 
     def _wire_tensor(self, p):
         if p.grad is None:
@@ -247,20 +244,24 @@ def _check_names(named_parameters, ordered):
 
 def _assign_groups(groups, ordered):
     """{parameter: group index or None}. An int splits the parameters, in
-    order, into that many groups of nearly equal count; lists name groups
-    explicitly, and a parameter in none of them is allreduced on its own."""
-    if groups is None or groups == 0:
+    order, into that many groups as every framework's num_groups does
+    (unison.arguments.split_into_groups); lists name groups explicitly, and
+    a parameter in none of them is allreduced on its own."""
+    if groups is None or (not isinstance(groups, list) and groups == 0):
         return {p: None for p in ordered}
-    if isinstance(groups, int):
-        if groups < 0:
+    if not isinstance(groups, list):
+        if isinstance(groups, bool) or not isinstance(groups, int) or groups < 0:
             raise ValueError("groups must be a non-negative integer or a list of lists of parameters")
-        count = len(ordered)
-        return {p: i * groups // max(count, 1) for i, p in enumerate(ordered)}
+        return {p: index for index, members in enumerate(split_into_groups(ordered, groups)) for p in members}
     assignment = {p: None for p in ordered}
     for index, members in enumerate(groups):
         for p in members:
+            if not isinstance(p, torch.Tensor):
+                raise ValueError("groups must consist of torch.Tensor")
             if p not in assignment:
                 raise ValueError("groups names a tensor that is not a trainable parameter of this optimizer")
+            if assignment[p] is not None:
+                raise ValueError("a parameter can only appear once in groups")
             assignment[p] = index
     return assignment
 

@@ -7,8 +7,8 @@ import unison.numpy as unp
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
-DTYPES = [np.uint8, np.int8, np.int16, np.int32, np.int64, np.float16, ml_dtypes.bfloat16,
-          np.float32, np.float64, np.bool_]
+DTYPES = [np.uint8, np.int8, np.uint16, np.int16, np.uint32, np.int32, np.uint64, np.int64, np.float16,
+          ml_dtypes.bfloat16, np.float32, np.float64, np.bool_]
 NUMERIC = [d for d in DTYPES if d is not np.bool_]
 SHAPES = [(0,), (), (17,), (3, 4, 5)]
 ROW_SHAPES = [(0, 3), (5,), (3, 4, 5)]  # ops that need a first dimension

@@ -8,8 +8,8 @@ import unison.torch as hvd  # noqa: E402
 
 torch.set_num_threads(1)
 
-DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
-          torch.bfloat16, torch.float32, torch.float64]
+DTYPES = [torch.uint8, torch.int8, torch.uint16, torch.int16, torch.uint32, torch.int32, torch.uint64,
+          torch.int64, torch.float16, torch.bfloat16, torch.float32, torch.float64]
 FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 
 
@@ -190,11 +190,24 @@ def test_gradients_of_each_differentiable_op():
     out = hvd.alltoall(x, name="g.a2a")
     (out * (r + 1)).sum().backward()
     exact(x.grad, torch.arange(1, n + 1, dtype=torch.float32).reshape(n, 1))
-    # reducescatter Sum: every rank's input gets the gathered output grads.
+    # reducescatter, as Horovod defines it: the gathered output gradients,
+    # times the size for Sum, times the scale factors.
     x = torch.ones(n, 1, requires_grad=True)
     out = hvd.reducescatter(x, op=hvd.Sum, name="g.rs")
     (out * (r + 1)).sum().backward()
-    exact(x.grad, torch.arange(1, n + 1, dtype=torch.float32).reshape(n, 1))
+    exact(x.grad, n * torch.arange(1, n + 1, dtype=torch.float32).reshape(n, 1))
+    x = torch.ones(n, 1, requires_grad=True)
+    out = hvd.reducescatter(x, op=hvd.Average, name="g.rs.avg", prescale_factor=2.0, postscale_factor=3.0)
+    (out * (r + 1)).sum().backward()
+    exact(x.grad, 6 * torch.arange(1, n + 1, dtype=torch.float32).reshape(n, 1))
+    # grouped allgather and reducescatter are differentiable too.
+    xs = [torch.ones(r + 1, 2, requires_grad=True), torch.ones(n, 1, requires_grad=True)]
+    gathered = hvd.grouped_allgather([xs[0], xs[0] * 2], name="g.gag")
+    (gathered[0] * (r + 1)).sum().backward()
+    exact(xs[0].grad, torch.full((r + 1, 2), (n + 1) / 2))
+    scattered = hvd.grouped_reducescatter([xs[1]], op=hvd.Sum, name="g.grs")
+    (scattered[0] * (r + 1)).sum().backward()
+    exact(xs[1].grad, n * torch.arange(1, n + 1, dtype=torch.float32).reshape(n, 1))
 
 
 def test_join_and_barrier():
@@ -252,6 +265,6 @@ def test_wrong_types_are_refused_before_negotiation():
         hvd.allreduce_async(torch.ones(2, dtype=torch.complex64), name="complex")
     with pytest.raises(ValueError, match="scalar"):
         hvd.allgather(torch.tensor(1.0), name="scalar")
-    with pytest.raises(hvd.UnisonError, match="Sum and Average only"):
+    with pytest.raises(hvd.UnisonError, match="Sum, Average and Adasum"):
         x = torch.ones(2, requires_grad=True)
         hvd.allreduce(x, op=hvd.Max, name="max.grad").sum().backward()

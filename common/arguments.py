@@ -1,0 +1,114 @@
+"""The arguments of the collectives, checked and named the same way in every
+front end: which reduce ops each collective takes, scale factors, splits,
+the names of grouped tensors, how reducescatter divides rows, and how the
+optimizer wrappers split gradients into groups and scale an average.
+
+Everything here raises before anything is sent, so a bad call fails on the
+rank that made it, at the call, and leaves the job usable.
+"""
+import numbers
+
+from unison import basics
+from unison.dtypes import label
+from unison.exceptions import InvalidArgumentError, UnsupportedError
+
+Sum, Average, Min, Max, Product, Adasum = (basics.Sum, basics.Average, basics.Min, basics.Max,
+                                           basics.Product, basics.Adasum)
+_OP_NAMES = {Sum: "Sum", Average: "Average", Min: "Min", Max: "Max", Product: "Product", Adasum: "Adasum"}
+
+# The reduce ops each reducing collective accepts.
+ALLREDUCE_OPS = (Sum, Average, Min, Max, Product, Adasum)
+REDUCESCATTER_OPS = (Sum, Average, Min, Max, Product)
+
+
+def op_name(op):
+    return _OP_NAMES.get(op, repr(op))
+
+
+def resolve_op(op, average, default=Average):
+    """Horovod's rules: `op` wins; the deprecated `average` flag maps to
+    Average or Sum; neither means the default."""
+    if op is not None and average is not None:
+        raise InvalidArgumentError("unison: give op or the deprecated average, not both")
+    if op is not None:
+        return op
+    if average is not None:
+        return Average if average else Sum
+    return default
+
+
+def check_reduce(collective, op, prescale_factor, postscale_factor, name):
+    """Raises unless `collective` ('allreduce', 'reducescatter') takes `op`
+    with these factors."""
+    accepted = ALLREDUCE_OPS if collective == "allreduce" else REDUCESCATTER_OPS
+    if op not in accepted:
+        raise InvalidArgumentError("unison: %s of %s: op %s is not one of %s" % (
+            collective, label(name), op_name(op), ", ".join(op_name(o) for o in accepted)))
+    if op == Adasum and (prescale_factor != 1.0 or postscale_factor != 1.0):
+        raise InvalidArgumentError("unison: %s of %s: Adasum takes no prescale or postscale factor"
+                                   % (collective, label(name)))
+
+
+def check_has_rows(collective, shape, name):
+    """allgather, alltoall and reducescatter work on a first dimension."""
+    if len(shape) == 0:
+        raise InvalidArgumentError("unison: %s of %s needs a tensor with at least one dimension, got a scalar"
+                                   % (collective, label(name)))
+
+
+def split_counts(splits, name):
+    """alltoall's splits as a list of Python ints. Anything that is not an
+    integer (2.5, '3', a float tensor) is a ValueError here rather than a
+    truncated or overflowing count later."""
+    if splits is None:
+        return None
+    if hasattr(splits, "tolist"):   # numpy arrays, torch tensors, eager TF tensors via numpy()
+        splits = splits.tolist()
+    if isinstance(splits, numbers.Integral):
+        splits = [splits]
+    counts = []
+    for s in splits:
+        if isinstance(s, bool) or not isinstance(s, numbers.Integral):
+            raise InvalidArgumentError("unison: alltoall of %s: splits must be integers, got %r"
+                                       % (label(name), list(splits)))
+        counts.append(int(s))
+    return counts
+
+
+def member_name(name, index):
+    """The core's name for member `index` of a grouped op named `name`;
+    None (numbered by the core in program order) when the group is unnamed."""
+    return None if name is None else "%s.%d" % (name, index)
+
+
+def scatter_rows(rows, size, rank):
+    """Rows of a reducescatter's first dimension that `rank` keeps: as even
+    as possible, the first ranks taking one more when it does not divide."""
+    return rows // size + (1 if rank < rows % size else 0)
+
+
+def split_into_groups(items, num_groups):
+    """num_groups consecutive groups of near-equal length (the first ones
+    one longer when it does not divide), empty ones left out: Horovod's
+    num_groups for the optimizer wrappers of every framework."""
+    if isinstance(num_groups, bool) or not isinstance(num_groups, numbers.Integral) or num_groups < 0:
+        raise ValueError("num_groups must be a non-negative integer, got %r" % (num_groups,))
+    groups, start = [], 0
+    for g in range(num_groups):
+        length = len(items) // num_groups + (1 if g < len(items) % num_groups else 0)
+        if length:
+            groups.append(items[start:start + length])
+        start += length
+    return groups
+
+
+def gradient_scaling(op, gradient_predivide_factor):
+    """(prescale, postscale) for reducing gradients with `op`: a predivide
+    factor f splits Average's division into 1/f before the sum and f/size
+    after it (the core divides by the size), so that large gradients are
+    divided before they are added."""
+    if gradient_predivide_factor != 1.0:
+        if op != Average:
+            raise ValueError("gradient_predivide_factor not supported with op != Average")
+        return 1.0 / gradient_predivide_factor, gradient_predivide_factor
+    return 1.0, 1.0

@@ -1,0 +1,231 @@
+"""The one front end every framework shares.
+
+A framework adapter describes its tensors with a small `Tensors` object
+(dtype, shape, a pointer to contiguous memory, how to make an output and
+how to adopt a buffer the core allocated); `FrontEnd` does everything else
+once: argument checks, dtype codes, the core's op options, in-place
+targets, handles and their results, grouped ops, barrier and join. numpy,
+torch and TensorFlow run their collectives through it; MXNet, whose
+collectives start later on MXNet's own engine threads, shares its checks
+(`prepare`) and enqueues from there.
+
+The allreduce path is the one every gradient takes every step, so it does
+the least: a dict lookup for the dtype, one tuple test for the op, and the
+per-thread prepared options of collective.enqueue.
+"""
+from unison import arguments, collective, dtypes
+from unison import handles as _handles
+from unison.arguments import Adasum, Average
+from unison.exceptions import UnsupportedError
+from unison.handles import Handle, HandleGroup
+from unison.process_sets import size_of
+from unison._native import ffi, lib
+
+_ALLREDUCE, _ALLGATHER, _BROADCAST, _ALLTOALL, _REDUCESCATTER = (
+    lib.UNISON_ALLREDUCE, lib.UNISON_ALLGATHER, lib.UNISON_BROADCAST, lib.UNISON_ALLTOALL,
+    lib.UNISON_REDUCESCATTER)
+_PLAIN_ALLREDUCE_OPS = frozenset(arguments.ALLREDUCE_OPS) - {Adasum}
+
+
+class Tensors:
+    """One framework's tensors, as the front end needs to see them. The
+    numpy front end's subclass (unison.numpy) is the reference."""
+
+    def dtype_key(self, tensor):
+        """A hashable stand-in for the tensor's dtype (the dtype itself)."""
+        raise NotImplementedError
+
+    def dtype_name(self, tensor):
+        """numpy's name for the dtype: 'float32', 'bfloat16', 'uint16', 'bool'."""
+        raise NotImplementedError
+
+    def check(self, tensor, name):
+        """Raises for a tensor the core cannot take (wrong type, device, layout)."""
+
+    def readable(self, tensor):
+        """The tensor's values in contiguous memory (the tensor itself when it is)."""
+        raise NotImplementedError
+
+    def shape(self, tensor):
+        raise NotImplementedError
+
+    def pointer(self, tensor):
+        """A cffi pointer to the memory of a readable() tensor (NULL when empty)."""
+        raise NotImplementedError
+
+    def empty_like(self, tensor):
+        raise NotImplementedError
+
+    def writable(self, tensor, name):
+        """(contiguous buffer the core may read and overwrite, finisher that
+        returns the caller's tensor holding the result) for in-place ops."""
+        raise NotImplementedError
+
+    def adopt(self, owned, nbytes, shape, like):
+        """A tensor of `like`'s dtype over the core-allocated `owned` memory."""
+        raise NotImplementedError
+
+
+class Prepared:
+    """A checked op, ready to enqueue: what MXNet carries to its engine thread."""
+    __slots__ = ("op", "name", "code", "shape")
+
+    def __init__(self, op, name, code, shape):
+        self.op, self.name, self.code, self.shape = op, name, code, shape
+
+
+class FrontEnd:
+    def __init__(self, tensors):
+        self.tensors = tensors
+        self._codes = {}  # dtype key -> core code
+
+    # ---- shared checks ---------------------------------------------------------
+
+    def dtype_code(self, tensor, name):
+        t = self.tensors
+        t.check(tensor, name)
+        key = t.dtype_key(tensor)
+        code = self._codes.get(key)
+        if code is None:
+            code = self._codes[key] = dtypes.code_of(t.dtype_name(tensor), name)
+        return code
+
+    def prepare(self, collective_name, tensor, name, op=None, prescale_factor=1.0, postscale_factor=1.0):
+        """Checks an op on `tensor` without starting it."""
+        code = self.dtype_code(tensor, name)
+        shape = tuple(self.tensors.shape(tensor))
+        if collective_name in ("allreduce", "reducescatter"):
+            arguments.check_reduce(collective_name, op, prescale_factor, postscale_factor, name)
+        if collective_name in ("allgather", "alltoall", "reducescatter"):
+            arguments.check_has_rows(collective_name, shape, name)
+        return Prepared(collective_name, name, code, shape)
+
+    def _core_result(self, like):
+        adopt = self.tensors.adopt
+
+        def finish(handle_id):
+            owned, nbytes, shape = _handles.result_buffer(handle_id)
+            return adopt(owned, nbytes, shape, like)
+        return finish
+
+    # ---- allreduce ---------------------------------------------------------------
+
+    def allreduce_async(self, tensor, name=None, op=Average, prescale_factor=1.0, postscale_factor=1.0,
+                        process_set=None, output=None):
+        """A new tensor (or `output`), reduced across ranks."""
+        code = self.dtype_code(tensor, name)
+        if op not in _PLAIN_ALLREDUCE_OPS:
+            arguments.check_reduce("allreduce", op, prescale_factor, postscale_factor, name)
+        t = self.tensors
+        source = t.readable(tensor)
+        target = t.empty_like(source) if output is None else output
+        if op == Adasum:
+            return self.adasum_async(source, target, lambda _: target, name, process_set)
+        pointer = t.pointer
+        handle_id = collective.enqueue(_ALLREDUCE, name, code, t.shape(source), pointer(source), pointer(target),
+                                       op, prescale_factor, postscale_factor, 0, None, process_set)
+        return Handle(handle_id, name, (tensor, source, target), None, target)
+
+    def allreduce_async_(self, tensor, name=None, op=Average, prescale_factor=1.0, postscale_factor=1.0,
+                         process_set=None):
+        """`tensor` itself, reduced across ranks in place."""
+        code = self.dtype_code(tensor, name)
+        if op not in _PLAIN_ALLREDUCE_OPS:
+            arguments.check_reduce("allreduce", op, prescale_factor, postscale_factor, name)
+        t = self.tensors
+        buffer, finish = t.writable(tensor, name)
+        if op == Adasum:
+            return self.adasum_async(buffer, buffer, finish or (lambda _: tensor), name, process_set)
+        pointer = t.pointer(buffer)
+        handle_id = collective.enqueue(_ALLREDUCE, name, code, t.shape(buffer), pointer, pointer,
+                                       op, prescale_factor, postscale_factor, 0, None, process_set)
+        if finish is None:
+            return Handle(handle_id, name, (tensor, buffer), None, tensor)
+        return Handle(handle_id, name, (tensor, buffer), finish)
+
+    def adasum_async(self, source, target, finish, name, process_set):
+        """Adasum for front ends that provide it (the core does not yet)."""
+        raise UnsupportedError("unison: allreduce of %s: Adasum is not available in this front end"
+                               % dtypes.label(name))
+
+    def grouped_allreduce_async(self, tensors, name=None, op=Average, prescale_factor=1.0, postscale_factor=1.0,
+                                process_set=None, in_place=False):
+        """One HandleGroup for every tensor's allreduce; enqueued together, so
+        the core fuses them."""
+        start = self.allreduce_async_ if in_place else self.allreduce_async
+        return HandleGroup([start(x, arguments.member_name(name, i), op, prescale_factor, postscale_factor,
+                                  process_set) for i, x in enumerate(tensors)])
+
+    # ---- allgather -----------------------------------------------------------------
+
+    def allgather_async(self, tensor, name=None, process_set=None):
+        prepared = self.prepare("allgather", tensor, name)
+        source = self.tensors.readable(tensor)
+        handle_id = collective.enqueue(_ALLGATHER, name, prepared.code, prepared.shape,
+                                       self.tensors.pointer(source), process_set=process_set)
+        return Handle(handle_id, name, (tensor, source), self._core_result(tensor))
+
+    def grouped_allgather_async(self, tensors, name=None, process_set=None):
+        return HandleGroup([self.allgather_async(x, arguments.member_name(name, i), process_set)
+                            for i, x in enumerate(tensors)])
+
+    # ---- broadcast -----------------------------------------------------------------
+
+    def broadcast_async(self, tensor, root_rank, name=None, process_set=None, output=None):
+        code = self.dtype_code(tensor, name)
+        t = self.tensors
+        source = t.readable(tensor)
+        target = t.empty_like(source) if output is None else output
+        handle_id = collective.enqueue(_BROADCAST, name, code, t.shape(source), t.pointer(source),
+                                       t.pointer(target), root_rank=root_rank, process_set=process_set)
+        return Handle(handle_id, name, (tensor, source, target), None, target)
+
+    def broadcast_async_(self, tensor, root_rank, name=None, process_set=None):
+        code = self.dtype_code(tensor, name)
+        t = self.tensors
+        buffer, finish = t.writable(tensor, name)
+        pointer = t.pointer(buffer)
+        handle_id = collective.enqueue(_BROADCAST, name, code, t.shape(buffer), pointer, pointer,
+                                       root_rank=root_rank, process_set=process_set)
+        if finish is None:
+            return Handle(handle_id, name, (tensor, buffer), None, tensor)
+        return Handle(handle_id, name, (tensor, buffer), finish)
+
+    # ---- alltoall -------------------------------------------------------------------
+
+    def alltoall_async(self, tensor, splits=None, name=None, process_set=None):
+        """synchronize() gives (output, received splits as a list of ints)."""
+        prepared = self.prepare("alltoall", tensor, name)
+        counts = arguments.split_counts(splits, name)
+        source = self.tensors.readable(tensor)
+        handle_id = collective.enqueue(_ALLTOALL, name, prepared.code, prepared.shape,
+                                       self.tensors.pointer(source), splits=counts, process_set=process_set)
+        gather = self._core_result(tensor)
+        ranks = size_of(process_set)
+
+        def finish(hid):
+            return gather(hid), _handles.received_splits(hid, ranks)
+        return Handle(handle_id, name, (tensor, source), finish)
+
+    # ---- reducescatter ----------------------------------------------------------------
+
+    def reducescatter_async(self, tensor, name=None, op=Average, prescale_factor=1.0, postscale_factor=1.0,
+                            process_set=None):
+        prepared = self.prepare("reducescatter", tensor, name, op, prescale_factor, postscale_factor)
+        source = self.tensors.readable(tensor)
+        handle_id = collective.enqueue(_REDUCESCATTER, name, prepared.code, prepared.shape,
+                                       self.tensors.pointer(source), reduce_op=op,
+                                       prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                                       process_set=process_set)
+        return Handle(handle_id, name, (tensor, source), self._core_result(tensor))
+
+    def grouped_reducescatter_async(self, tensors, name=None, op=Average, prescale_factor=1.0,
+                                    postscale_factor=1.0, process_set=None):
+        return HandleGroup([self.reducescatter_async(x, arguments.member_name(name, i), op, prescale_factor,
+                                                     postscale_factor, process_set)
+                            for i, x in enumerate(tensors)])
+
+
+def pointer_of_address(address, count):
+    """A cffi pointer for a framework tensor's data address (NULL when empty)."""
+    return ffi.cast("void*", address) if count else ffi.NULL
