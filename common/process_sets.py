@@ -21,12 +21,22 @@ class ProcessSet:
     def rank(self):
         return basics.rank() if self.ranks is None else self.ranks.index(basics.rank())
 
+    def included(self):
+        return self.ranks is None or basics.rank() in self.ranks
+
     def __repr__(self):
         return "ProcessSet(process_set_id=%r, ranks=%r)" % (
             self.process_set_id, "all" if self.ranks is None else self.ranks)
 
 
 global_process_set = ProcessSet(process_set_id=0)
+
+
+def find(process_set_id):
+    """The process set with this id."""
+    if process_set_id == 0:
+        return global_process_set
+    raise UnsupportedError("unison: only the global process set (id 0) exists so far; got id %r" % (process_set_id,))
 
 
 def size_of(process_set):

@@ -116,6 +116,21 @@ Response Coordinator::build(const Pending& p) const {
     return false;
   };
 
+  // As Horovod: while a rank waits in join() only allreduce can go on, the
+  // joined ranks adding zeros. Every other collective would need data those
+  // ranks no longer have (an allgather's rows, a broadcast's root), so it
+  // fails on every rank that called it, and they stay in step.
+  if (joined_count_ > 0 && first.op != UNISON_ALLREDUCE && first.op != UNISON_BARRIER) {
+    std::string joined;
+    for (int r = 0; r < size_; ++r)
+      if (joined_[r]) joined += (joined.empty() ? "" : ", ") + std::to_string(r);
+    response.error_code = UNISON_ERR_MISMATCH;
+    response.error = std::string("unison: ") + op_name(first.op) + " '" + first.name + "': rank" +
+                     (joined_count_ > 1 ? "s " : " ") + joined + (joined_count_ > 1 ? " have" : " has") +
+                     " joined; while a rank has joined only allreduce can run (call join() on every rank first)";
+    response.tensors.assign(1, plan);
+    return response;
+  }
   if (differs([&](const Request& r) { return r.op == first.op; }))
     return fail("the operation", [](const Request& r) { return std::string(op_name(r.op)); });
   if (differs([&](const Request& r) { return r.dtype == first.dtype; }))
@@ -134,13 +149,6 @@ Response Coordinator::build(const Pending& p) const {
   if (first.op == UNISON_BROADCAST) {
     if (differs([&](const Request& r) { return r.root == first.root; }))
       return fail("the root rank", [](const Request& r) { return std::to_string(r.root); });
-    if (joined_[first.root]) {
-      response.error_code = UNISON_ERR_MISMATCH;
-      response.error = "unison: broadcast '" + first.name + "': root rank " +
-                       std::to_string(first.root) + " has already joined";
-      response.tensors.assign(1, plan);
-      return response;
-    }
   }
   const bool ragged = first.op == UNISON_ALLGATHER || first.op == UNISON_ALLTOALL;
   auto shape_text = [](const Request& r) { return shape_string(r.shape); };

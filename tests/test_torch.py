@@ -49,3 +49,13 @@ def test_use_before_init_is_a_clear_error():
             hvd.allreduce(torch.ones(1, device="meta"))
         finally:
             hvd.shutdown()
+
+
+def test_num_groups_split_as_every_framework_splits():
+    # 7 parameters in 5 groups: Horovod's split, the first groups one longer.
+    from unison.arguments import split_into_groups
+    from unison.torch.optimizer import _assign_groups
+    params = [torch.zeros(1) for _ in range(7)]
+    assignment = _assign_groups(5, params)
+    sizes = [sum(1 for p in params if assignment[p] == g) for g in range(5)]
+    assert sizes == [len(g) for g in split_into_groups(params, 5)] == [2, 2, 1, 1, 1]

@@ -12,8 +12,9 @@ from unison.process_sets import (  # noqa: F401
 from unison.tensorflow.compression import Compression  # noqa: F401
 from unison.tensorflow.ops import (  # noqa: F401
     Adasum, Average, Max, Min, Product, Sum, allgather, allreduce, alltoall, barrier, broadcast,
-    broadcast_, grouped_allgather, grouped_allreduce, grouped_reducescatter, join, reducescatter)
+    broadcast_, grouped_allgather, grouped_allreduce, grouped_reducescatter, join, local_rank_op,
+    local_size_op, process_set_included_op, rank_op, reducescatter, size_op)
 from unison.tensorflow.functions import (  # noqa: F401
-    allgather_object, broadcast_object, broadcast_variables)
+    allgather_object, broadcast_global_variables, broadcast_object, broadcast_variables)
 from unison.tensorflow.gradient_tape import DistributedGradientTape  # noqa: F401
 from unison.tensorflow.sync_batch_norm import SyncBatchNormalization  # noqa: F401

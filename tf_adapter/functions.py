@@ -20,3 +20,12 @@ def broadcast_object(obj, root_rank=0, session=None, name=None, process_set=glob
 def allgather_object(obj, session=None, name=None, process_set=global_process_set):
     """Every rank's picklable `obj`, in rank order."""
     return objects.allgather_object(obj, name=name, process_set=process_set)
+
+
+def broadcast_global_variables(root_rank):
+    """Horovod's TF1 helper. TensorFlow 2 runs eagerly and keeps no global
+    variable collection, so, as Horovod does in eager mode, this refuses
+    with a pointer to what works instead."""
+    raise RuntimeError("unison: broadcast_global_variables() does not work in eager mode, which has no global "
+                       "variables; use broadcast_variables(model.variables, root_rank) (and the optimizer's "
+                       "variables), or hvd.callbacks.BroadcastGlobalVariablesCallback with Keras")

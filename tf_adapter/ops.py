@@ -68,6 +68,17 @@ def aligned_empty(shape, dtype):
     return raw[offset:offset + count * dtype.itemsize].view(dtype).reshape(shape)
 
 
+class _InvalidArgument(InvalidArgumentError, tf.errors.InvalidArgumentError):
+    """A bad argument, as unison's InvalidArgumentError and as TensorFlow's
+    (the error Horovod's TensorFlow ops raise), so either except clause
+    catches it."""
+
+    # TensorFlow's own signature: autograph rebuilds an OpError raised while
+    # tracing from (node_def, op, message, payloads).
+    def __init__(self, node_def, op, message, *payloads):
+        tf.errors.InvalidArgumentError.__init__(self, node_def, op, message, *payloads)
+
+
 class _AlignedArrays(NumpyTensors):
     """The numpy views of TensorFlow tensors; outputs are aligned so that
     TensorFlow adopts them without a copy."""
@@ -231,15 +242,20 @@ def _sparse_allreduce(slices, name, op, prescale_factor, postscale_factor, proce
     """IndexedSlices are reduced as Horovod does: both parts allgathered,
     so a row touched on several ranks appears several times (summed when
     densified)."""
+    # As Horovod: only Sum and Average have a meaning for rows that may
+    # repeat, and the factors are not offered.
     if op not in (Sum, Average):
-        raise InvalidArgumentError("unison: IndexedSlices %s can be reduced with Sum or Average only"
-                                   % _label(name))
+        raise NotImplementedError("unison: IndexedSlices %s can be reduced with Sum or Average only, not %s"
+                                  % (_label(name), arguments.op_name(op)))
+    if prescale_factor != 1.0 or postscale_factor != 1.0:
+        raise NotImplementedError("unison: IndexedSlices %s take no prescale or postscale factor" % _label(name))
     values = allgather(slices.values, name=None if name is None else name + ".values", process_set=process_set)
     indices = allgather(slices.indices, name=None if name is None else name + ".indices",
                         process_set=process_set)
-    scale = prescale_factor * postscale_factor / (process_set.size() if op == Average else 1)
-    if scale != 1.0:
-        values = values * tf.constant(scale, dtype=values.dtype)
+    if op == Average:
+        size = tf.constant(process_set.size(), dtype=values.dtype)
+        # Integer values divide as the core's Average does: toward zero.
+        values = values / size if values.dtype.is_floating else tf.truncatediv(values, size)
     return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
 
 
@@ -357,9 +373,15 @@ def _alltoall_raw(tensor, splits, name, process_set):
         out, received = synchronize(_front.alltoall_async(array, split_array, name, process_set))
         return out, np.asarray(received, dtype=np.int64)
     if splits is None:
+        # Equal parts, as Horovod: a first dimension that does not divide is
+        # refused (statically when tracing knows it, else when it runs).
         n = process_set.size()
+        rows = tensor.shape[0]
+        if rows is not None and rows % n:
+            raise _InvalidArgument(None, None, "unison: alltoall of %s: first dimension %d does not divide "
+                                   "evenly among %d ranks; pass splits" % (_label(name), rows, n))
         rows = tf.shape(tensor, out_type=tf.int64)[0]
-        splits = tf.fill([n], rows // n) + tf.cast(tf.range(n) < tf.cast(rows % n, tf.int32), tf.int64)
+        splits = tf.fill([n], rows // n)
     output, received = _run(fn, [tensor, tf.cast(splits, tf.int64)], [tensor.dtype, tf.int64])
     output.set_shape(_rows_unknown(tensor))
     received.set_shape([process_set.size()])
@@ -456,3 +478,36 @@ def join(process_set=global_process_set):
     def fn():
         return [np.int32(collective.join(process_set))]
     return _run(fn, [], [tf.int32])[0]
+
+
+# ---- queries as ops ----------------------------------------------------------------
+
+def _constant_op(value, name):
+    return tf.constant(value, dtype=tf.int32, name=name)
+
+
+def rank_op(name=None):
+    """This rank, as an int32 tensor (Horovod's graph-mode query)."""
+    return _constant_op(basics.rank(), name)
+
+
+def local_rank_op(name=None):
+    return _constant_op(basics.local_rank(), name)
+
+
+def size_op(process_set_id=0, name=None):
+    return _constant_op(_process_set_by_id(process_set_id).size(), name)
+
+
+def local_size_op(name=None):
+    return _constant_op(basics.local_size(), name)
+
+
+def process_set_included_op(process_set_id=0, name=None):
+    """1 when this rank belongs to the process set, else 0."""
+    return _constant_op(int(_process_set_by_id(process_set_id).included()), name)
+
+
+def _process_set_by_id(process_set_id):
+    from unison.process_sets import find
+    return find(process_set_id)

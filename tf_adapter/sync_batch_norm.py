@@ -19,7 +19,9 @@ from unison.tensorflow.ops import Sum, _grouped_allreduce
 
 class SyncBatchNormalization(keras.layers.BatchNormalization):
 
-    def __init__(self, *args, process_set=global_process_set, **kwargs):
+    def __init__(self, *args, process_set=global_process_set, fused=None, **kwargs):
+        # `fused` is Horovod's (and Keras 2's) argument; Keras 3 has no fused
+        # kernel, and the statistics here are computed by hand anyway.
         super().__init__(*args, **kwargs)
         self._process_set = process_set
 

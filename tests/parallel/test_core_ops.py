@@ -243,6 +243,33 @@ def test_joined_rank_contributes_zeros():
     assert unp.allreduce(np.ones(2), op=unison.Sum, name="after.join")[0] == n
 
 
+def test_while_a_rank_has_joined_only_allreduce_runs():
+    # As Horovod: allgather, broadcast, alltoall and reducescatter fail on
+    # every rank that called them, naming the joined rank; allreduce goes on
+    # with zeros from it, and the job is in step afterwards.
+    n, me = unison.size(), unison.rank()
+    if me == 0:
+        last = unp.join()
+    else:
+        attempts = [
+            lambda: unp.allgather(np.ones((me, 2)), name="joined.allgather"),
+            lambda: unp.broadcast(np.ones(3), root_rank=1, name="joined.broadcast"),
+            lambda: unp.broadcast(np.ones(3), root_rank=0, name="joined.broadcast.from.joined"),
+            lambda: unp.alltoall(np.ones((n, 2)), name="joined.alltoall"),
+            lambda: unp.reducescatter(np.ones((n, 2)), name="joined.reducescatter"),
+        ]
+        for attempt in attempts:
+            with pytest.raises(unison.MismatchError, match="rank 0 has joined; while a rank has joined only allreduce"):
+                attempt()
+        result = unp.allreduce(np.full(2, float(me)), op=unison.Sum, name="joined.allreduce")
+        np.testing.assert_array_equal(result, np.full(2, float(sum(range(1, n)))))
+        last = unp.join()
+    # The same last rank everywhere, and every collective works again.
+    assert unp.allgather(np.array([last]), name="joined.last").tolist() == [last] * n
+    assert last != 0
+    np.testing.assert_array_equal(unp.broadcast(np.arange(3) + me, root_rank=0, name="joined.after"), np.arange(3))
+
+
 def test_shutdown_then_init_again():
     unison.shutdown()
     assert not unison.is_initialized()

@@ -170,3 +170,15 @@ def test_mismatched_models_fail_fit_on_every_rank():
     with pytest.raises(tf.errors.OpError, match=r"MismatchError.*DistributedOptimizer.*shape.*rank 0 \[5, 3\]"):
         model.fit(x, y, batch_size=B, epochs=1, verbose=0)
     np.testing.assert_array_equal(hvd.allreduce(tf.ones([2]), op=hvd.Sum), [N, N])
+
+
+def test_broadcast_callback_leaves_local_variables_alone():
+    model = make_model(RANK)
+    mine = model.layers[0].bias
+    mine.assign(tf.fill(mine.shape, float(RANK)))
+    callback = hvd.callbacks.BroadcastGlobalVariablesCallback(0, local_variables=[mine])
+    callback.set_model(model)
+    callback.on_train_batch_begin(0)
+    np.testing.assert_array_equal(mine.numpy(), np.full(mine.shape, float(RANK)))
+    root_kernel = hvd.broadcast_object(model.layers[0].kernel.numpy(), root_rank=0, name="check.kernel")
+    np.testing.assert_array_equal(model.layers[0].kernel.numpy(), root_kernel)

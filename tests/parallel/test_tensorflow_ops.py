@@ -12,7 +12,8 @@ import unison.tensorflow as hvd  # noqa: E402
 hvd.init()
 N, RANK = hvd.size(), hvd.rank()
 
-NUMERIC = ["uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64", "float16", "bfloat16", "float32", "float64"]
+NUMERIC = ["uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64", "float16", "bfloat16",
+           "float32", "float64"]
 SHAPES = [(), (0,), (5,), (2, 3, 4)]
 MODES = ["eager", "function"]
 
@@ -150,6 +151,44 @@ def test_indexed_slices_are_gathered():
     for r in range(N):
         want[r % 2] += (r + 1) / N
     np.testing.assert_allclose(dense, want, rtol=1e-6)
+
+
+def test_indexed_slices_follow_horovods_rules():
+    ints = tf.IndexedSlices(tf.constant([[7 * (RANK + 1)] * 2], dtype=tf.int32), tf.constant([0]),
+                            dense_shape=tf.constant([2, 2]))
+    averaged = hvd.allreduce(ints, op=hvd.Average)
+    assert averaged.values.dtype == tf.int32
+    np.testing.assert_array_equal(averaged.values, [[(7 * (r + 1)) // N] * 2 for r in range(N)])
+    for op in (hvd.Min, hvd.Max, hvd.Product, hvd.Adasum):
+        with pytest.raises(NotImplementedError, match="Sum or Average only"):
+            hvd.allreduce(ints, op=op)
+    with pytest.raises(NotImplementedError, match="prescale or postscale"):
+        hvd.allreduce(ints, op=hvd.Sum, prescale_factor=2.0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_alltoall_without_splits_needs_a_divisible_first_dimension(mode):
+    with pytest.raises(tf.errors.InvalidArgumentError, match="does not divide evenly"):
+        run(mode, lambda x: hvd.alltoall(x, name="a2a.indivisible"), tf.ones((N + 1, 2)))
+    with pytest.raises(ValueError, match="does not divide evenly"):   # and unison's own error, still
+        hvd.alltoall(tf.ones((N + 1, 2)), name="a2a.indivisible")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_queries_as_ops(mode):
+    got = run(mode, lambda: tf.stack([hvd.rank_op(), hvd.local_rank_op(), hvd.size_op(), hvd.local_size_op(),
+                                      hvd.process_set_included_op()]))
+    np.testing.assert_array_equal(got, [RANK, hvd.local_rank(), N, hvd.local_size(), 1])
+
+
+def test_broadcast_global_variables_says_what_works_in_eager_mode():
+    with pytest.raises(RuntimeError, match="eager mode"):
+        hvd.broadcast_global_variables(0)
+
+
+def test_sync_batch_normalization_accepts_fused():
+    layer = hvd.SyncBatchNormalization(fused=True)
+    assert layer(tf.ones((2, 3))).shape == (2, 3)
 
 
 def test_join_and_barrier():

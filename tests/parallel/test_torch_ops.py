@@ -268,3 +268,23 @@ def test_wrong_types_are_refused_before_negotiation():
     with pytest.raises(hvd.UnisonError, match="Sum, Average and Adasum"):
         x = torch.ones(2, requires_grad=True)
         hvd.allreduce(x, op=hvd.Max, name="max.grad").sum().backward()
+
+
+def test_non_integer_splits_are_a_value_error():
+    n = hvd.size()
+    x = torch.ones(n, 2)
+    for splits in ([1.5] * n, torch.full((n,), 1.0), ["1"] * n):
+        with pytest.raises(ValueError, match="splits must be integers"):
+            hvd.alltoall(x, splits=splits, name="a2a.bad.splits")
+    # Nothing was sent: the same name runs right after.
+    out, received = hvd.alltoall(x, splits=torch.ones(n, dtype=torch.int64), name="a2a.bad.splits")
+    exact(received, torch.ones(n, dtype=torch.int32))
+
+
+def test_sparse_allreduce_handle_is_callable_as_horovods():
+    r, n = hvd.rank(), hvd.size()
+    sparse = torch.sparse_coo_tensor(torch.tensor([[r]]), torch.tensor([[1.0, 2.0]]), (n, 2))
+    handle = hvd.sparse_allreduce_async(sparse, "sparse.callable", hvd.Sum)
+    result = handle()
+    expected = torch.tensor([[1.0, 2.0]] * n)
+    exact(result.to_dense(), expected)

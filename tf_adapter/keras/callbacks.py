@@ -17,21 +17,24 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     the first training step, so all ranks start from the same state (and
     match a one-process run started from root_rank's weights)."""
 
-    def __init__(self, root_rank=0, device="", process_set=global_process_set):
+    def __init__(self, root_rank=0, device="", local_variables=None, process_set=global_process_set):
         super().__init__()
         self.root_rank = root_rank
         self.process_set = process_set
+        # As Horovod: variables each rank keeps for itself are not broadcast.
+        self.local_variables = [] if local_variables is None else list(local_variables)
         self.broadcast_done = False
 
     def _broadcast(self):
         if self.broadcast_done:
             return
-        variables = list(self.model.variables)
+        local = {id(v) for v in self.local_variables}
+        variables = [v for v in self.model.variables if id(v) not in local]
         optimizer = getattr(self.model, "optimizer", None)
         if optimizer is not None:
             if not optimizer.built and self.model.trainable_variables:
                 optimizer.build(self.model.trainable_variables)
-            variables += list(optimizer.variables)
+            variables += [v for v in optimizer.variables if id(v) not in local]
         broadcast_variables(variables, self.root_rank, process_set=self.process_set)
         self.broadcast_done = True
 
