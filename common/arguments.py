@@ -81,6 +81,17 @@ def member_name(name, index):
     return None if name is None else "%s.%d" % (name, index)
 
 
+def member_names(name, count):
+    """The core's names for the `count` members of a grouped op: `name`
+    itself for a group of one (so a lone collective and a group of one are
+    the same op), name.i for more; a list of names is taken as it is."""
+    if isinstance(name, (list, tuple)):
+        return list(name)
+    if count == 1:
+        return [name]
+    return [member_name(name, i) for i in range(count)]
+
+
 def scatter_rows(rows, size, rank):
     """Rows of a reducescatter's first dimension that `rank` keeps: as even
     as possible, the first ranks taking one more when it does not divide."""

@@ -153,8 +153,9 @@ class FrontEnd:
         """One HandleGroup for every tensor's allreduce; enqueued together, so
         the core fuses them."""
         start = self.allreduce_async_ if in_place else self.allreduce_async
-        return HandleGroup([start(x, arguments.member_name(name, i), op, prescale_factor, postscale_factor,
-                                  process_set) for i, x in enumerate(tensors)])
+        names = arguments.member_names(name, len(tensors))
+        return HandleGroup([start(x, n, op, prescale_factor, postscale_factor, process_set)
+                            for x, n in zip(tensors, names)])
 
     # ---- allgather -----------------------------------------------------------------
 
@@ -166,8 +167,8 @@ class FrontEnd:
         return Handle(handle_id, name, (tensor, source), self._core_result(tensor))
 
     def grouped_allgather_async(self, tensors, name=None, process_set=None):
-        return HandleGroup([self.allgather_async(x, arguments.member_name(name, i), process_set)
-                            for i, x in enumerate(tensors)])
+        names = arguments.member_names(name, len(tensors))
+        return HandleGroup([self.allgather_async(x, n, process_set) for x, n in zip(tensors, names)])
 
     # ---- broadcast -----------------------------------------------------------------
 
@@ -221,9 +222,9 @@ class FrontEnd:
 
     def grouped_reducescatter_async(self, tensors, name=None, op=Average, prescale_factor=1.0,
                                     postscale_factor=1.0, process_set=None):
-        return HandleGroup([self.reducescatter_async(x, arguments.member_name(name, i), op, prescale_factor,
-                                                     postscale_factor, process_set)
-                            for i, x in enumerate(tensors)])
+        names = arguments.member_names(name, len(tensors))
+        return HandleGroup([self.reducescatter_async(x, n, op, prescale_factor, postscale_factor, process_set)
+                            for x, n in zip(tensors, names)])
 
 
 def pointer_of_address(address, count):

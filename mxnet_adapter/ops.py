@@ -119,11 +119,20 @@ def allreduce_(tensor, average=None, name=None, priority=0, prescale_factor=1.0,
 
 
 def _grouped(tensors, name, kind="grouped_allreduce"):
-    """(tensor, core name) pairs: a lone tensor keeps the name itself."""
-    if len(tensors) == 1 and name:
-        return [(tensors[0], name)]
-    base = _name(kind, name)
-    return [(t, arguments.member_name(base, i)) for i, t in enumerate(tensors)]
+    """(tensor, core name) pairs, as arguments.member_names names them; an
+    unnamed group gets a name in program order first (see _name)."""
+    return list(zip(tensors, arguments.member_names(name or _name(kind, None), len(tensors))))
+
+
+def _compress_each(tensors, compression, check):
+    """(wire tensors, contexts), each tensor checked before anything is made."""
+    wires, contexts = [], []
+    for t in tensors:
+        check(t)
+        wire, ctx = compression.compress(t)
+        wires.append(wire)
+        contexts.append(ctx)
+    return wires, contexts
 
 
 def grouped_allreduce(tensors, average=None, name=None, priority=0, prescale_factor=1.0,
@@ -131,12 +140,8 @@ def grouped_allreduce(tensors, average=None, name=None, priority=0, prescale_fac
                       compression=Compression.none):
     """New NDArrays, each tensor reduced; the core fuses them."""
     op = arguments.resolve_op(op, average)
-    wires, contexts = [], []
-    for t in tensors:
-        _front.prepare("allreduce", t, name, op, prescale_factor, postscale_factor)
-        wire, ctx = compression.compress(t)
-        wires.append(wire)
-        contexts.append(ctx)
+    wires, contexts = _compress_each(tensors, compression, lambda t: _front.prepare(
+        "allreduce", t, name, op, prescale_factor, postscale_factor))
     outputs = [mx.nd.empty(t.shape, ctx=t.context, dtype=t.dtype) for t in wires]
     ops = [_allreduce_async(t, out, n, op, prescale_factor, postscale_factor, process_set, priority)
            for (t, n), out in zip(_grouped(wires, name), outputs)]
@@ -217,12 +222,8 @@ def reducescatter(tensor, op=Average, name=None, priority=0, process_set=global_
 def grouped_reducescatter(tensors, op=Average, name=None, priority=0, process_set=global_process_set,
                           prescale_factor=1.0, postscale_factor=1.0, compression=Compression.none):
     """Each tensor reduce-scattered; the core fuses them."""
-    wires, contexts = [], []
-    for t in tensors:
-        _front.prepare("reducescatter", t, name, op, prescale_factor, postscale_factor)
-        wire, ctx = compression.compress(t)
-        wires.append(wire)
-        contexts.append(ctx)
+    wires, contexts = _compress_each(tensors, compression, lambda t: _front.prepare(
+        "reducescatter", t, name, op, prescale_factor, postscale_factor))
     started = [_reducescatter_async(t, n, op, prescale_factor, postscale_factor, process_set, priority)
                for t, n in _grouped(wires, name, "grouped_reducescatter")]
     _wait_all([pushed for _, pushed in started])

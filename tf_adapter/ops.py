@@ -124,15 +124,7 @@ def _tensors(values):
     return [tf.convert_to_tensor(v) for v in values]
 
 
-def _member_names(name, count):
-    """The core's names for the members of a grouped op: `name` itself for
-    one tensor, name.i for several; None (numbered by the core in program
-    order) when unnamed."""
-    if isinstance(name, (list, tuple)):
-        return list(name)
-    if count == 1:
-        return [name]
-    return [None if name is None else "%s.%d" % (name, i) for i in range(count)]
+_member_names = arguments.member_names
 
 
 def _needs_gradient(tensors):

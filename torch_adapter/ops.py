@@ -218,10 +218,8 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
               prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
     """Reduces `tensor` across ranks (Average by default) into a new tensor.
     Differentiable: the gradient is the same reduction of the gradients."""
-    op = arguments.resolve_op(op, average)
-    compressed, context = compression.compress(tensor)
-    reduced = _Allreduce.apply(compressed, name, op, prescale_factor, postscale_factor, process_set)
-    return compression.decompress(reduced, context)
+    return grouped_allreduce([tensor], average, name, compression, op, prescale_factor, postscale_factor,
+                             process_set)[0]
 
 
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
@@ -252,20 +250,6 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
     compressed, contexts = _compress_all(compression, tensors)
     reduced = _GroupedAllreduce.apply(name, op, prescale_factor, postscale_factor, process_set, *compressed)
     return [compression.decompress(t, c) for t, c in zip(reduced, contexts)]
-
-
-class _Allreduce(torch.autograd.Function):
-    """allreduce() of one tensor, under its own name (a group's are name.i)."""
-
-    @staticmethod
-    def forward(ctx, tensor, name, op, prescale_factor, postscale_factor, process_set):
-        ctx.settings = (op, prescale_factor, postscale_factor, process_set)
-        return synchronize(_front.allreduce_async(tensor, name, op, prescale_factor, postscale_factor,
-                                                  process_set))
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        return (gradients.allreduce(_grads, [grad_output], *ctx.settings)[0],) + (None,) * 5
 
 
 def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
@@ -316,21 +300,7 @@ def allgather_async(tensor, name=None, process_set=global_process_set):
 def allgather(tensor, name=None, process_set=global_process_set):
     """Concatenates every rank's tensor along the first dimension.
     Differentiable: this rank's rows of the rank-averaged gradient."""
-    return _Allgather.apply(tensor, name, process_set)
-
-
-class _Allgather(torch.autograd.Function):
-    """allgather() of one tensor under its own name (not name.0)."""
-
-    @staticmethod
-    def forward(ctx, tensor, name, process_set):
-        ctx.process_set = process_set
-        ctx.save_for_backward(tensor)
-        return synchronize(_front.allgather_async(tensor, name, process_set))
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        return gradients.allgather(_grads, [grad_output], ctx.saved_tensors, ctx.process_set)[0], None, None
+    return _GroupedAllgather.apply(name, process_set, tensor)[0]
 
 
 def grouped_allgather_async(tensors, name=None, process_set=global_process_set):
@@ -399,23 +369,8 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
                   process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
     """This rank's rows of the reduction of `tensor` across ranks.
     Differentiable: the gradient is the allgather of the gradients."""
-    compressed, context = compression.compress(tensor)
-    reduced = _Reducescatter.apply(compressed, name, op, prescale_factor, postscale_factor, process_set)
-    return compression.decompress(reduced, context)
-
-
-class _Reducescatter(torch.autograd.Function):
-    """reducescatter() of one tensor under its own name (not name.0)."""
-
-    @staticmethod
-    def forward(ctx, tensor, name, op, prescale_factor, postscale_factor, process_set):
-        ctx.settings = (op, prescale_factor, postscale_factor, process_set)
-        return synchronize(_front.reducescatter_async(tensor, name, op, prescale_factor, postscale_factor,
-                                                      process_set))
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        return (gradients.reducescatter(_grads, [grad_output], *ctx.settings)[0],) + (None,) * 5
+    return grouped_reducescatter([tensor], name, compression, op, process_set, prescale_factor,
+                                 postscale_factor)[0]
 
 
 def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=global_process_set,
