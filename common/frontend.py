@@ -4,7 +4,8 @@ A framework adapter describes its tensors with a small `Tensors` object
 (dtype, shape, a pointer to contiguous memory, how to make an output and
 how to adopt a buffer the core allocated); `FrontEnd` does everything else
 once: argument checks, dtype codes, the core's op options, in-place
-targets, handles and their results, grouped ops, barrier and join. numpy,
+targets, handles and their results, and grouped ops (barrier and join,
+which carry no tensor, are collective.py's). numpy,
 torch and TensorFlow run their collectives through it; MXNet, whose
 collectives start later on MXNet's own engine threads, shares its checks
 (`prepare`) and enqueues from there.
@@ -19,7 +20,7 @@ from unison.arguments import Adasum, Average
 from unison.exceptions import UnsupportedError
 from unison.handles import Handle, HandleGroup
 from unison.process_sets import size_of
-from unison._native import ffi, lib
+from unison._native import lib
 
 _ALLREDUCE, _ALLGATHER, _BROADCAST, _ALLTOALL, _REDUCESCATTER = (
     lib.UNISON_ALLREDUCE, lib.UNISON_ALLGATHER, lib.UNISON_BROADCAST, lib.UNISON_ALLTOALL,
@@ -57,8 +58,10 @@ class Tensors:
         raise NotImplementedError
 
     def writable(self, tensor, name):
-        """(contiguous buffer the core may read and overwrite, finisher that
-        returns the caller's tensor holding the result) for in-place ops."""
+        """(contiguous buffer the core may read and overwrite, finisher) for
+        in-place ops: the finisher (handle id -> the caller's tensor) copies
+        the result back when the buffer is a copy; None when the buffer is
+        the caller's tensor itself."""
         raise NotImplementedError
 
     def adopt(self, owned, nbytes, shape, like):
@@ -225,8 +228,3 @@ class FrontEnd:
         names = arguments.member_names(name, len(tensors))
         return HandleGroup([self.reducescatter_async(x, n, op, prescale_factor, postscale_factor, process_set)
                             for x, n in zip(tensors, names)])
-
-
-def pointer_of_address(address, count):
-    """A cffi pointer for a framework tensor's data address (NULL when empty)."""
-    return ffi.cast("void*", address) if count else ffi.NULL
