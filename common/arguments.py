@@ -27,7 +27,10 @@ def op_name(op):
 
 def resolve_op(op, average, default=Average):
     """Horovod's rules: `op` wins; the deprecated `average` flag maps to
-    Average or Sum; neither means the default."""
+    Average or Sum; neither means the default. The first test is the
+    common case (every gradient's allreduce names its op), so it is first."""
+    if average is None and op is not None:
+        return op
     if op is not None and average is not None:
         raise InvalidArgumentError("unison: give op or the deprecated average, not both")
     if op is not None:

@@ -24,3 +24,13 @@ class NoneCompressor(Compressor):
     @staticmethod
     def decompress(tensor, ctx):
         return tensor
+
+
+def compress_all(compression, tensors):
+    """(wire tensors, contexts) for a list of tensors, in order."""
+    wires, contexts = [], []
+    for t in tensors:
+        wire, ctx = compression.compress(t)
+        wires.append(wire)
+        contexts.append(ctx)
+    return wires, contexts

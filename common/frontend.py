@@ -71,10 +71,10 @@ class Tensors:
 
 class Prepared:
     """A checked op, ready to enqueue: what MXNet carries to its engine thread."""
-    __slots__ = ("op", "name", "code", "shape")
+    __slots__ = ("code", "shape")
 
-    def __init__(self, op, name, code, shape):
-        self.op, self.name, self.code, self.shape = op, name, code, shape
+    def __init__(self, code, shape):
+        self.code, self.shape = code, shape
 
 
 class FrontEnd:
@@ -101,7 +101,7 @@ class FrontEnd:
             arguments.check_reduce(collective_name, op, prescale_factor, postscale_factor, name)
         if collective_name in ("allgather", "alltoall", "reducescatter"):
             arguments.check_has_rows(collective_name, shape, name)
-        return Prepared(collective_name, name, code, shape)
+        return Prepared(code, shape)
 
     def _core_result(self, like):
         adopt = self.tensors.adopt

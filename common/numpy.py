@@ -65,13 +65,13 @@ def _array(tensor):
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                     postscale_factor=1.0, process_set=None):
-    op = op if op is not None and average is None else arguments.resolve_op(op, average)
+    op = arguments.resolve_op(op, average)
     return front_end.allreduce_async(_array(tensor), name, op, prescale_factor, postscale_factor, process_set)
 
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                      postscale_factor=1.0, process_set=None):
-    op = op if op is not None and average is None else arguments.resolve_op(op, average)
+    op = arguments.resolve_op(op, average)
     return front_end.allreduce_async_(tensor, name, op, prescale_factor, postscale_factor, process_set)
 
 

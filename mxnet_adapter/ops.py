@@ -22,6 +22,7 @@ from unison.exceptions import InvalidArgumentError, UnsupportedError
 from unison.handles import Handle
 from unison.process_sets import global_process_set
 from unison._native import ffi, lib
+from unison.compression import compress_all
 from unison.mxnet.compression import Compression
 from unison.mxnet.engine import bridge, data_pointer
 
@@ -124,24 +125,14 @@ def _grouped(tensors, name, kind="grouped_allreduce"):
     return list(zip(tensors, arguments.member_names(name or _name(kind, None), len(tensors))))
 
 
-def _compress_each(tensors, compression, check):
-    """(wire tensors, contexts), each tensor checked before anything is made."""
-    wires, contexts = [], []
-    for t in tensors:
-        check(t)
-        wire, ctx = compression.compress(t)
-        wires.append(wire)
-        contexts.append(ctx)
-    return wires, contexts
-
-
 def grouped_allreduce(tensors, average=None, name=None, priority=0, prescale_factor=1.0,
                       postscale_factor=1.0, process_set=global_process_set, op=None,
                       compression=Compression.none):
     """New NDArrays, each tensor reduced; the core fuses them."""
     op = arguments.resolve_op(op, average)
-    wires, contexts = _compress_each(tensors, compression, lambda t: _front.prepare(
-        "allreduce", t, name, op, prescale_factor, postscale_factor))
+    for t in tensors:   # before any output is made for them
+        _front.prepare("allreduce", t, name, op, prescale_factor, postscale_factor)
+    wires, contexts = compress_all(compression, tensors)
     outputs = [mx.nd.empty(t.shape, ctx=t.context, dtype=t.dtype) for t in wires]
     ops = [_allreduce_async(t, out, n, op, prescale_factor, postscale_factor, process_set, priority)
            for (t, n), out in zip(_grouped(wires, name), outputs)]
@@ -222,8 +213,9 @@ def reducescatter(tensor, op=Average, name=None, priority=0, process_set=global_
 def grouped_reducescatter(tensors, op=Average, name=None, priority=0, process_set=global_process_set,
                           prescale_factor=1.0, postscale_factor=1.0, compression=Compression.none):
     """Each tensor reduce-scattered; the core fuses them."""
-    wires, contexts = _compress_each(tensors, compression, lambda t: _front.prepare(
-        "reducescatter", t, name, op, prescale_factor, postscale_factor))
+    for t in tensors:   # before any output is made for them
+        _front.prepare("reducescatter", t, name, op, prescale_factor, postscale_factor)
+    wires, contexts = compress_all(compression, tensors)
     started = [_reducescatter_async(t, n, op, prescale_factor, postscale_factor, process_set, priority)
                for t, n in _grouped(wires, name, "grouped_reducescatter")]
     _wait_all([pushed for _, pushed in started])

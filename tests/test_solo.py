@@ -79,6 +79,8 @@ def test_background_thread_leaves_signals_to_the_main_thread(solo):
     ("UNISON_PEER_TIMEOUT_SECONDS", "-3", "a non-negative number"),
     ("UNISON_HIERARCHICAL_ALLREDUCE", "maybe", "a flag"),
     ("UNISON_SHM_SLOT_BYTES", "1KiB", "at least 4096"),
+    # kB is 1000 bytes, so 4kB is under the 4096-byte minimum where 4KiB is not.
+    ("UNISON_SHM_SLOT_BYTES", "4kB", "at least 4096"),
 ])
 def test_bad_setting_is_refused_at_init_naming_variable_and_value(monkeypatch, variable, value, expected):
     unison.shutdown()
@@ -99,6 +101,7 @@ def test_bad_setting_is_refused_at_init_naming_variable_and_value(monkeypatch, v
 def test_sizes_with_units_are_understood(monkeypatch, value):
     unison.shutdown()
     monkeypatch.setenv("UNISON_FUSION_THRESHOLD", value)
+    monkeypatch.setenv("UNISON_SHM_SLOT_BYTES", "4KiB")   # exactly the minimum: KiB is 1024 bytes
     monkeypatch.setenv("UNISON_HIERARCHICAL_ALLREDUCE", "false")
     monkeypatch.setenv("UNISON_CACHE_CAPACITY", "0")
     unison.init()

@@ -12,6 +12,7 @@ import torch
 
 from unison import arguments, basics, collective, frontend, gradients
 from unison.arguments import member_name as _member_name
+from unison.compression import compress_all
 from unison.dtypes import label as _label
 from unison.exceptions import InvalidArgumentError, UnsupportedError
 from unison.handles import Handle, HandleGroup, poll, synchronize  # noqa: F401
@@ -95,11 +96,6 @@ class _TorchFrontEnd(frontend.FrontEnd):
 
 
 _front = _TorchFrontEnd(TorchTensors())
-
-
-def _compress_all(compression, tensors):
-    pairs = [compression.compress(t) for t in tensors]
-    return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
 # ---- autograd ------------------------------------------------------------------
@@ -210,7 +206,7 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                      postscale_factor=1.0, process_set=global_process_set):
     """Starts an in-place allreduce of `tensor`; returns a handle."""
-    op = op if op is not None and average is None else arguments.resolve_op(op, average)
+    op = arguments.resolve_op(op, average)
     return _front.allreduce_async_(tensor, name, op, prescale_factor, postscale_factor, process_set)
 
 
@@ -247,7 +243,7 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
                       prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
     """Each tensor reduced across ranks; enqueued together so they fuse. Differentiable."""
     op = arguments.resolve_op(op, average)
-    compressed, contexts = _compress_all(compression, tensors)
+    compressed, contexts = compress_all(compression, tensors)
     reduced = _GroupedAllreduce.apply(name, op, prescale_factor, postscale_factor, process_set, *compressed)
     return [compression.decompress(t, c) for t, c in zip(reduced, contexts)]
 
@@ -382,7 +378,7 @@ def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=glob
 def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
                           process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
     """Each tensor reduce-scattered; enqueued together so they fuse. Differentiable."""
-    compressed, contexts = _compress_all(compression, tensors)
+    compressed, contexts = compress_all(compression, tensors)
     reduced = _GroupedReducescatter.apply(name, op, prescale_factor, postscale_factor, process_set, *compressed)
     return [compression.decompress(t, c) for t, c in zip(reduced, contexts)]
 
