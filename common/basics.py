@@ -36,15 +36,28 @@ def check(code):
         raise error_for(code, ffi.string(lib.unison_last_error()).decode(errors="replace"))
 
 
-def init():
+def init(comm=None, process_sets=None):
     """Starts unison in this process. Rank and size come from the launcher's
-    environment; a process started on its own is rank 0 of 1."""
+    environment; a process started on its own is rank 0 of 1.
+
+    process_sets: ProcessSets (or rank lists) to register now, in order,
+    as Horovod's static process sets; every rank passes the same list.
+    comm: Horovod's way to run on part of an MPI job; unison runs on the
+    ranks its launcher started, so only None is accepted."""
+    if comm is not None:
+        raise exceptions.UnsupportedError(
+            "unison: init(comm=%r): unison runs on every rank its launcher started; use process sets "
+            "for collectives among some of them" % (comm,))
+    from unison import process_sets as sets  # it imports this module
     check(lib.unison_init())
+    sets.register_at_init(process_sets)
 
 
 def shutdown():
     """Stops unison here and tells the other ranks. init() may follow."""
     lib.unison_shutdown()
+    from unison import process_sets as sets
+    sets.forget_all()
 
 
 atexit.register(shutdown)

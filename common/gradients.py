@@ -15,6 +15,7 @@ go in and out, so a grouped op's gradients stay one grouped op and fuse.
 - reducescatter: the allgather of the gradients, times the set's size for
   Sum, times the prescale and postscale factors.
 """
+from unison import basics
 from unison.arguments import Adasum, Average, Sum, op_name
 from unison.exceptions import UnsupportedError
 
@@ -75,7 +76,7 @@ def allgather(ops, grads, inputs, process_set, name=None):
 
 def broadcast(ops, grads, root_rank, process_set, name=None):
     averaged = ops.grouped_allreduce(grads, Average, 1.0, 1.0, process_set, grad_name(name))
-    if process_set.rank() == root_rank:
+    if basics.rank() == root_rank:  # roots are global ranks, in a process set too
         return averaged
     return [ops.zeros_like(g) for g in averaged]
 

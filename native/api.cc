@@ -4,6 +4,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "engine.h"
 #include "unison.h"
@@ -97,7 +98,61 @@ int unison_enqueue(const unison_op_options* options, unison_handle* out) {
   if (engine == nullptr) return not_initialized();
   if (options == nullptr || out == nullptr)
     return report(Status::Error(UNISON_ERR_INVALID_ARGUMENT, "unison: NULL options or handle pointer"));
+  if (options->op == UNISON_ADD_PROCESS_SET || options->op == UNISON_REMOVE_PROCESS_SET)
+    return report(Status::Error(UNISON_ERR_INVALID_ARGUMENT,
+                                "unison: process sets are added and removed with unison_add_process_set and "
+                                "unison_remove_process_set"));
   return report(engine->enqueue(*options, out));
+}
+
+namespace {
+
+// Runs one process-set op through negotiation and waits for it.
+int run_process_set_op(unison_op_options* options, int* process_set_id) {
+  if (engine == nullptr) return not_initialized();
+  unison_handle handle = 0;
+  Status s = engine->enqueue(*options, &handle);
+  if (!s.ok()) return report(s);
+  s = handles.wait(handle, -1.0);
+  if (s.ok() && process_set_id != nullptr)
+    s = handles.with_result(handle, [&](const Status&, const OpResult& result) { *process_set_id = result.process_set_id; });
+  handles.release(handle);
+  return report(s);
+}
+
+}  // namespace
+
+int unison_add_process_set(const int* ranks, int nranks, int* process_set_id) {
+  if (ranks == nullptr || nranks < 1 || process_set_id == nullptr)
+    return report(Status::Error(UNISON_ERR_INVALID_ARGUMENT, "unison: add_process_set needs at least one rank"));
+  std::vector<int64_t> members(ranks, ranks + nranks);
+  unison_op_options options = {};
+  options.name = "process_set.add";
+  options.op = UNISON_ADD_PROCESS_SET;
+  options.splits = members.data();
+  options.nsplits = nranks;
+  options.device = UNISON_CPU_DEVICE;
+  return run_process_set_op(&options, process_set_id);
+}
+
+int unison_remove_process_set(int process_set_id) {
+  unison_op_options options = {};
+  options.name = "process_set.remove";
+  options.op = UNISON_REMOVE_PROCESS_SET;
+  options.root_rank = process_set_id;
+  options.device = UNISON_CPU_DEVICE;
+  return run_process_set_op(&options, nullptr);
+}
+
+int unison_process_set_ranks(int process_set_id, int* ranks, int capacity, int* nranks) {
+  if (engine == nullptr) return not_initialized();
+  std::vector<int> members;
+  if (!engine->process_set_ranks(process_set_id, &members))
+    return report(Status::Error(UNISON_ERR_INVALID_ARGUMENT, "unison: process set " + std::to_string(process_set_id) +
+                                                                 " does not exist (never added, or removed)"));
+  for (int i = 0; i < capacity && i < (int)members.size(); ++i) ranks[i] = members[i];
+  if (nranks != nullptr) *nranks = (int)members.size();
+  return UNISON_OK;
 }
 
 int unison_poll(unison_handle handle, int* done) {

@@ -98,6 +98,14 @@ class Backend {
 
   // OK while every peer is alive; else which one is not.
   virtual Status check_peers() = 0;
+
+  // Process sets. Collective over every rank of this backend, called in
+  // the same order everywhere: a backend among `members` (ascending ranks
+  // of this one) that carries one process set's control messages and data.
+  // Members get it in *out, the others null. The engine schedules cycles on
+  // this backend only, so the new one's scheduling methods go unused.
+  // `set_id` keeps its resources apart from other sets'.
+  virtual Status split(const std::vector<int>& members, int set_id, std::unique_ptr<Backend>* out) = 0;
 };
 
 // The single-process null object: every collective is a local copy.

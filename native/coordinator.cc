@@ -10,13 +10,14 @@
 namespace unison {
 namespace {
 
-// "rank 0 float32, rank 1 int32": each rank's value of one field.
-std::string per_rank(const std::vector<const Request*>& requests,
+// "rank 0 float32, rank 1 int32": each rank's value of one field, by
+// global rank.
+std::string per_rank(const std::vector<const Request*>& requests, const std::vector<int>& names,
                      const std::function<std::string(const Request&)>& field) {
   std::string out;
   for (const Request* r : requests) {
     if (!out.empty()) out += ", ";
-    out += "rank " + std::to_string(r->rank) + " " + field(*r);
+    out += "rank " + std::to_string(names.empty() ? r->rank : names[r->rank]) + " " + field(*r);
   }
   return out;
 }
@@ -32,6 +33,11 @@ std::vector<int64_t> tail(const std::vector<int64_t>& shape) {
 }
 
 }  // namespace
+
+void Coordinator::set_rank_names(const std::vector<int>& global_ranks, int process_set_id) {
+  rank_names_ = global_ranks;
+  set_label_ = process_set_id == 0 ? "" : " (process set " + std::to_string(process_set_id) + ")";
+}
 
 bool Coordinator::complete(const Pending& p) const {
   for (int r = 0; r < size_; ++r)
@@ -105,8 +111,8 @@ Response Coordinator::build(const Pending& p) const {
 
   auto fail = [&](const std::string& what, const std::function<std::string(const Request&)>& field) {
     response.error_code = UNISON_ERR_MISMATCH;
-    response.error = std::string("unison: ") + op_name(first.op) + " '" + first.name +
-                     "': ranks disagree on " + what + ": " + per_rank(present, field);
+    response.error = std::string("unison: ") + op_name(first.op) + " '" + first.name + "'" + set_label_ +
+                     ": ranks disagree on " + what + ": " + per_rank(present, rank_names_, field);
     response.tensors.assign(1, plan);
     return response;
   };
@@ -123,7 +129,7 @@ Response Coordinator::build(const Pending& p) const {
   if (joined_count_ > 0 && first.op != UNISON_ALLREDUCE && first.op != UNISON_BARRIER) {
     std::string joined;
     for (int r = 0; r < size_; ++r)
-      if (joined_[r]) joined += (joined.empty() ? "" : ", ") + std::to_string(r);
+      if (joined_[r]) joined += (joined.empty() ? "" : ", ") + std::to_string(rank_names_.empty() ? r : rank_names_[r]);
     response.error_code = UNISON_ERR_MISMATCH;
     response.error = std::string("unison: ") + op_name(first.op) + " '" + first.name + "': rank" +
                      (joined_count_ > 1 ? "s " : " ") + joined + (joined_count_ > 1 ? " have" : " has") +
@@ -133,6 +139,14 @@ Response Coordinator::build(const Pending& p) const {
   }
   if (differs([&](const Request& r) { return r.op == first.op; }))
     return fail("the operation", [](const Request& r) { return std::string(op_name(r.op)); });
+  // Adding a set carries its ranks as splits, removing one its id as root.
+  if (first.op == UNISON_ADD_PROCESS_SET) {
+    if (differs([&](const Request& r) { return r.splits == first.splits; }))
+      return fail("the new process set's ranks", [](const Request& r) { return shape_string(r.splits); });
+    plan.splits = first.splits;
+  }
+  if (first.op == UNISON_REMOVE_PROCESS_SET && differs([&](const Request& r) { return r.root == first.root; }))
+    return fail("the process set to remove", [](const Request& r) { return std::to_string(r.root); });
   if (differs([&](const Request& r) { return r.dtype == first.dtype; }))
     return fail("dtype", [](const Request& r) { return std::string(dtype_name(r.dtype)); });
   if (differs([&](const Request& r) { return r.device == first.device; }))
@@ -147,8 +161,12 @@ Response Coordinator::build(const Pending& p) const {
       return fail("postscale_factor", [](const Request& r) { return number(r.postscale); });
   }
   if (first.op == UNISON_BROADCAST) {
+    // Roots travel as set ranks; the message names them as the caller did.
+    const std::vector<int>& names = rank_names_;
     if (differs([&](const Request& r) { return r.root == first.root; }))
-      return fail("the root rank", [](const Request& r) { return std::to_string(r.root); });
+      return fail("the root rank", [&names](const Request& r) {
+        return std::to_string(names.empty() ? r.root : names[r.root]);
+      });
   }
   const bool ragged = first.op == UNISON_ALLGATHER || first.op == UNISON_ALLTOALL;
   auto shape_text = [](const Request& r) { return shape_string(r.shape); };

@@ -39,6 +39,9 @@ class Coordinator {
   // Fails a waiting tensor on the ranks that submitted it.
   void fail(const std::string& name, int code, const std::string& message);
   bool any_joined() const { return joined_count_ > 0; }
+  // For error messages: the global rank of each of this coordinator's
+  // ranks, and the process set they form (0: the global set).
+  void set_rank_names(const std::vector<int>& global_ranks, int process_set_id);
 
  private:
   struct Pending {
@@ -58,6 +61,8 @@ class Coordinator {
   std::vector<bool> joined_;
   int joined_count_ = 0;
   int last_joined_ = -1;
+  std::vector<int> rank_names_;  // empty: the ranks are global ranks
+  std::string set_label_;        // "" or " (process set 3)"
 };
 
 }  // namespace unison

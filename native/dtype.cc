@@ -47,6 +47,8 @@ const char* op_name(int op) {
     case UNISON_REDUCESCATTER: return "reducescatter";
     case UNISON_BARRIER: return "barrier";
     case UNISON_JOIN: return "join";
+    case UNISON_ADD_PROCESS_SET: return "add_process_set";
+    case UNISON_REMOVE_PROCESS_SET: return "remove_process_set";
     default: return "unknown op";
   }
 }

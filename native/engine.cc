@@ -6,6 +6,7 @@
 #include <cstring>
 #include <functional>
 #include <map>
+#include <set>
 #include <tuple>
 
 #include <pthread.h>
@@ -51,6 +52,11 @@ int64_t scatter_rows(int64_t rows, int size, int rank) {
   return rows / size + (rank < rows % size ? 1 : 0);
 }
 
+// "[0, 2]"
+std::string set_string(const std::vector<int>& ranks) {
+  return shape_string(std::vector<int64_t>(ranks.begin(), ranks.end()));
+}
+
 Status invalid(const std::string& message) {
   return Status::Error(UNISON_ERR_INVALID_ARGUMENT, "unison: " + message);
 }
@@ -74,12 +80,13 @@ void* output_buffer(void* caller_output, size_t bytes, OpResult* result) {
 }  // namespace
 
 Engine::Engine(const Config& config, std::unique_ptr<Backend> backend, HandleTable* handles)
-    : config_(config),
-      backend_(std::move(backend)),
-      handles_(handles),
-      cache_(config.cache_capacity),
-      coordinator_(backend_->size()),
-      stall_inspector_(config) {
+    : config_(config), backend_(std::move(backend)), handles_(handles) {
+  std::vector<int> everyone(backend_->size());
+  for (int r = 0; r < backend_->size(); ++r) everyone[r] = r;
+  set_ranks_[0] = everyone;
+  auto global = std::make_unique<ProcessSetState>(0, everyone, backend_->rank(), backend_.get(), nullptr, config_);
+  global_ = global.get();
+  sets_.emplace(0, std::move(global));
   thread_ = start_engine_thread([this] { loop(); });
 }
 
@@ -91,13 +98,21 @@ void Engine::stop() {
   if (thread_.joinable()) thread_.join();
 }
 
+bool Engine::process_set_ranks(int id, std::vector<int>* ranks) {
+  std::lock_guard<std::mutex> lock(queue_mutex_);
+  auto it = set_ranks_.find(id);
+  if (it == set_ranks_.end()) return false;
+  *ranks = it->second;
+  return true;
+}
+
 // ---- the calling side ---------------------------------------------------------
 
 Status Engine::enqueue(const unison_op_options& o, int64_t* handle) {
-  const int size = backend_->size();
   Entry e;
   Request& r = e.request;
-  r.rank = backend_->rank();
+  const int my_rank = backend_->rank();
+  r.rank = my_rank;
   r.op = o.op;
   r.dtype = o.dtype;
   r.reduce_op = o.reduce_op;
@@ -105,15 +120,38 @@ Status Engine::enqueue(const unison_op_options& o, int64_t* handle) {
   r.postscale = o.postscale_factor == 0.0 ? 1.0 : o.postscale_factor;
   r.root = o.root_rank;
   r.device = o.device;
+  e.process_set = o.process_set_id;
   e.input = o.input;
   e.output = o.output;
 
-  if (o.op < UNISON_ALLREDUCE || o.op > UNISON_JOIN) return invalid("unknown op " + std::to_string(o.op));
-  const bool carries_tensor = o.op != UNISON_BARRIER && o.op != UNISON_JOIN;
+  if (o.op < UNISON_ALLREDUCE || o.op > UNISON_REMOVE_PROCESS_SET) return invalid("unknown op " + std::to_string(o.op));
   // Built only for an error message: this function runs once per tensor.
   auto what = [&o] {
     return std::string(op_name(o.op)) + (o.name != nullptr && *o.name ? std::string(" '") + o.name + "'" : "");
   };
+  // The set the op runs among: its size, and this rank's place in it.
+  int size = backend_->size();
+  std::vector<int> members;
+  if (o.process_set_id != UNISON_GLOBAL_PROCESS_SET) {
+    {
+      std::lock_guard<std::mutex> lock(queue_mutex_);
+      auto it = set_ranks_.find(o.process_set_id);
+      if (it != set_ranks_.end()) members = it->second;
+    }
+    if (members.empty())
+      return invalid(what() + ": process set " + std::to_string(o.process_set_id) +
+                     " does not exist (never added, or removed)");
+    auto me = std::find(members.begin(), members.end(), my_rank);
+    if (me == members.end())
+      return invalid(what() + ": rank " + std::to_string(my_rank) + " is not in process set " +
+                     std::to_string(o.process_set_id) + " (ranks " + set_string(members) + ")");
+    if (o.op == UNISON_JOIN || o.op == UNISON_ADD_PROCESS_SET || o.op == UNISON_REMOVE_PROCESS_SET)
+      return invalid(what() + ": runs on the global process set only");
+    r.rank = (int)(me - members.begin());
+    size = (int)members.size();
+  }
+
+  const bool carries_tensor = o.op <= UNISON_REDUCESCATTER;
   if (carries_tensor) {
     if (!dtype_valid(o.dtype)) return invalid(what() + ": unsupported dtype code " + std::to_string(o.dtype));
     if (o.ndim < 0 || o.ndim > UNISON_MAX_DIMS)
@@ -126,7 +164,7 @@ Status Engine::enqueue(const unison_op_options& o, int64_t* handle) {
     if (elements > 0 && (size_t)elements > (SIZE_MAX / 4) / dtype_size(o.dtype))
       return invalid(what() + ": shape " + shape_string(r.shape) + " is too large");
     const size_t bytes = (size_t)elements * dtype_size(o.dtype);
-    const bool needs_input = o.op != UNISON_BROADCAST || o.root_rank == r.rank;
+    const bool needs_input = o.op != UNISON_BROADCAST || o.root_rank == my_rank;
     if (bytes > 0 && needs_input && o.input == nullptr) return invalid(what() + ": input pointer is NULL");
     if (bytes > 0 && (o.op == UNISON_ALLREDUCE || o.op == UNISON_BROADCAST) && o.output == nullptr)
       return invalid(what() + ": output pointer is NULL");
@@ -141,8 +179,20 @@ Status Engine::enqueue(const unison_op_options& o, int64_t* handle) {
     if (o.dtype == UNISON_BOOL && (o.reduce_op == UNISON_AVERAGE || r.prescale != 1.0 || r.postscale != 1.0))
       return invalid(what() + ": bool tensors support Sum (any), Max (any), Min (all) and Product (all) without scale factors");
   }
-  if (o.op == UNISON_BROADCAST && (o.root_rank < 0 || o.root_rank >= size))
-    return invalid(what() + ": root rank " + std::to_string(o.root_rank) + " is outside 0.." + std::to_string(size - 1));
+  if (o.op == UNISON_BROADCAST) {
+    // The root is named by its global rank, as in Horovod; it travels as
+    // its place in the set.
+    if (o.root_rank < 0 || o.root_rank >= backend_->size())
+      return invalid(what() + ": root rank " + std::to_string(o.root_rank) + " is outside 0.." +
+                     std::to_string(backend_->size() - 1));
+    if (!members.empty()) {
+      auto root = std::find(members.begin(), members.end(), o.root_rank);
+      if (root == members.end())
+        return invalid(what() + ": root rank " + std::to_string(o.root_rank) + " is not in process set " +
+                       std::to_string(o.process_set_id) + " (ranks " + set_string(members) + ")");
+      r.root = (int)(root - members.begin());
+    }
+  }
   if (o.op == UNISON_ALLTOALL) {
     const int64_t rows = r.shape[0];
     if (o.splits == nullptr) {
@@ -164,8 +214,24 @@ Status Engine::enqueue(const unison_op_options& o, int64_t* handle) {
                        " rows, the tensor has " + std::to_string(rows));
     }
   }
-  if (o.process_set_id != UNISON_GLOBAL_PROCESS_SET)
-    return Status::Error(UNISON_ERR_UNSUPPORTED, "unison: " + what() + ": only the global process set (0) exists so far");
+  if (o.op == UNISON_ADD_PROCESS_SET) {
+    if (o.splits == nullptr || o.nsplits < 1) return invalid(what() + ": a process set needs at least one rank");
+    r.splits.assign(o.splits, o.splits + o.nsplits);
+    for (size_t i = 0; i < r.splits.size(); ++i)
+      if (r.splits[i] < 0 || r.splits[i] >= size || (i > 0 && r.splits[i] <= r.splits[i - 1]))
+        return invalid(what() + ": ranks " + shape_string(r.splits) + " must be distinct, ascending and within 0.." +
+                       std::to_string(size - 1));
+    std::lock_guard<std::mutex> lock(queue_mutex_);
+    for (const auto& [id, ranks] : set_ranks_)
+      if (std::equal(ranks.begin(), ranks.end(), r.splits.begin(), r.splits.end()))
+        return invalid(what() + ": process set " + std::to_string(id) + " already has ranks " + shape_string(r.splits));
+  }
+  if (o.op == UNISON_REMOVE_PROCESS_SET) {
+    if (o.root_rank == UNISON_GLOBAL_PROCESS_SET) return invalid(what() + ": the global process set cannot be removed");
+    std::lock_guard<std::mutex> lock(queue_mutex_);
+    if (!set_ranks_.count(o.root_rank))
+      return invalid(what() + ": process set " + std::to_string(o.root_rank) + " does not exist (never added, or removed)");
+  }
   if (o.device != UNISON_CPU_DEVICE)
     return Status::Error(UNISON_ERR_UNSUPPORTED, "unison: " + what() + ": device " + std::to_string(o.device) +
                                                      " given, but this build supports CPU memory only");
@@ -179,12 +245,13 @@ Status Engine::enqueue(const unison_op_options& o, int64_t* handle) {
   } else {
     r.name = std::string(op_name(o.op)) + ".noname." + std::to_string(++unnamed_ops_);
   }
-  if (in_flight_.count(r.name))
+  std::unordered_set<std::string>& in_flight = in_flight_[o.process_set_id];
+  if (in_flight.count(r.name))
     return invalid(std::string(op_name(o.op)) + " '" + r.name + "': a tensor of this name is already in flight on rank " +
-                   std::to_string(r.rank) + "; wait for it, or give the new one another name");
+                   std::to_string(my_rank) + "; wait for it, or give the new one another name");
   e.handle = handles_->create();
   *handle = e.handle;
-  in_flight_.insert(r.name);
+  in_flight.insert(r.name);
   queue_.push_back(std::move(e));
   backend_->wake();
   return Status::OK();
@@ -212,11 +279,16 @@ void Engine::loop() {
       continue;
     }
     const double now = monotonic_seconds();
-    if (backend_->rank() == 0 && stall_inspector_.due(oldest_waiting_since(), now)) {
+    bool stall_due = false, anything_pending = false;
+    for (const auto& [id, set] : sets_) {
+      stall_due |= stall_check_due(*set, now);
+      anything_pending |= !set->pending.empty();
+    }
+    if (stall_due) {
       backend_->request_cycles(cycles_done_ + 1);
       continue;
     }
-    if (!pending_.empty()) {
+    if (anything_pending) {
       Status s = backend_->check_peers();
       if (!s.ok()) {
         fail_everything(s);
@@ -228,77 +300,112 @@ void Engine::loop() {
 }
 
 bool Engine::has_local_work() {
-  if (another_cycle_ || !to_send_.empty() || stop_requested_.load()) return true;
+  if (stop_requested_.load()) return true;
+  for (const auto& [id, set] : sets_)
+    if (set->another_cycle || !set->to_send.empty()) return true;
   std::lock_guard<std::mutex> lock(queue_mutex_);
   return !queue_.empty();
 }
 
-void Engine::take_new_requests(CycleMessage* message) {
+bool Engine::stall_check_due(const ProcessSetState& set, double now) const {
+  return set.rank == 0 && set.stall_inspector.due(oldest_waiting_since(set), now);
+}
+
+void Engine::take_new_requests() {
   std::vector<Entry> fresh;
   {
     std::lock_guard<std::mutex> lock(queue_mutex_);
     fresh.swap(queue_);
   }
   for (Entry& e : fresh) {
+    auto found_set = sets_.find(e.process_set);
+    if (found_set == sets_.end()) {  // removed after this op was enqueued
+      {
+        std::lock_guard<std::mutex> lock(queue_mutex_);
+        in_flight_[e.process_set].erase(e.request.name);
+      }
+      handles_->complete(e.handle, Status::Error(UNISON_ERR_SHUT_DOWN, "unison: " + std::string(op_name(e.request.op)) +
+                                                                          " '" + e.request.name + "': process set " +
+                                                                          std::to_string(e.process_set) + " was removed"));
+      continue;
+    }
+    ProcessSetState& set = *found_set->second;
+    set.fresh = true;
     const std::string name = e.request.name;
     int position = -1;
     ResponseCache::Lookup found = ResponseCache::Lookup::kMiss;
     if (e.request.op == UNISON_JOIN) joined_ = true;
-    if (!anyone_joined_ && cache_.capacity() > 0 && e.request.op != UNISON_JOIN && e.request.op != UNISON_BARRIER)
-      found = cache_.lookup(e.request, backend_->size(), &position);
+    if (!set.anyone_joined && set.cache.capacity() > 0 && e.request.op <= UNISON_REDUCESCATTER)
+      found = set.cache.lookup(e.request, set.size(), &position);
     if (found == ResponseCache::Lookup::kHit) {
       e.cache_position = position;
     } else {
-      if (found == ResponseCache::Lookup::kStale) set_bit(&message->invalid_bits, position);
-      to_send_.push_back(name);
+      if (found == ResponseCache::Lookup::kStale) set_bit(&set.invalid_bits, position);
+      set.to_send.push_back(name);
     }
-    pending_.emplace(name, std::move(e));
+    set.pending.emplace(name, std::move(e));
   }
+}
+
+void Engine::build_message(ProcessSetState& set, CycleMessage* message, double now) {
   // Full requests, as many as fit in one message; the rest wait a cycle.
-  size_t budget = backend_->max_message_bytes() - 64 - (size_t)cache_.capacity() / 4;
+  size_t budget = set.backend->max_message_bytes() - 64 - (size_t)set.cache.capacity() / 4 - 4 * sets_.size();
   size_t used = 0;
   size_t taken = 0;
-  for (; taken < to_send_.size(); ++taken) {
-    const Request& r = pending_.at(to_send_[taken]).request;
+  for (; taken < set.to_send.size(); ++taken) {
+    const Request& r = set.pending.at(set.to_send[taken]).request;
     size_t bytes = encoded_size(r);
     if (taken > 0 && used + bytes > budget) break;
     used += bytes;
     message->requests.push_back(r);
   }
-  to_send_.erase(to_send_.begin(), to_send_.begin() + taken);
-  if (!to_send_.empty()) message->flags |= CycleMessage::kMoreQueued;
-  for (const auto& [name, e] : pending_)
+  set.to_send.erase(set.to_send.begin(), set.to_send.begin() + taken);
+  if (!set.to_send.empty()) message->flags |= CycleMessage::kMoreQueued;
+  for (const auto& [name, e] : set.pending)
     if (e.cache_position >= 0) set_bit(&message->ready_bits, e.cache_position);
+  message->invalid_bits.swap(set.invalid_bits);
+  set.invalid_bits.clear();
+  // The set's rank 0 owes the others a response list when its coordinator
+  // holds responses back or the stall inspector has something to fail.
+  set.stall_check = stall_check_due(set, now);
+  if (set.rank == 0 && (set.another_cycle || set.stall_check)) message->flags |= CycleMessage::kMoreQueued;
+  set.fresh = false;
+  if (&set != global_) return;
   if (joined_) message->flags |= CycleMessage::kJoined;
   if (stop_requested_.load()) message->flags |= CycleMessage::kShutdown;
+  for (const auto& [id, other] : sets_)
+    if (id != 0 && (other->fresh || other->another_cycle || !other->to_send.empty() || stall_check_due(*other, now)))
+      message->busy_sets.push_back(id);
 }
 
-Status Engine::run_cycle() {
-  const int size = backend_->size();
-  const int rank = backend_->rank();
-  CycleMessage mine;
-  take_new_requests(&mine);
-  const double now = monotonic_seconds();
-  // Rank 0 owes the others a response list when its coordinator holds
-  // responses back or the stall inspector has something to fail.
-  bool coordinator_news = false;
-  bool stall_check = false;
-  if (rank == 0) {
-    stall_check = stall_inspector_.due(oldest_waiting_since(), now);
-    coordinator_news = another_cycle_ || stall_check;
-  }
-  if (coordinator_news) mine.flags |= CycleMessage::kMoreQueued;
-
+Status Engine::exchange(ProcessSetState& set, const CycleMessage& mine, std::vector<CycleMessage>* all) {
   std::vector<std::string> raw;
-  Status s = backend_->exchange(encode(mine), &raw);
+  Status s = set.backend->exchange(encode(mine), &raw);
   if (!s.ok()) return s;
-  std::vector<CycleMessage> all(size);
-  for (int r = 0; r < size; ++r) {
-    s = decode(raw[r], &all[r]);
+  all->assign(set.size(), CycleMessage());
+  for (int r = 0; r < set.size(); ++r) {
+    s = decode(raw[r], &(*all)[r]);
     if (!s.ok()) return s;
   }
+  return Status::OK();
+}
 
-  for (int r = 0; r < size; ++r) {
+// One cycle: the global set first, then every other set that some rank
+// has work for, in id order. Every member of a set learns from the global
+// exchange that its set is busy, so all of them run its cycle, and ranks
+// in two sets meet in each in the same order: sets never deadlock each
+// other, and a set's cycle involves its members only.
+Status Engine::run_cycle() {
+  take_new_requests();
+  const double now = monotonic_seconds();
+  CycleMessage mine;
+  build_message(*global_, &mine, now);
+  std::vector<CycleMessage> all;
+  Status s = exchange(*global_, mine, &all);
+  if (!s.ok()) return s;
+
+  std::set<int> busy;
+  for (int r = 0; r < (int)all.size(); ++r) {
     if (all[r].flags & CycleMessage::kShutdown) {
       Status down = Status::Error(UNISON_ERR_SHUT_DOWN, "unison: rank " + std::to_string(r) +
                                                             " has shut down; no more collectives can run in this job");
@@ -306,12 +413,37 @@ Status Engine::run_cycle() {
       stopped_ = true;
       return Status::OK();
     }
+    busy.insert(all[r].busy_sets.begin(), all[r].busy_sets.end());
   }
+  s = negotiate(*global_, all, mine, now);
+  if (!s.ok() || stopped_) return s;
+  for (int id : busy) {
+    auto it = sets_.find(id);
+    if (it == sets_.end()) continue;  // not a member, or removed this cycle
+    ProcessSetState& set = *it->second;
+    CycleMessage set_mine;
+    build_message(set, &set_mine, now);
+    std::vector<CycleMessage> set_all;
+    s = exchange(set, set_mine, &set_all);
+    if (s.ok()) s = negotiate(set, set_all, set_mine, now);
+    if (!s.ok() || stopped_) return s;
+  }
+  return Status::OK();
+}
+
+// Decides what runs in `set` this cycle from everyone's messages, runs it,
+// and remembers the new responses.
+Status Engine::negotiate(ProcessSetState& set, const std::vector<CycleMessage>& all, const CycleMessage& mine,
+                         double now) {
+  (void)mine;
+  const int size = set.size();
+  const int rank = set.rank;
+  ResponseCache& cache = set.cache;
 
   // Combine the cache bits: a position runs when every rank has it ready
   // (a joined rank counts as ready for everything) and none invalidated it.
   bool any_requests = false, any_joined = false, more = false;
-  const int words = (cache_.capacity() + 63) / 64;
+  const int words = (cache.capacity() + 63) / 64;
   std::vector<uint64_t> agreed(words, ~0ull), invalid(words, 0), anywhere(words, 0);
   for (const CycleMessage& m : all) {
     any_requests |= !m.requests.empty();
@@ -324,15 +456,15 @@ Status Engine::run_cycle() {
       if (w < (int)m.invalid_bits.size()) invalid[w] |= m.invalid_bits[w];
     }
   }
-  anyone_joined_ = any_joined;
+  set.anyone_joined = any_joined;
   bool resend = false;
-  for (auto& [name, e] : pending_) {
+  for (auto& [name, e] : set.pending) {
     if (e.cache_position < 0) continue;
     // While some rank waits in join, tensors go through the coordinator,
     // which knows who joined; a stale position is renegotiated in full.
     if (any_joined || test_bit(invalid, e.cache_position)) {
       e.cache_position = -1;
-      to_send_.push_back(name);
+      set.to_send.push_back(name);
       resend = true;
     }
   }
@@ -340,20 +472,20 @@ Status Engine::run_cycle() {
   // the cache is not changed again until everything here has run.
   std::vector<const Response*> responses;
   for_each_set_bit(invalid, [&](int p) {
-    cache_.erase(p);
-    partial_bits_.erase(p);
+    cache.erase(p);
+    set.partial_bits.erase(p);
   });
   if (!any_joined) {
     for_each_set_bit(anywhere, [&](int p) {
-      if (p >= cache_.capacity() || test_bit(invalid, p)) return;
+      if (p >= cache.capacity() || test_bit(invalid, p)) return;
       if (test_bit(agreed, p)) {
-        responses.push_back(&cache_.response(p));
-        cache_.touch(p);
-        partial_bits_.erase(p);
+        responses.push_back(&cache.response(p));
+        cache.touch(p);
+        set.partial_bits.erase(p);
       } else if (rank == 0) {
         // Remember who has it ready, for the stall inspector's report.
-        auto [it, fresh] = partial_bits_.try_emplace(p);
-        if (fresh) it->second = Waiting{cache_.response(p).tensors[0].name, cache_.response(p).op, {}, now};
+        auto [it, fresh] = set.partial_bits.try_emplace(p);
+        if (fresh) it->second = Waiting{cache.response(p).tensors[0].name, cache.response(p).op, {}, now};
         it->second.submitted.assign(size, false);
         for (int r = 0; r < size; ++r) it->second.submitted[r] = test_bit(all[r].ready_bits, p);
       }
@@ -366,14 +498,14 @@ Status Engine::run_cycle() {
     std::string encoded;
     if (rank == 0) {
       for (const CycleMessage& m : all)
-        for (const Request& r : m.requests) coordinator_.add(r, now);
-      if (stall_check) {
-        for (const auto& [name, message] : stall_inspector_.inspect(stalled_candidates(), now)) {
-          coordinator_.fail(name, UNISON_ERR_STALLED, message);
-          for (auto it = partial_bits_.begin(); it != partial_bits_.end();) {
+        for (const Request& r : m.requests) set.coordinator.add(r, now);
+      if (set.stall_check) {
+        for (const auto& [name, message] : set.stall_inspector.inspect(stalled_candidates(set), now)) {
+          set.coordinator.fail(name, UNISON_ERR_STALLED, message);
+          for (auto it = set.partial_bits.begin(); it != set.partial_bits.end();) {
             if (it->second.name == name) {
               decided.responses.push_back(error_response(name, UNISON_ERR_STALLED, message));
-              it = partial_bits_.erase(it);
+              it = set.partial_bits.erase(it);
             } else {
               ++it;
             }
@@ -381,12 +513,12 @@ Status Engine::run_cycle() {
         }
       }
       bool held_back = false;
-      std::vector<Response> ready = coordinator_.take_ready(backend_->max_message_bytes() / 2, &held_back);
+      std::vector<Response> ready = set.coordinator.take_ready(set.backend->max_message_bytes() / 2, &held_back);
       for (Response& r : ready) decided.responses.push_back(std::move(r));
       decided.more_ready = held_back;
       encoded = encode(decided);
     }
-    s = backend_->broadcast_message(&encoded, 0);
+    Status s = set.backend->broadcast_message(&encoded, 0);
     if (!s.ok()) return s;
     if (rank != 0) {
       s = decode(encoded, &decided);
@@ -395,49 +527,86 @@ Status Engine::run_cycle() {
   }
   for (const Response& r : decided.responses) responses.push_back(&r);
 
-  for (const auto& group : fuse(responses)) {
-    execute(group);
+  for (const auto& group : fuse(set, responses)) {
+    execute(set, group);
     publish_completions();
+    if (stopped_) return Status::OK();  // a collective failed: everything is failed already
   }
 
   // Every rank remembers the same new responses in the same order, so the
   // caches stay identical. A put may evict a position some rank still waits
   // on; that rank then sends its request in full.
   for (const Response& r : decided.responses)
-    if (r.cacheable && !r.is_error() && r.op != UNISON_BARRIER && r.op != UNISON_JOIN) cache_.put(r);
-  for (auto& [name, e] : pending_) {
+    if (r.cacheable && !r.is_error() && r.op <= UNISON_REDUCESCATTER) cache.put(r);
+  for (auto& [name, e] : set.pending) {
     if (e.cache_position < 0) continue;
-    if (!cache_.occupied(e.cache_position) || cache_.response(e.cache_position).tensors[0].name != name) {
+    if (!cache.occupied(e.cache_position) || cache.response(e.cache_position).tensors[0].name != name) {
       e.cache_position = -1;
-      to_send_.push_back(name);
+      set.to_send.push_back(name);
       resend = true;
     }
   }
-  another_cycle_ = more || decided.more_ready || resend;
+  set.another_cycle = more || decided.more_ready || resend;
   return Status::OK();
 }
 
-double Engine::oldest_waiting_since() const {
-  double oldest = coordinator_.oldest_since();
-  for (const auto& [position, partial] : partial_bits_) oldest = std::min(oldest, partial.since);
+double Engine::oldest_waiting_since(const ProcessSetState& set) const {
+  double oldest = set.coordinator.oldest_since();
+  for (const auto& [position, partial] : set.partial_bits) oldest = std::min(oldest, partial.since);
   return oldest;
 }
 
-std::vector<Waiting> Engine::stalled_candidates() {
-  std::vector<Waiting> waiting = coordinator_.waiting();
-  for (const auto& [position, partial] : partial_bits_) waiting.push_back(partial);
+std::vector<Waiting> Engine::stalled_candidates(const ProcessSetState& set) {
+  std::vector<Waiting> waiting = set.coordinator.waiting();
+  for (const auto& [position, partial] : set.partial_bits) waiting.push_back(partial);
   return waiting;
+}
+
+// ---- process sets ---------------------------------------------------------------
+
+// Runs on every rank at the same point of the same cycle, so the id and the
+// split agree everywhere.
+Status Engine::add_process_set(const std::vector<int>& ranks, OpResult* result) {
+  const int id = next_set_id_++;
+  std::unique_ptr<Backend> split;
+  Status s = backend_->split(ranks, id, &split);
+  if (!s.ok()) return s;
+  {
+    std::lock_guard<std::mutex> lock(queue_mutex_);
+    set_ranks_[id] = ranks;
+  }
+  if (split != nullptr) {
+    const int me = (int)(std::find(ranks.begin(), ranks.end(), backend_->rank()) - ranks.begin());
+    Backend* backend = split.get();
+    sets_.emplace(id, std::make_unique<ProcessSetState>(id, ranks, me, backend, std::move(split), config_));
+  }
+  result->process_set_id = id;
+  return Status::OK();
+}
+
+void Engine::remove_process_set(int id) {
+  auto it = sets_.find(id);
+  if (it != sets_.end()) {
+    const Status removed = Status::Error(UNISON_ERR_SHUT_DOWN, "unison: process set " + std::to_string(id) +
+                                                                  " was removed while this op waited in it");
+    for (auto& [name, e] : it->second->pending) handles_->complete(e.handle, removed);
+    sets_.erase(it);
+  }
+  std::lock_guard<std::mutex> lock(queue_mutex_);
+  set_ranks_.erase(id);
+  in_flight_.erase(id);
 }
 
 // ---- fusion and execution -------------------------------------------------------
 
-std::vector<std::vector<const Response*>> Engine::fuse(const std::vector<const Response*>& responses) const {
+std::vector<std::vector<const Response*>> Engine::fuse(const ProcessSetState& set,
+                                                       const std::vector<const Response*>& responses) const {
   // Compatible responses share a group until it would pass the threshold.
   // The grouping depends only on the list, which every rank has the same.
   using Key = std::tuple<int, int, int, double, double, int>;
   std::vector<std::vector<const Response*>> groups;
   std::map<Key, std::pair<size_t, size_t>> open;  // key -> (group index, bytes)
-  const int size = backend_->size();
+  const int size = set.size();
   for (const Response* response : responses) {
     const Response& r = *response;
     const bool fusable = !r.is_error() && (r.op == UNISON_ALLREDUCE || r.op == UNISON_ALLGATHER ||
@@ -467,38 +636,42 @@ std::vector<std::vector<const Response*>> Engine::fuse(const std::vector<const R
   return groups;
 }
 
-void Engine::complete(const std::string& name, const Status& status, OpResult result) {
-  auto it = pending_.find(name);
-  if (it == pending_.end()) {
+void Engine::complete(ProcessSetState& set, const std::string& name, const Status& status, OpResult result) {
+  auto it = set.pending.find(name);
+  if (it == set.pending.end()) {
     if (result.core_allocated) std::free(result.data);
     return;
   }
   finished_.push_back(Completion{it->second.handle, status, std::move(result)});
-  finished_names_.push_back(name);
-  pending_.erase(it);
+  finished_names_.emplace_back(set.id, name);
+  set.pending.erase(it);
 }
 
 void Engine::publish_completions() {
   if (finished_.empty()) return;
   {
     std::lock_guard<std::mutex> lock(queue_mutex_);
-    for (const std::string& name : finished_names_) in_flight_.erase(name);
+    for (const auto& [id, name] : finished_names_) {
+      auto names = in_flight_.find(id);
+      if (names != in_flight_.end()) names->second.erase(name);
+    }
   }
   finished_names_.clear();
   handles_->complete(&finished_);
 }
 
-void Engine::execute(const std::vector<const Response*>& group) {
+void Engine::execute(ProcessSetState& set, const std::vector<const Response*>& group) {
   const Response& head = *group[0];
-  const int size = backend_->size();
-  const int rank = backend_->rank();
+  const int size = set.size();
+  const int rank = set.rank;
+  Backend* const backend = set.backend;
   if (head.is_error()) {
-    complete(head.tensors[0].name, Status::Error(head.error_code, head.error));
+    complete(set, head.tensors[0].name, Status::Error(head.error_code, head.error));
     return;
   }
   auto local = [&](const std::string& name) -> Entry* {
-    auto it = pending_.find(name);
-    return it == pending_.end() ? nullptr : &it->second;
+    auto it = set.pending.find(name);
+    return it == set.pending.end() ? nullptr : &it->second;
   };
   // A rank that has joined has no tensors of its own: it contributes zeros
   // (or nothing) from scratch memory and drops what it receives.
@@ -528,7 +701,7 @@ void Engine::execute(const std::vector<const Response*>& group) {
           o.segments.push_back({z, z, bytes});
         }
       }
-      status = backend_->allreduce(o);
+      status = backend->allreduce(o);
       break;
     }
     case UNISON_ALLGATHER: {
@@ -551,7 +724,7 @@ void Engine::execute(const std::vector<const Response*>& group) {
         results[i].shape[0] = rows;
         o.tensors.push_back(part);
       }
-      status = backend_->allgather(o);
+      status = backend->allgather(o);
       break;
     }
     case UNISON_BROADCAST: {
@@ -561,7 +734,7 @@ void Engine::execute(const std::vector<const Response*>& group) {
       void* buffer = e != nullptr ? output_buffer(e->output, bytes, &results[0]) : zeros(bytes);
       if (e != nullptr && rank == head.root && bytes > 0 && buffer != e->input) std::memcpy(buffer, e->input, bytes);
       results[0].shape = t.shape;
-      status = backend_->broadcast(BroadcastOptions{buffer, bytes, head.root});
+      status = backend->broadcast(BroadcastOptions{buffer, bytes, head.root});
       break;
     }
     case UNISON_ALLTOALL: {
@@ -581,7 +754,7 @@ void Engine::execute(const std::vector<const Response*>& group) {
       o.output = output_buffer(e != nullptr ? e->output : nullptr, (size_t)rows_in * row, &results[0]);
       results[0].shape = t.shape;
       results[0].shape[0] = rows_in;
-      status = backend_->alltoall(o);
+      status = backend->alltoall(o);
       break;
     }
     case UNISON_REDUCESCATTER: {
@@ -600,7 +773,7 @@ void Engine::execute(const std::vector<const Response*>& group) {
         results[i].shape[0] = scatter_rows(t.shape[0], size, rank);
         o.tensors.push_back(part);
       }
-      status = backend_->reducescatter(o);
+      status = backend->reducescatter(o);
       break;
     }
     case UNISON_BARRIER:
@@ -608,6 +781,13 @@ void Engine::execute(const std::vector<const Response*>& group) {
     case UNISON_JOIN:
       joined_ = false;
       results[0].join_rank = head.last_joined_rank;
+      break;
+    case UNISON_ADD_PROCESS_SET:
+      status = add_process_set(std::vector<int>(head.tensors[0].splits.begin(), head.tensors[0].splits.end()),
+                               &results[0]);
+      break;
+    case UNISON_REMOVE_PROCESS_SET:
+      remove_process_set(head.root);
       break;
   }
 
@@ -617,7 +797,7 @@ void Engine::execute(const std::vector<const Response*>& group) {
       std::free(results[i].data);
       continue;
     }
-    complete(name, status, std::move(results[i]));
+    complete(set, name, status, std::move(results[i]));
   }
   if (!status.ok()) fail_everything(status);
 }
@@ -632,9 +812,11 @@ void Engine::fail_everything(const Status& status) {
     in_flight_.clear();
   }
   for (Entry& e : queued) handles_->complete(e.handle, status);
-  for (auto& [name, e] : pending_) handles_->complete(e.handle, status);
-  pending_.clear();
-  to_send_.clear();
+  for (auto& [id, set] : sets_) {
+    for (auto& [name, e] : set->pending) handles_->complete(e.handle, status);
+    set->pending.clear();
+    set->to_send.clear();
+  }
   if (status.code == UNISON_ERR_RANK_FAILED) {
     std::fprintf(stderr, "%s\n", status.message.c_str());
     std::fflush(stderr);

@@ -14,6 +14,11 @@
 //      same order on every rank, then complete the handles.
 // Cycles are collective and start as soon as any rank has work, so a lone
 // op waits for no timer, and an idle rank sleeps in the kernel.
+//
+// Process sets: steps 1-4 run per set, each set with its own cache and
+// coordinator and over its own backend (Backend::split). The global set's
+// exchange says which other sets have work anywhere; right after it, the
+// members of each such set run steps 2-4 among themselves, in id order.
 #pragma once
 
 #include <atomic>
@@ -36,6 +41,12 @@
 
 namespace unison {
 
+// One process set as this rank's engine sees it: its ranks, the backend
+// its members talk over, and its own negotiation state. Each set negotiates
+// among its members only, with its own response cache and coordinator, so
+// its ops never wait on ranks outside it.
+struct ProcessSetState;
+
 class Engine {
  public:
   Engine(const Config& config, std::unique_ptr<Backend> backend, HandleTable* handles);
@@ -45,30 +56,41 @@ class Engine {
   // Tells every rank this one is leaving, then stops the thread.
   void stop();
   const Backend& backend() const { return *backend_; }
+  // The ranks of process set `id` (ascending), or false if there is none.
+  bool process_set_ranks(int id, std::vector<int>* ranks);
 
  private:
   // A request this rank made, and where its bytes are.
   struct Entry {
     Request request;
+    int process_set = 0;
     const void* input = nullptr;
     void* output = nullptr;
     int64_t handle = 0;
     int cache_position = -1;  // >= 0 while it waits as a cache bit
   };
+  friend struct ProcessSetState;
 
   void loop();
   bool has_local_work();
   Status run_cycle();
-  void take_new_requests(CycleMessage* message);
-  std::vector<std::vector<const Response*>> fuse(const std::vector<const Response*>& responses) const;
-  void execute(const std::vector<const Response*>& group);
+  void take_new_requests();
+  void build_message(ProcessSetState& set, CycleMessage* message, double now);
+  Status exchange(ProcessSetState& set, const CycleMessage& mine, std::vector<CycleMessage>* all);
+  Status negotiate(ProcessSetState& set, const std::vector<CycleMessage>& all, const CycleMessage& mine, double now);
+  std::vector<std::vector<const Response*>> fuse(const ProcessSetState& set,
+                                                 const std::vector<const Response*>& responses) const;
+  void execute(ProcessSetState& set, const std::vector<const Response*>& group);
+  Status add_process_set(const std::vector<int>& ranks, OpResult* result);
+  void remove_process_set(int id);
   // Finishes this rank's op `name`; its handle completes at the next
   // publish_completions(), together with the rest of its group.
-  void complete(const std::string& name, const Status& status, OpResult result = OpResult());
+  void complete(ProcessSetState& set, const std::string& name, const Status& status, OpResult result = OpResult());
   void publish_completions();
   void fail_everything(const Status& status);
-  std::vector<Waiting> stalled_candidates();
-  double oldest_waiting_since() const;  // of stalled_candidates(), without building them
+  bool stall_check_due(const ProcessSetState& set, double now) const;
+  std::vector<Waiting> stalled_candidates(const ProcessSetState& set);
+  double oldest_waiting_since(const ProcessSetState& set) const;  // without building the candidates
 
   const Config config_;
   std::unique_ptr<Backend> backend_;
@@ -77,27 +99,52 @@ class Engine {
   // Shared with calling threads, under queue_mutex_.
   std::mutex queue_mutex_;
   std::vector<Entry> queue_;
-  std::unordered_set<std::string> in_flight_;
+  std::map<int, std::unordered_set<std::string>> in_flight_;  // names, by process set
+  std::map<int, std::vector<int>> set_ranks_;  // every process set's ranks, member or not
   Status terminal_;  // set once the engine can no longer run ops
   uint64_t unnamed_ops_ = 0;
   std::atomic<bool> stop_requested_{false};
 
-  // The engine thread's own state.
-  std::unordered_map<std::string, Entry> pending_;  // by name
-  std::vector<std::string> to_send_;                // names whose request goes in full
-  ResponseCache cache_;
-  Coordinator coordinator_;                         // used on rank 0
-  StallInspector stall_inspector_;
-  std::map<int, Waiting> partial_bits_;             // rank 0: cache bits set on some ranks only
+  // The engine thread's own state. Declared after backend_, so the sets'
+  // backends are gone before the one they were split from.
+  std::map<int, std::unique_ptr<ProcessSetState>> sets_;  // the sets this rank is in, by id
+  ProcessSetState* global_ = nullptr;                     // sets_[0]
+  int next_set_id_ = 1;  // every rank adds sets in the same order, so ids agree
   std::vector<Completion> finished_;                // completed, not yet published
-  std::vector<std::string> finished_names_;
+  std::vector<std::pair<int, std::string>> finished_names_;  // (process set, name)
   uint64_t cycles_done_ = 0;
-  bool another_cycle_ = false;  // the last cycle left work for the next
   bool joined_ = false;         // this rank waits in join
-  bool anyone_joined_ = false;  // as of the last cycle
   bool stopped_ = false;
   double last_cycle_start_ = 0;
   std::thread thread_;
+};
+
+struct ProcessSetState {
+  ProcessSetState(int id, std::vector<int> ranks, int rank, Backend* backend, std::unique_ptr<Backend> owned,
+                  const Config& config)
+      : id(id), ranks(std::move(ranks)), rank(rank), backend(backend), owned(std::move(owned)),
+        cache(config.cache_capacity), coordinator((int)this->ranks.size()), stall_inspector(config) {
+    coordinator.set_rank_names(this->ranks, id);
+    stall_inspector.set_rank_names(this->ranks, id);
+  }
+  int size() const { return (int)ranks.size(); }
+
+  const int id;
+  const std::vector<int> ranks;     // global ranks, ascending
+  const int rank;                   // this rank's place among them
+  Backend* const backend;           // its control and data planes
+  std::unique_ptr<Backend> owned;   // the backend split for it (null for the global set)
+  ResponseCache cache;
+  Coordinator coordinator;          // used on the set's rank 0
+  StallInspector stall_inspector;
+  std::unordered_map<std::string, Engine::Entry> pending;  // by name
+  std::vector<std::string> to_send;  // names whose request goes in full
+  std::vector<uint64_t> invalid_bits;  // stale cache positions to announce in its next cycle
+  std::map<int, Waiting> partial_bits;  // set rank 0: cache bits set on some ranks only
+  bool fresh = false;         // requests arrived since its last cycle
+  bool another_cycle = false;  // its last cycle left work for the next
+  bool anyone_joined = false;  // as of its last cycle (global set only)
+  bool stall_check = false;    // set rank 0: this cycle inspects stalled tensors
 };
 
 }  // namespace unison

@@ -20,6 +20,7 @@ struct OpResult {
   std::vector<int64_t> shape;
   std::vector<int64_t> received_splits;
   int join_rank = -1;
+  int process_set_id = -1;  // add_process_set: the new set
 };
 
 // One finished op, as the engine hands it over.

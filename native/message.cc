@@ -138,6 +138,7 @@ std::string encode(const CycleMessage& m) {
   w.put<uint32_t>(m.flags);
   w.put_vector(m.ready_bits);
   w.put_vector(m.invalid_bits);
+  w.put_vector(m.busy_sets);
   w.put<uint32_t>((uint32_t)m.requests.size());
   for (const Request& r : m.requests) put_request(w, r);
   return out;
@@ -147,7 +148,7 @@ Status decode(const std::string& bytes, CycleMessage* m) {
   Reader rd(bytes);
   uint32_t n = 0;
   if (!(rd.get(&m->flags) && rd.get_vector(&m->ready_bits) && rd.get_vector(&m->invalid_bits) &&
-        rd.get(&n)))
+        rd.get_vector(&m->busy_sets) && rd.get(&n)))
     return corrupt("cycle message");
   m->requests.resize(n);
   for (Request& r : m->requests)

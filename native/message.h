@@ -22,7 +22,9 @@ struct Request {
   double prescale = 1.0;
   double postscale = 1.0;
   int root = 0;
-  std::vector<int64_t> splits;  // alltoall: rows to each rank (size entries)
+  // alltoall: rows to each rank (size entries); add_process_set: the new
+  // set's global ranks. remove_process_set carries the set's id as root.
+  std::vector<int64_t> splits;
   int device = -1;
 };
 
@@ -67,6 +69,9 @@ struct CycleMessage {
   std::vector<uint64_t> ready_bits;    // cache positions whose tensor is ready here
   std::vector<uint64_t> invalid_bits;  // cache positions whose parameters changed here
   std::vector<Request> requests;       // requests the cache could not express
+  // Global set only: the other process sets that have work on this rank.
+  // Their members run a cycle of each such set right after this one.
+  std::vector<int32_t> busy_sets;
 };
 
 // The coordinator's answer to a cycle.

@@ -7,14 +7,19 @@
 namespace unison {
 namespace {
 
-std::string ranks_where(const std::vector<bool>& submitted, bool value) {
+std::string ranks_where(const std::vector<bool>& submitted, bool value, const std::vector<int>& names) {
   std::string out;
   for (size_t r = 0; r < submitted.size(); ++r)
-    if (submitted[r] == value) out += (out.empty() ? "" : ", ") + std::to_string(r);
+    if (submitted[r] == value) out += (out.empty() ? "" : ", ") + std::to_string(names.empty() ? (int)r : names[r]);
   return "[" + out + "]";
 }
 
 }  // namespace
+
+void StallInspector::set_rank_names(const std::vector<int>& global_ranks, int process_set_id) {
+  rank_names_ = global_ranks;
+  set_label_ = process_set_id == 0 ? "" : " in process set " + std::to_string(process_set_id);
+}
 
 bool StallInspector::due(double oldest_since, double now) const {
   if (!config_.stall_check_enabled) return false;
@@ -30,10 +35,10 @@ std::vector<std::pair<std::string, std::string>> StallInspector::inspect(
   std::string report;
   for (const Waiting& w : waiting) {
     double age = now - w.since;
-    std::string line = std::string(op_name(w.op)) + " '" + w.name + "' waited " +
+    std::string line = std::string(op_name(w.op)) + " '" + w.name + "'" + set_label_ + " waited " +
                        std::to_string((int)age) + " s: submitted by ranks " +
-                       ranks_where(w.submitted, true) + ", missing from ranks " +
-                       ranks_where(w.submitted, false);
+                       ranks_where(w.submitted, true, rank_names_) + ", missing from ranks " +
+                       ranks_where(w.submitted, false, rank_names_);
     if (config_.stall_shutdown_seconds > 0 && age >= config_.stall_shutdown_seconds) {
       failures.emplace_back(w.name, "unison: stalled: " + line + " (failed after UNISON_STALL_SHUTDOWN_TIME_SECONDS=" +
                                         std::to_string((int)config_.stall_shutdown_seconds) + ")");

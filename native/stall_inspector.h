@@ -21,9 +21,14 @@ class StallInspector {
   // Prints a warning for what waited past the warning time; returns the
   // names waiting past the shutdown time (when that is set), with messages.
   std::vector<std::pair<std::string, std::string>> inspect(const std::vector<Waiting>& waiting, double now);
+  // For its reports: the global rank of each rank it watches, and the
+  // process set they form (0: the global set).
+  void set_rank_names(const std::vector<int>& global_ranks, int process_set_id);
 
  private:
   Config config_;
+  std::vector<int> rank_names_;  // empty: the ranks are global ranks
+  std::string set_label_;
   double last_report_ = 0;
 };
 

@@ -60,7 +60,11 @@ enum {
   UNISON_ALLTOALL = 3,
   UNISON_REDUCESCATTER = 4,
   UNISON_BARRIER = 5,
-  UNISON_JOIN = 6
+  UNISON_JOIN = 6,
+  /* Negotiated like collectives, but started by unison_add_process_set and
+     unison_remove_process_set, not by unison_enqueue. */
+  UNISON_ADD_PROCESS_SET = 7,
+  UNISON_REMOVE_PROCESS_SET = 8
 };
 
 /* Reduce operations. Adasum is reserved: asking for it fails with
@@ -101,7 +105,7 @@ typedef struct {
   int root_rank;            /* broadcast */
   const int64_t* splits;    /* alltoall: rows sent to each rank, or NULL for even */
   int nsplits;
-  int process_set_id;       /* only UNISON_GLOBAL_PROCESS_SET for now */
+  int process_set_id;       /* the set the op runs among; root_rank stays a global rank */
   int device;               /* UNISON_CPU_DEVICE for now */
   void* stream;             /* reserved for GPU streams */
 } unison_op_options;
@@ -145,6 +149,16 @@ int unison_handle_result(unison_handle handle, int take_ownership, void** data,
                          int64_t* nbytes, int* ndim, int64_t* shape);
 /* Alltoall: rows received from each rank (size entries). */
 int unison_handle_received_splits(unison_handle handle, int64_t* splits, int n);
+/* Process sets. Both are collective over every rank of the job and block
+   until every rank has made the same call, in the same order. Adding gives
+   the new set's id (ids are never reused within a session); `ranks` must be
+   ascending global ranks, and no existing set may have the same ones.
+   Removing fails the set's pending ops; the global set cannot be removed. */
+int unison_add_process_set(const int* ranks, int nranks, int* process_set_id);
+int unison_remove_process_set(int process_set_id);
+/* The ranks of a process set: fills up to `capacity` entries of `ranks`
+   and sets *nranks to the set's size. */
+int unison_process_set_ranks(int process_set_id, int* ranks, int capacity, int* nranks);
 /* Join: the last rank to join. */
 int unison_handle_join_rank(unison_handle handle, int* last_rank);
 int unison_release(unison_handle handle);

@@ -23,9 +23,12 @@ def framework_of(suite):
     return None
 
 
+# Process sets need 4 ranks: two disjoint pairs, and sets that overlap them.
+RUNS = [(suite, n) for suite in SUITES for n in ([2, 3, 4] if "process_sets" in suite else [2, 3])]
+
+
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("np_", [2, 3], ids=lambda n: "np%d" % n)
-@pytest.mark.parametrize("suite", SUITES)
+@pytest.mark.parametrize("suite,np_", RUNS, ids=lambda v: "np%d" % v if isinstance(v, int) else v)
 def test_suite_under_launcher(suite, np_):
     framework = framework_of(suite)
     if framework and importlib.util.find_spec(framework) is None:

@@ -11,9 +11,10 @@ from unison.process_sets import global_process_set
 from unison.torch.ops import broadcast_async_
 
 
-def broadcast_parameters(params, root_rank, prefix="broadcast"):
+def broadcast_parameters(params, root_rank, prefix="broadcast", process_set=global_process_set):
     """Overwrites every rank's parameters with root_rank's, in place. `params`
-    is a state_dict(), named_parameters(), or a list of tensors."""
+    is a state_dict(), named_parameters(), or a list of tensors. With a
+    process set, among its ranks only (root_rank is a global rank in it)."""
     if isinstance(params, dict):
         items = sorted(params.items())
     else:
@@ -23,7 +24,7 @@ def broadcast_parameters(params, root_rank, prefix="broadcast"):
         if tensor is None or not isinstance(tensor, torch.Tensor):
             continue
         label = "%s.%s" % (prefix, name if name is not None else "param.%d" % i)
-        handles.append(broadcast_async_(tensor, root_rank, name=label))
+        handles.append(broadcast_async_(tensor, root_rank, name=label, process_set=process_set))
     for handle in handles:
         synchronize(handle)
 
@@ -72,14 +73,15 @@ def _initialize_state(optimizer):
                 p.grad = grad
 
 
-def broadcast_optimizer_state(optimizer, root_rank, model=None):
+def broadcast_optimizer_state(optimizer, root_rank, model=None, process_set=global_process_set):
     """Makes every rank's optimizer state (hyperparameters of every param
     group, and per-parameter state) equal to root_rank's. Works for every
     torch.optim optimizer, LBFGS included, initialised or not."""
     if isinstance(optimizer, torch.optim.LBFGS):
         # LBFGS keeps lists of past directions and scalars under its one
         # parameter: its whole state goes as one object.
-        state = broadcast_object(optimizer.state_dict(), root_rank, name="optimizer_state.lbfgs")
+        state = broadcast_object(optimizer.state_dict(), root_rank, name="optimizer_state.lbfgs",
+                                 process_set=process_set)
         if basics.rank() != root_rank:
             optimizer.load_state_dict(state)
         return
@@ -96,7 +98,7 @@ def broadcast_optimizer_state(optimizer, root_rank, model=None):
         "groups": [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups],
         "state": [{key: describe(value) for key, value in optimizer.state.get(p, {}).items()} for p in params],
     }
-    layout = broadcast_object(layout, root_rank, name="optimizer_state.layout")
+    layout = broadcast_object(layout, root_rank, name="optimizer_state.layout", process_set=process_set)
 
     for group, options in zip(optimizer.param_groups, layout["groups"]):
         group.update(options)
@@ -113,6 +115,7 @@ def broadcast_optimizer_state(optimizer, root_rank, model=None):
             current = state.get(key)
             if not isinstance(current, torch.Tensor) or tuple(current.shape) != shape or current.dtype != dtype:
                 current = state[key] = torch.zeros(shape, dtype=dtype)
-            handles.append(broadcast_async_(current, root_rank, name="optimizer_state.%d.%s" % (index, key)))
+            handles.append(broadcast_async_(current, root_rank, name="optimizer_state.%d.%s" % (index, key),
+                                            process_set=process_set))
     for handle in handles:
         synchronize(handle)

@@ -16,6 +16,7 @@ import torch
 from unison import basics
 from unison.arguments import gradient_scaling, split_into_groups
 from unison.handles import synchronize as _wait
+from unison import process_sets
 from unison.process_sets import global_process_set
 from unison.torch.compression import Compression
 from unison.torch.ops import (Adasum, Average, allreduce_async_, grouped_allreduce_async_,
@@ -48,7 +49,7 @@ class _DistributedOptimizer:
         self._handles = {}  # parameter -> (handle, compression context); handle None until started
         self._synchronized = False
         self._should_synchronize = True
-        if basics.size() > 1:
+        if process_set.size() > 1:
             for p in self._ordered:
                 p.register_post_accumulate_grad_hook(self._make_hook(p))
 
@@ -119,7 +120,7 @@ class _DistributedOptimizer:
     def synchronize(self):
         """Waits for every gradient's allreduce (starting those whose hook did
         not fire) and writes the results into the .grad fields."""
-        if basics.size() == 1:
+        if self._process_set.size() == 1:
             self._synchronized = True
             return
         for p in self._ordered:
@@ -275,8 +276,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         raise ValueError("gradient_predivide_factor not supported with op != Average")
     if backward_passes_per_step < 1:
         raise ValueError("backward_passes_per_step must be at least 1")
+    process_sets.check_member(process_set, "DistributedOptimizer")
     base = optimizer.__class__
-    if op == Adasum and basics.size() > 1:
+    if op == Adasum and process_set.size() > 1:
         cls = type(base.__name__, (_DistributedAdasumOptimizer, base), {})
         wrapped = cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step,
                       process_set)

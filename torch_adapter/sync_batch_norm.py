@@ -15,6 +15,7 @@ other parameter: the optimizer's gradient averaging makes them global.
 import torch
 
 from unison import basics
+from unison import process_sets
 from unison.process_sets import global_process_set
 from unison.torch.ops import allgather, allreduce, Sum
 
@@ -91,6 +92,8 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
                  process_set=global_process_set, name=None, device=None, dtype=None):
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device,
                          dtype=dtype)
+        if basics.is_initialized():
+            process_sets.check_member(process_set, "SyncBatchNorm")
         self.process_set = process_set
         self.name = name
 

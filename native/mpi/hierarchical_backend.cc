@@ -244,6 +244,24 @@ class HierarchicalBackend final : public Backend {
 
   Status check_peers() override { return local_->check_peers(); }
 
+  // A set within one host needs no MPI: its members get shared memory of
+  // their own. A set across hosts goes flat over MPI among its members.
+  // Every rank can tell which case it is from `members` alone, so the
+  // collective MPI_Comm_split is called by all ranks or by none.
+  Status split(const std::vector<int>& members, int set_id, std::unique_ptr<Backend>* out) override {
+    out->reset();
+    const int first_host = host_of_[members[0]];
+    bool one_host = true;
+    for (int r : members) one_host &= host_of_[r] == first_host;
+    if (!one_host)
+      return make_mpi_set_backend(world_->comm(), members, config_, [this] { return local_->check_peers(); }, out);
+    if (first_host != host_) return Status::OK();
+    const std::vector<int>& here = host_ranks_[host_];
+    std::vector<int> local;
+    for (int r : members) local.push_back((int)(std::find(here.begin(), here.end(), r) - here.begin()));
+    return local_->split(local, set_id, out);
+  }
+
  private:
   bool leader() const { return config_.local_rank == 0; }
 

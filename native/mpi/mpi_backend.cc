@@ -59,12 +59,14 @@ class LocalPeers {
 
 class MpiBackend final : public Backend {
  public:
-  MpiBackend(const Config& config, const MpiWorld& world) : config_(config), local_peers_(world) {}
+  MpiBackend(const Config& config, Liveness liveness) : config_(config), liveness_(std::move(liveness)) {}
 
-  Status start() {
-    Status s = MpiCommunicator::create(MPI_COMM_WORLD, config_, [this] { return check_peers(); }, &comm_);
+  // Collective over `parent`. Only the job's own backend asks its peers
+  // for cycles; a process set's is driven by the engine's cycles.
+  Status start(MPI_Comm parent, bool schedules_cycles) {
+    Status s = MpiCommunicator::create(parent, config_, liveness_, &comm_);
     if (!s.ok()) return s;
-    requests_ = std::make_unique<CycleRequests>(comm_->comm());
+    if (schedules_cycles) requests_ = std::make_unique<CycleRequests>(comm_->comm());
     return Status::OK();
   }
   ~MpiBackend() override { requests_.reset(); }
@@ -84,13 +86,13 @@ class MpiBackend final : public Backend {
   // Only the engine thread calls these four, so MPI is never entered from
   // two threads of ours at once.
   uint64_t requested_cycles() const override {
-    const uint64_t heard = requests_->heard();
+    const uint64_t heard = requests_ ? requests_->heard() : 0;
     if (heard > requested_) requested_ = heard;
     return requested_;
   }
   void request_cycles(uint64_t count) override {
     if (count > requested_) requested_ = count;
-    requests_->announce(count);
+    if (requests_) requests_->announce(count);
   }
   uint32_t activity_token() const override { return doorbell_.token(); }
   void wait_for_activity(uint32_t token, double timeout_seconds) override {
@@ -107,16 +109,15 @@ class MpiBackend final : public Backend {
   Status alltoall(const AlltoallOptions& o) override { return comm_->alltoall(o); }
   Status reducescatter(const ReducescatterOptions& o) override { return comm_->reducescatter(o); }
 
-  Status check_peers() override {
-    const std::string dead = local_peers_.dead();
-    if (dead.empty()) return Status::OK();
-    return Status::Error(UNISON_ERR_RANK_FAILED,
-                         "unison: " + dead + " exited; collectives with it can no longer complete");
+  Status check_peers() override { return liveness_(); }
+
+  Status split(const std::vector<int>& members, int, std::unique_ptr<Backend>* out) override {
+    return make_mpi_set_backend(comm_->comm(), members, config_, liveness_, out);
   }
 
  private:
   Config config_;
-  LocalPeers local_peers_;
+  Liveness liveness_;
   std::unique_ptr<MpiCommunicator> comm_;
   std::unique_ptr<CycleRequests> requests_;
   mutable uint64_t requested_ = 0;
@@ -126,8 +127,33 @@ class MpiBackend final : public Backend {
 }  // namespace
 
 Status make_flat_mpi_backend(const Config& config, const MpiWorld& world, std::unique_ptr<Backend>* out) {
-  auto backend = std::make_unique<MpiBackend>(config, world);
-  Status s = backend->start();
+  auto peers = std::make_shared<LocalPeers>(world);
+  Liveness liveness = [peers] {
+    const std::string dead = peers->dead();
+    if (dead.empty()) return Status::OK();
+    return Status::Error(UNISON_ERR_RANK_FAILED,
+                         "unison: " + dead + " exited; collectives with it can no longer complete");
+  };
+  auto backend = std::make_unique<MpiBackend>(config, liveness);
+  Status s = backend->start(MPI_COMM_WORLD, true);
+  if (!s.ok()) return s;
+  *out = std::move(backend);
+  return Status::OK();
+}
+
+Status make_mpi_set_backend(MPI_Comm parent, const std::vector<int>& members, const Config& config,
+                            Liveness liveness, std::unique_ptr<Backend>* out) {
+  out->reset();
+  int rank = 0;
+  MPI_Comm_rank(parent, &rank);
+  const bool member = std::find(members.begin(), members.end(), rank) != members.end();
+  MPI_Comm set;
+  int rc = MPI_Comm_split(parent, member ? 0 : MPI_UNDEFINED, rank, &set);
+  if (rc != MPI_SUCCESS) return mpi_error("MPI_Comm_split for a process set", rc);
+  if (!member) return Status::OK();
+  auto backend = std::make_unique<MpiBackend>(config, std::move(liveness));
+  Status s = backend->start(set, false);
+  MPI_Comm_free(&set);
   if (!s.ok()) return s;
   *out = std::move(backend);
   return Status::OK();

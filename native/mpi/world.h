@@ -7,6 +7,7 @@
 
 #include <mpi.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -36,6 +37,10 @@ Status mpi_error(const std::string& what, int code);
 
 // The two MPI backends; make_mpi_backend (world.cc) picks one.
 Status make_flat_mpi_backend(const Config& config, const MpiWorld& world, std::unique_ptr<Backend>* out);
+// A process set's backend: flat MPI among `members` (ranks of `parent`),
+// collective over `parent`; non-members get null.
+Status make_mpi_set_backend(MPI_Comm parent, const std::vector<int>& members, const Config& config,
+                            std::function<Status()> liveness, std::unique_ptr<Backend>* out);
 Status make_hierarchical_backend(const Config& config, const MpiWorld& world, int generation,
                                  std::unique_ptr<Backend>* out);
 

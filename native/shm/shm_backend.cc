@@ -50,6 +50,7 @@ class ShmBackend final : public Backend {
   }
 
   Status start(int generation) {
+    generation_ = generation;
     Status s = segment_.open(config_, generation);
     if (!s.ok()) return s;
     rank_ = config_.local_rank;
@@ -162,6 +163,21 @@ class ShmBackend final : public Backend {
                     " s (UNISON_PEER_TIMEOUT_SECONDS is " + std::to_string((int)config_.peer_timeout_seconds) + ")");
     }
     return Status::OK();
+  }
+
+  // A set's members map a segment of their own, named after the set; the
+  // other ranks have nothing to do.
+  Status split(const std::vector<int>& members, int set_id, std::unique_ptr<Backend>* out) override {
+    out->reset();
+    auto me = std::find(members.begin(), members.end(), rank_);
+    if (me == members.end()) return Status::OK();
+    Config sub = config_;
+    sub.local_rank = (int)(me - members.begin());
+    sub.local_size = (int)members.size();
+    sub.host_ranks.clear();
+    for (int r : members) sub.host_ranks.push_back(config_.host_ranks.empty() ? r : config_.host_ranks[r]);
+    sub.job_id += "-set" + std::to_string(set_id);
+    return make_shm_backend(sub, generation_, out);
   }
 
   // ---- data plane ----------------------------------------------------------
@@ -420,6 +436,7 @@ class ShmBackend final : public Backend {
   static constexpr double kLivenessInterval = 0.05;
 
   Config config_;
+  int generation_ = 0;
   ShmSegment segment_;
   int rank_ = 0;
   int size_ = 1;

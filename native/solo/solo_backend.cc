@@ -68,6 +68,10 @@ class SoloBackend final : public Backend {
     return Status::OK();
   }
   Status check_peers() override { return Status::OK(); }
+  Status split(const std::vector<int>&, int, std::unique_ptr<Backend>* out) override {
+    *out = std::make_unique<SoloBackend>();  // the only possible set: {0}
+    return Status::OK();
+  }
 
  private:
   std::atomic<uint64_t> requested_{0};
