@@ -6,10 +6,11 @@ import types
 import mxnet as mx
 
 from unison.mxnet.ops import broadcast_
+from unison.process_sets import global_process_set
 from unison.objects import allgather_object, broadcast_object  # noqa: F401
 
 
-def _broadcast_after_init(param, root_rank, name):
+def _broadcast_after_init(param, root_rank, name, process_set):
     """Wraps a deferred parameter's initialisation so that, the moment it is
     initialised (at its first forward pass, on every rank in the same
     order), root_rank's values are broadcast into it."""
@@ -17,14 +18,15 @@ def _broadcast_after_init(param, root_rank, name):
 
     def init_then_broadcast(self, *args, **kwargs):
         initialise(*args, **kwargs)
-        broadcast_(self.data(), root_rank=root_rank, name=name)
+        broadcast_(self.data(), root_rank=root_rank, name=name, process_set=process_set)
     param._init_impl = types.MethodType(init_then_broadcast, param)
 
 
-def broadcast_parameters(params, root_rank=0, prefix=None):
+def broadcast_parameters(params, root_rank=0, prefix=None, process_set=global_process_set):
     """Overwrites every rank's parameters with root_rank's, in sorted name
     order. `params` is a dict of NDArrays or Parameters (such as
-    `net.collect_params()`, a ParameterDict)."""
+    `net.collect_params()`, a ParameterDict). With a process set, among its
+    ranks only (root_rank is a global rank in it)."""
     if not isinstance(params, (dict, mx.gluon.ParameterDict)):
         raise ValueError("unison.mxnet.broadcast_parameters: params must be a dict or a ParameterDict, got %s"
                          % type(params).__name__)
@@ -36,8 +38,8 @@ def broadcast_parameters(params, root_rank=0, prefix=None):
             try:
                 value = value.data()
             except mx.gluon.parameter.DeferredInitializationError:
-                _broadcast_after_init(value, root_rank, label)
+                _broadcast_after_init(value, root_rank, label, process_set)
                 continue
         ready.append((label, value))
     for label, tensor in ready:
-        broadcast_(tensor, root_rank, name=label)
+        broadcast_(tensor, root_rank, name=label, process_set=process_set)

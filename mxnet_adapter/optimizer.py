@@ -12,6 +12,7 @@ import warnings
 import mxnet as mx
 
 from unison.arguments import split_into_groups
+from unison import process_sets
 from unison.process_sets import global_process_set
 from unison.mxnet.ops import Sum, _allreduce_async, _wait_all
 
@@ -39,6 +40,7 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
                  process_set=global_process_set):
         # Not calling Optimizer.__init__: every setting lives on the wrapped
         # optimizer, and __getattr__ forwards to it.
+        process_sets.check_member(process_set, "DistributedOptimizer")
         self._optimizer = optimizer
         self._gradient_predivide_factor = gradient_predivide_factor
         self._num_groups = num_groups
@@ -96,6 +98,7 @@ class DistributedTrainer(mx.gluon.Trainer):
 
     def __init__(self, params, optimizer, optimizer_params=None, gradient_predivide_factor=1.0, prefix=None,
                  num_groups=0, process_set=global_process_set):
+        process_sets.check_member(process_set, "DistributedTrainer")
         if isinstance(optimizer, DistributedOptimizer):
             warnings.warn("DistributedTrainer reduces gradients itself; it was given a DistributedOptimizer "
                           "and uses the optimizer inside it instead")

@@ -4,6 +4,7 @@ import tensorflow as tf
 
 from unison.arguments import gradient_scaling, split_into_groups
 from unison.exceptions import InvalidArgumentError
+from unison import process_sets
 from unison.process_sets import global_process_set
 from unison.tensorflow.compression import Compression
 from unison.tensorflow.ops import Average, Sum, _grouped_allreduce, allreduce
@@ -36,6 +37,7 @@ class GradientReducer:
             raise InvalidArgumentError("unison: gradient_predivide_factor needs op=Average")
         if isinstance(groups, int):
             num_groups, groups = groups, None
+        process_sets.check_member(process_set, prefix)
         self.prefix = prefix
         self.compression = compression
         self.sparse_as_dense = sparse_as_dense

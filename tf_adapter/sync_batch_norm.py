@@ -13,6 +13,7 @@ backward accounts for every rank's use of its rows.
 import keras
 import tensorflow as tf
 
+from unison import process_sets
 from unison.process_sets import global_process_set
 from unison.tensorflow.ops import Sum, _grouped_allreduce
 
@@ -23,6 +24,7 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         # `fused` is Horovod's (and Keras 2's) argument; Keras 3 has no fused
         # kernel, and the statistics here are computed by hand anyway.
         super().__init__(*args, **kwargs)
+        process_sets.check_member(process_set, "SyncBatchNormalization")
         self._process_set = process_set
 
     def _moments(self, inputs, mask):
