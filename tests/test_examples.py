@@ -22,6 +22,9 @@ EXAMPLES = [
                                       "--num-batches-per-iter", "2", "--sync-batch-norm",
                                       "--fp16-allreduce"], ("torch",),
      r"Total img/sec on 2 rank\(s\): \d+"),
+    ("torch/process_sets.py", ["--epochs", "5"], ("torch", "sklearn"),  # the halves print in either order
+     r"^(?=(.|\n)*first half, ranks \[0\], width 32: test accuracy 0\.9\d+; weights identical within the half: True)"
+     r"(?=(.|\n)*second half, ranks \[1\], width 256: test accuracy 0\.9\d+; weights identical within the half: True)"),
     ("mxnet/digits.py", ["--epochs", "8"], ("mxnet", "sklearn"), r"test accuracy 0\.9\d+ on 2 ranks"),
     ("tensorflow/digits.py", ["--epochs", "8"], ("tensorflow", "sklearn"), r"test accuracy 0\.9\d+ on 2 ranks"),
     ("keras/digits.py", ["--epochs", "8", "--samples-per-second"], ("tensorflow", "sklearn"),
@@ -32,7 +35,7 @@ EXAMPLES = [
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("script,args,needs,expected", EXAMPLES,
                          ids=["numpy-logistic-regression", "torch-digits", "torch-synthetic",
-                              "torch-synthetic-syncbn-fp16", "mxnet-digits", "tensorflow-digits",
+                              "torch-synthetic-syncbn-fp16", "torch-process-sets", "mxnet-digits", "tensorflow-digits",
                               "keras-digits"])
 def test_example_runs_under_the_launcher(script, args, needs, expected):
     for module in needs:
