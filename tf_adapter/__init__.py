@@ -16,5 +16,5 @@ from unison.tensorflow.ops import (  # noqa: F401
     local_size_op, process_set_included_op, rank_op, reducescatter, size_op)
 from unison.tensorflow.functions import (  # noqa: F401
     allgather_object, broadcast_global_variables, broadcast_object, broadcast_variables)
-from unison.tensorflow.gradient_tape import DistributedGradientTape  # noqa: F401
+from unison.tensorflow.gradient_tape import DistributedGradientTape, PartialDistributedGradientTape  # noqa: F401
 from unison.tensorflow.sync_batch_norm import SyncBatchNormalization  # noqa: F401

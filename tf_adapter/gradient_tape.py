@@ -27,10 +27,16 @@ class GradientReducer:
     into 1/f before the sum and f/size after it. Dense gradients go in one
     grouped node per group (num_groups of them, or `groups` as lists of
     variables; one for all by default, so the core fuses them all);
-    IndexedSlices are allgathered unless sparse_as_dense."""
+    IndexedSlices are allgathered unless sparse_as_dense.
+
+    Variables registered as local (register_local) keep their own rank's
+    gradient, divided by the set's size when scale_local_gradients (as
+    Horovod: the loss of a data-parallel step is an average, so a local
+    gradient then has the scale a reduced one has)."""
 
     def __init__(self, prefix, compression=Compression.none, sparse_as_dense=False, op=Average,
-                 gradient_predivide_factor=1.0, num_groups=0, groups=None, process_set=global_process_set):
+                 gradient_predivide_factor=1.0, num_groups=0, groups=None, process_set=global_process_set,
+                 scale_local_gradients=True):
         if op not in (Average, Sum):
             raise InvalidArgumentError("unison: gradients are reduced with Average or Sum, got op %r" % op)
         if gradient_predivide_factor != 1.0 and op != Average:
@@ -46,6 +52,26 @@ class GradientReducer:
         self.num_groups = num_groups
         self.groups = groups
         self.process_set = process_set
+        self.scale_local_gradients = scale_local_gradients
+        self._local = {}  # id -> variable; holding it keeps the id from being reused
+
+    def register_local(self, variable):
+        self._local[id(variable)] = variable
+
+    def register_local_layers(self, layers):
+        if layers is None:
+            return
+        for layer in layers if isinstance(layers, (list, tuple)) else [layers]:
+            for variable in layer.trainable_weights:
+                self.register_local(variable)
+
+    def _local_gradient(self, grad):
+        size = self.process_set.size()
+        if not self.scale_local_gradients or size == 1:
+            return grad
+        if isinstance(grad, tf.IndexedSlices):
+            return tf.IndexedSlices(grad.values / tf.cast(size, grad.values.dtype), grad.indices, grad.dense_shape)
+        return grad / tf.cast(size, grad.dtype)
 
     def _scaling(self):
         """(op, prescale, postscale) for the core."""
@@ -77,6 +103,9 @@ class GradientReducer:
         for i, g in enumerate(grads):
             if g is None:
                 continue
+            if id(variables[i]) in self._local:
+                out[i] = self._local_gradient(g)
+                continue
             if isinstance(g, tf.IndexedSlices):
                 if self.sparse_as_dense:
                     grads[i] = tf.convert_to_tensor(g)
@@ -99,6 +128,10 @@ class _DistributedGradientTape(tf.GradientTape):
     """A tf.GradientTape (the wrapped tape's own state, shared) whose
     gradient() returns gradients averaged across ranks."""
 
+    def register_local_source(self, source):
+        """Keeps `source`'s gradient local: never reduced across ranks."""
+        self._unison_reducer.register_local(source)
+
     def gradient(self, target, sources, output_gradients=None,
                  unconnected_gradients=tf.UnconnectedGradients.NONE):
         grads = super().gradient(target, sources, output_gradients, unconnected_gradients)
@@ -110,11 +143,27 @@ class _DistributedGradientTape(tf.GradientTape):
 
 def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compression=Compression.none,
                             sparse_as_dense=False, op=Average, gradient_predivide_factor=1.0, num_groups=0,
-                            groups=None, process_set=global_process_set):
+                            groups=None, process_set=global_process_set, scale_local_gradients=True):
     """Wraps a tf.GradientTape (recorded already, or to be entered) so that
-    gradient() averages the gradients across ranks."""
+    gradient() averages the gradients across ranks. register_local_source(v)
+    exempts a variable (see GradientReducer)."""
     tape = _DistributedGradientTape.__new__(_DistributedGradientTape)
     tape.__dict__.update(gradtape.__dict__)
     tape._unison_reducer = GradientReducer("DistributedGradientTape", compression, sparse_as_dense, op,
-                                           gradient_predivide_factor, num_groups, groups, process_set)
+                                           gradient_predivide_factor, num_groups, groups, process_set,
+                                           scale_local_gradients)
+    return tape
+
+
+def PartialDistributedGradientTape(gradtape, device_dense="", device_sparse="", compression=Compression.none,
+                                   sparse_as_dense=False, op=Average, gradient_predivide_factor=1.0, num_groups=0,
+                                   groups=None, process_set=global_process_set, local_layers=None,
+                                   scale_local_gradients=True):
+    """A DistributedGradientTape whose `local_layers` (a layer or a list)
+    keep their own rank's gradients: model parallelism inside data
+    parallelism, as Horovod's."""
+    tape = DistributedGradientTape(gradtape, device_dense, device_sparse, compression, sparse_as_dense, op,
+                                   gradient_predivide_factor, num_groups, groups, process_set,
+                                   scale_local_gradients)
+    tape._unison_reducer.register_local_layers(local_layers)
     return tape

@@ -30,7 +30,7 @@ from tensorflow.python import pywrap_tfe
 
 from unison import arguments, basics, collective, dtypes, frontend, gradients
 from unison.dtypes import label as _label
-from unison.exceptions import InvalidArgumentError, UnsupportedError
+from unison.exceptions import InvalidArgumentError, MismatchError, UnsupportedError
 from unison.handles import HandleGroup, synchronize
 from unison.numpy import NumpyTensors
 from unison.process_sets import global_process_set
@@ -79,6 +79,25 @@ class _InvalidArgument(InvalidArgumentError, tf.errors.InvalidArgumentError):
         tf.errors.InvalidArgumentError.__init__(self, node_def, op, message, *payloads)
 
 
+class _Mismatch(MismatchError, tf.errors.FailedPreconditionError):
+    """Ranks that disagree, as unison's MismatchError and as TensorFlow's
+    FailedPreconditionError (what Horovod's TensorFlow ops raise)."""
+
+    def __init__(self, node_def, op, message, *payloads):
+        tf.errors.FailedPreconditionError.__init__(self, node_def, op, message, *payloads)
+
+
+def _as_tensorflow_error(error):
+    """unison's error as the TensorFlow error class Horovod's ops raise,
+    still an instance of unison's class; None where there is none."""
+    message = "%s: %s" % (type(error).__name__, error)  # the class stays readable in graph errors
+    if isinstance(error, MismatchError) and not isinstance(error, tf.errors.OpError):
+        return _Mismatch(None, None, message)
+    if type(error) is InvalidArgumentError:  # its subclasses (NotInitialized, Unsupported) keep theirs
+        return _InvalidArgument(None, None, message)
+    return None
+
+
 class _AlignedArrays(NumpyTensors):
     """The numpy views of TensorFlow tensors; outputs are aligned so that
     TensorFlow adopts them without a copy."""
@@ -108,7 +127,13 @@ def _run(fn, inputs, out_dtypes):
     previous collective. Inputs are viewed, outputs adopted: no copy on
     either side (a numpy_function node would copy every result)."""
     def call(*tensors):
-        outputs = fn(*[_view(t) for t in tensors])
+        try:
+            outputs = fn(*[_view(t) for t in tensors])
+        except (MismatchError, InvalidArgumentError) as error:
+            translated = _as_tensorflow_error(error)
+            if translated is None:
+                raise
+            raise translated from error
         return [_to_tensor(o, d) for o, d in zip(outputs, out_dtypes)]
     if tf.executing_eagerly():
         return call(*inputs)

@@ -279,6 +279,30 @@ def test_mismatched_shape_fails_on_every_rank_and_recovers(mode):
     np.testing.assert_array_equal(hvd.allreduce(tf.ones([2]), op=hvd.Sum), [N, N])
 
 
+def test_error_types_are_horovods():
+    """Eagerly: disagreement is tf.errors.FailedPreconditionError, a bad
+    argument tf.errors.InvalidArgumentError, each still unison's class.
+    Inside tf.function a bad argument is still InvalidArgumentError; a
+    disagreement is an OpError (TensorFlow turns every other Python
+    exception of a py_function node into UnknownError) whose message
+    names unison's class."""
+    with pytest.raises(tf.errors.FailedPreconditionError, match=r"MismatchError: unison: allreduce 'fp\.eager'"):
+        hvd.allreduce(tf.ones([RANK + 1]), name="fp.eager")
+    with pytest.raises(unison.MismatchError):
+        hvd.allreduce(tf.ones([RANK + 1]), name="fp.eager.unison")
+    bad_splits = [1] * N
+    bad_splits[0] = 2  # adds up to one more row than the tensor has
+    with pytest.raises(tf.errors.InvalidArgumentError, match="add up to"):
+        hvd.alltoall(tf.ones([N]), splits=bad_splits, name="ia.eager")
+    with pytest.raises(unison.InvalidArgumentError, match="add up to"):
+        hvd.alltoall(tf.ones([N]), splits=bad_splits, name="ia.eager.unison")
+    with pytest.raises(tf.errors.InvalidArgumentError, match="add up to"):
+        tf.function(lambda t: hvd.alltoall(t, splits=bad_splits, name="ia.graph"))(tf.ones([N]))
+    with pytest.raises(tf.errors.OpError, match="MismatchError"):
+        tf.function(lambda t: hvd.allreduce(t, name="fp.graph"))(tf.ones([RANK + 1]))
+    np.testing.assert_array_equal(hvd.allreduce(tf.ones([2]), op=hvd.Sum, name="after.errors"), [N, N])
+
+
 def test_mismatched_dtype_and_root_fail_on_every_rank():
     with pytest.raises(unison.MismatchError, match=r"'bad\.dtype'.*dtype"):
         hvd.allreduce(tf.ones([2], dtype=tf.float32 if RANK == 0 else tf.float64), name="bad.dtype")

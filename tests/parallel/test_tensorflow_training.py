@@ -213,3 +213,50 @@ def test_sync_batch_norm_training_matches_one_process(mode):
         step(tf.constant(shard(x, s)), tf.constant(shard(y, s)))
     # get_weights() includes the moving statistics.
     assert_same_weights(model, train_reference(initial, x, y, "sgd", layers(False)))
+
+
+@pytest.mark.parametrize("scale", [True, False])
+def test_local_sources_keep_their_own_gradient(scale):
+    """register_local_source and PartialDistributedGradientTape(local_layers):
+    local variables keep this rank's gradient (divided by the size when
+    scale_local_gradients), the others are averaged."""
+    shared = tf.Variable([1.0, 1.0], dtype=tf.float64)
+    mine = tf.Variable([1.0, 1.0], dtype=tf.float64)
+    factor = float(RANK + 1)
+    expected_local = [factor / N if scale else factor] * 2
+    expected_shared = [np.mean([r + 1 for r in range(N)])] * 2
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(shared * factor) + tf.reduce_sum(mine * factor)
+    tape = hvd.DistributedGradientTape(tape, scale_local_gradients=scale)
+    tape.register_local_source(mine)
+    g_shared, g_mine = tape.gradient(loss, [shared, mine])
+    np.testing.assert_allclose(g_shared.numpy(), expected_shared, rtol=1e-12)
+    np.testing.assert_allclose(g_mine.numpy(), expected_local, rtol=1e-12)
+
+    layer = keras.layers.Dense(2, use_bias=False, kernel_initializer="ones", dtype="float64")
+    layer.build((None, 2))
+    x = tf.constant([[factor, 0.0]], dtype=tf.float64)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(layer(x)) + tf.reduce_sum(shared * factor)
+    tape = hvd.PartialDistributedGradientTape(tape, local_layers=layer, scale_local_gradients=scale)
+    g_kernel, g_shared = tape.gradient(loss, [layer.kernel, shared])
+    np.testing.assert_allclose(g_kernel.numpy(), [[expected_local[0]] * 2, [0.0, 0.0]], rtol=1e-12)
+    np.testing.assert_allclose(g_shared.numpy(), expected_shared, rtol=1e-12)
+
+
+def test_keras_partial_distributed_optimizer():
+    from unison.tensorflow import keras as hvd_keras
+    local = keras.layers.Dense(1, use_bias=False, kernel_initializer="ones", dtype="float64")
+    local.build((None, 1))
+    shared = keras.Variable(np.array([1.0]), dtype="float64")
+    optimizer = hvd_keras.PartialDistributedOptimizer(keras.optimizers.SGD(learning_rate=1.0), local_layers=[local])
+    grad = float(RANK + 1)
+    optimizer.apply_gradients([(tf.constant([[grad]], dtype=tf.float64), local.kernel),
+                               (tf.constant([grad], dtype=tf.float64), shared)])
+    np.testing.assert_allclose(np.asarray(local.kernel.numpy()), [[1.0 - grad / N]], rtol=1e-12)
+    np.testing.assert_allclose(np.asarray(shared.numpy()), [1.0 - np.mean([r + 1 for r in range(N)])], rtol=1e-12)
+    plain = hvd_keras.DistributedOptimizer(keras.optimizers.SGD(learning_rate=1.0))
+    other = keras.Variable(np.array([0.0]), dtype="float64")
+    plain.register_local_var(other)
+    plain.apply_gradients([(tf.constant([grad], dtype=tf.float64), other)])
+    np.testing.assert_allclose(np.asarray(other.numpy()), [-grad / N], rtol=1e-12)

@@ -16,7 +16,7 @@ from unison.tensorflow.ops import (  # noqa: F401
     grouped_allgather, grouped_allreduce, grouped_reducescatter, join, reducescatter)
 from unison.tensorflow.sync_batch_norm import SyncBatchNormalization  # noqa: F401
 from unison.tensorflow.keras import callbacks  # noqa: F401
-from unison.tensorflow.keras.optimizer import DistributedOptimizer  # noqa: F401
+from unison.tensorflow.keras.optimizer import DistributedOptimizer, PartialDistributedOptimizer  # noqa: F401
 
 
 def broadcast_global_variables(root_rank, model=None):

@@ -29,6 +29,10 @@ class _DistributedOptimizerMixin:
         self._unison_average_aggregated = average_aggregated_gradients
         self._unison_accumulators = None
 
+    def register_local_var(self, var):
+        """Keeps `var`'s gradient local: never reduced across ranks."""
+        self._unison_reducer.register_local(var)
+
     def build(self, variables):
         if self.built:
             return
@@ -78,7 +82,7 @@ class _DistributedOptimizerMixin:
 def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="", compression=Compression.none,
                          sparse_as_dense=False, gradient_predivide_factor=1.0, op=Average,
                          backward_passes_per_step=1, average_aggregated_gradients=False, num_groups=0,
-                         groups=None, process_set=global_process_set):
+                         groups=None, process_set=global_process_set, scale_local_gradients=True):
     """A Keras 3 optimizer like `optimizer` that averages gradients across
     ranks before applying them (see the module's docstring)."""
     base = type(optimizer)
@@ -88,6 +92,21 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
         config["name"] = name
     distributed = cls.from_config(config)
     reducer = GradientReducer("DistributedOptimizer", compression, sparse_as_dense, op, gradient_predivide_factor,
-                              num_groups, groups, process_set)
+                              num_groups, groups, process_set, scale_local_gradients)
     distributed._unison_configure(reducer, backward_passes_per_step, average_aggregated_gradients)
+    return distributed
+
+
+def PartialDistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="",
+                                compression=Compression.none, sparse_as_dense=False, gradient_predivide_factor=1.0,
+                                op=Average, backward_passes_per_step=1, average_aggregated_gradients=False,
+                                num_groups=0, groups=None, process_set=global_process_set, local_layers=None,
+                                scale_local_gradients=True):
+    """A DistributedOptimizer whose `local_layers` (a layer or a list) keep
+    their own rank's gradients, as Horovod's."""
+    distributed = DistributedOptimizer(optimizer, name, device_dense, device_sparse, compression, sparse_as_dense,
+                                       gradient_predivide_factor, op, backward_passes_per_step,
+                                       average_aggregated_gradients, num_groups, groups, process_set,
+                                       scale_local_gradients)
+    distributed._unison_reducer.register_local_layers(local_layers)
     return distributed
