@@ -19,3 +19,16 @@ def initialized():
     assert expected is None or unison.basics.backend_name() == expected, unison.basics.backend_name()
     yield
     unison.shutdown()
+
+
+@pytest.fixture(scope="module")
+def half():
+    """This rank's half of the job as a process set ({0} and {1, 2} at 3
+    ranks). Every rank adds both halves, as add_process_set requires, and
+    removes them after the module."""
+    n = unison.size()
+    low = unison.add_process_set(list(range(n // 2)))
+    high = unison.add_process_set(list(range(n // 2, n)))
+    yield low if low.included() else high
+    unison.remove_process_set(low)
+    unison.remove_process_set(high)

@@ -1,6 +1,6 @@
 """unison.mxnet with process sets: the collectives, DistributedTrainer,
 DistributedOptimizer and broadcast_parameters among the ranks of one half of
-the job. tests/test_parallel.py runs this at 2, 3 and 4 ranks."""
+the job (the `half` fixture, conftest.py). tests/test_parallel.py runs this at 2, 3 and 4 ranks."""
 import pytest
 
 mx = pytest.importorskip("mxnet")
@@ -10,14 +10,6 @@ import unison  # noqa: E402
 import unison.mxnet as hvd  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def half():
-    n = hvd.size()
-    low = hvd.add_process_set(list(range(n // 2)))
-    high = hvd.add_process_set(list(range(n // 2, n)))
-    yield low if low.included() else high
-    hvd.remove_process_set(low)
-    hvd.remove_process_set(high)
 
 
 def test_collectives_in_a_set(half):

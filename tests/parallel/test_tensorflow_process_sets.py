@@ -1,7 +1,7 @@
 """unison.tensorflow and unison.keras with process sets: the collectives,
 eagerly and inside tf.function, DistributedGradientTape, the Keras
 DistributedOptimizer, SyncBatchNormalization and broadcast_variables, each
-among the ranks of one half of the job. tests/test_parallel.py runs this at
+among the ranks of one half of the job (the `half` fixture, conftest.py). tests/test_parallel.py runs this at
 2, 3 and 4 ranks."""
 import pytest
 
@@ -14,14 +14,6 @@ import unison.tensorflow as hvd  # noqa: E402
 import unison.tensorflow.keras as hvd_keras  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def half():
-    n = hvd.size()
-    low = hvd.add_process_set(list(range(n // 2)))
-    high = hvd.add_process_set(list(range(n // 2, n)))
-    yield low if low.included() else high
-    hvd.remove_process_set(low)
-    hvd.remove_process_set(high)
 
 
 @pytest.mark.parametrize("mode", ["eager", "function"])

@@ -12,14 +12,6 @@ torch.set_num_threads(1)
 ROWS = 3
 
 
-@pytest.fixture(scope="module")
-def half():
-    n = hvd.size()
-    low = hvd.add_process_set(list(range(n // 2)))
-    high = hvd.add_process_set(list(range(n // 2, n)))
-    yield low if low.included() else high
-    hvd.remove_process_set(low)
-    hvd.remove_process_set(high)
 
 
 def model_for(half):
