@@ -56,13 +56,6 @@ class ProcessSet:
     def included(self):
         return basics.rank() in self._ranks()
 
-    def __eq__(self, other):
-        return isinstance(other, ProcessSet) and self.process_set_id == other.process_set_id and \
-            self.ranks == other.ranks
-
-    def __hash__(self):
-        return hash((self.process_set_id, None if self.ranks is None else tuple(self.ranks)))
-
     def __repr__(self):
         return "ProcessSet(process_set_id=%r, ranks=%r)" % (
             self.process_set_id, "all" if self.ranks is None else self.ranks)
@@ -93,11 +86,6 @@ def find(process_set_id):
 def size_of(process_set):
     """The size of `process_set` (None means the global set)."""
     return basics.size() if process_set is None else process_set.size()
-
-
-def rank_of(process_set):
-    """This rank's place in `process_set` (None means the global set)."""
-    return basics.rank() if process_set is None else process_set.rank()
 
 
 def process_set_id(process_set):

@@ -144,17 +144,6 @@ int unison_remove_process_set(int process_set_id) {
   return run_process_set_op(&options, nullptr);
 }
 
-int unison_process_set_ranks(int process_set_id, int* ranks, int capacity, int* nranks) {
-  if (engine == nullptr) return not_initialized();
-  std::vector<int> members;
-  if (!engine->process_set_ranks(process_set_id, &members))
-    return report(Status::Error(UNISON_ERR_INVALID_ARGUMENT, "unison: process set " + std::to_string(process_set_id) +
-                                                                 " does not exist (never added, or removed)"));
-  for (int i = 0; i < capacity && i < (int)members.size(); ++i) ranks[i] = members[i];
-  if (nranks != nullptr) *nranks = (int)members.size();
-  return UNISON_OK;
-}
-
 int unison_poll(unison_handle handle, int* done) {
   bool d = false;
   Status s = handles.poll(handle, &d);

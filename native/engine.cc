@@ -98,14 +98,6 @@ void Engine::stop() {
   if (thread_.joinable()) thread_.join();
 }
 
-bool Engine::process_set_ranks(int id, std::vector<int>* ranks) {
-  std::lock_guard<std::mutex> lock(queue_mutex_);
-  auto it = set_ranks_.find(id);
-  if (it == set_ranks_.end()) return false;
-  *ranks = it->second;
-  return true;
-}
-
 // ---- the calling side ---------------------------------------------------------
 
 Status Engine::enqueue(const unison_op_options& o, int64_t* handle) {
@@ -363,8 +355,7 @@ void Engine::build_message(ProcessSetState& set, CycleMessage* message, double n
   if (!set.to_send.empty()) message->flags |= CycleMessage::kMoreQueued;
   for (const auto& [name, e] : set.pending)
     if (e.cache_position >= 0) set_bit(&message->ready_bits, e.cache_position);
-  message->invalid_bits.swap(set.invalid_bits);
-  set.invalid_bits.clear();
+  message->invalid_bits.swap(set.invalid_bits);  // the message's were empty
   // The set's rank 0 owes the others a response list when its coordinator
   // holds responses back or the stall inspector has something to fail.
   set.stall_check = stall_check_due(set, now);
@@ -415,7 +406,7 @@ Status Engine::run_cycle() {
     }
     busy.insert(all[r].busy_sets.begin(), all[r].busy_sets.end());
   }
-  s = negotiate(*global_, all, mine, now);
+  s = negotiate(*global_, all, now);
   if (!s.ok() || stopped_) return s;
   for (int id : busy) {
     auto it = sets_.find(id);
@@ -425,7 +416,7 @@ Status Engine::run_cycle() {
     build_message(set, &set_mine, now);
     std::vector<CycleMessage> set_all;
     s = exchange(set, set_mine, &set_all);
-    if (s.ok()) s = negotiate(set, set_all, set_mine, now);
+    if (s.ok()) s = negotiate(set, set_all, now);
     if (!s.ok() || stopped_) return s;
   }
   return Status::OK();
@@ -433,9 +424,7 @@ Status Engine::run_cycle() {
 
 // Decides what runs in `set` this cycle from everyone's messages, runs it,
 // and remembers the new responses.
-Status Engine::negotiate(ProcessSetState& set, const std::vector<CycleMessage>& all, const CycleMessage& mine,
-                         double now) {
-  (void)mine;
+Status Engine::negotiate(ProcessSetState& set, const std::vector<CycleMessage>& all, double now) {
   const int size = set.size();
   const int rank = set.rank;
   ResponseCache& cache = set.cache;

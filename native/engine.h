@@ -56,8 +56,6 @@ class Engine {
   // Tells every rank this one is leaving, then stops the thread.
   void stop();
   const Backend& backend() const { return *backend_; }
-  // The ranks of process set `id` (ascending), or false if there is none.
-  bool process_set_ranks(int id, std::vector<int>* ranks);
 
  private:
   // A request this rank made, and where its bytes are.
@@ -77,7 +75,7 @@ class Engine {
   void take_new_requests();
   void build_message(ProcessSetState& set, CycleMessage* message, double now);
   Status exchange(ProcessSetState& set, const CycleMessage& mine, std::vector<CycleMessage>* all);
-  Status negotiate(ProcessSetState& set, const std::vector<CycleMessage>& all, const CycleMessage& mine, double now);
+  Status negotiate(ProcessSetState& set, const std::vector<CycleMessage>& all, double now);
   std::vector<std::vector<const Response*>> fuse(const ProcessSetState& set,
                                                  const std::vector<const Response*>& responses) const;
   void execute(ProcessSetState& set, const std::vector<const Response*>& group);

@@ -156,9 +156,6 @@ int unison_handle_received_splits(unison_handle handle, int64_t* splits, int n);
    Removing fails the set's pending ops; the global set cannot be removed. */
 int unison_add_process_set(const int* ranks, int nranks, int* process_set_id);
 int unison_remove_process_set(int process_set_id);
-/* The ranks of a process set: fills up to `capacity` entries of `ranks`
-   and sets *nranks to the set's size. */
-int unison_process_set_ranks(int process_set_id, int* ranks, int capacity, int* nranks);
 /* Join: the last rank to join. */
 int unison_handle_join_rank(unison_handle handle, int* last_rank);
 int unison_release(unison_handle handle);
