@@ -12,7 +12,7 @@ Average = lib.UNISON_AVERAGE
 Min = lib.UNISON_MIN
 Max = lib.UNISON_MAX
 Product = lib.UNISON_PRODUCT
-Adasum = lib.UNISON_ADASUM  # reserved: asking for it raises UnsupportedError
+Adasum = lib.UNISON_ADASUM  # native/adasum.h says what it computes
 
 _ERRORS = {
     lib.UNISON_ERR_INVALID_ARGUMENT: exceptions.InvalidArgumentError,

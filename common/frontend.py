@@ -17,7 +17,6 @@ per-thread prepared options of collective.enqueue.
 from unison import arguments, collective, dtypes
 from unison import handles as _handles
 from unison.arguments import Adasum, Average
-from unison.exceptions import UnsupportedError
 from unison.handles import Handle, HandleGroup
 from unison.process_sets import size_of
 from unison._native import lib
@@ -25,6 +24,7 @@ from unison._native import lib
 _ALLREDUCE, _ALLGATHER, _BROADCAST, _ALLTOALL, _REDUCESCATTER = (
     lib.UNISON_ALLREDUCE, lib.UNISON_ALLGATHER, lib.UNISON_BROADCAST, lib.UNISON_ALLTOALL,
     lib.UNISON_REDUCESCATTER)
+# Adasum goes the same way, after check_reduce has refused scale factors for it.
 _PLAIN_ALLREDUCE_OPS = frozenset(arguments.ALLREDUCE_OPS) - {Adasum}
 
 
@@ -122,8 +122,6 @@ class FrontEnd:
         t = self.tensors
         source = t.readable(tensor)
         target = t.empty_like(source) if output is None else output
-        if op == Adasum:
-            return self.adasum_async(source, target, lambda _: target, name, process_set)
         pointer = t.pointer
         handle_id = collective.enqueue(_ALLREDUCE, name, code, t.shape(source), pointer(source), pointer(target),
                                        op, prescale_factor, postscale_factor, 0, None, process_set)
@@ -137,19 +135,12 @@ class FrontEnd:
             arguments.check_reduce("allreduce", op, prescale_factor, postscale_factor, name)
         t = self.tensors
         buffer, finish = t.writable(tensor, name)
-        if op == Adasum:
-            return self.adasum_async(buffer, buffer, finish or (lambda _: tensor), name, process_set)
         pointer = t.pointer(buffer)
         handle_id = collective.enqueue(_ALLREDUCE, name, code, t.shape(buffer), pointer, pointer,
                                        op, prescale_factor, postscale_factor, 0, None, process_set)
         if finish is None:
             return Handle(handle_id, name, (tensor, buffer), None, tensor)
         return Handle(handle_id, name, (tensor, buffer), finish)
-
-    def adasum_async(self, source, target, finish, name, process_set):
-        """Adasum for front ends that provide it (the core does not yet)."""
-        raise UnsupportedError("unison: allreduce of %s: Adasum is not available in this front end"
-                               % dtypes.label(name))
 
     def grouped_allreduce_async(self, tensors, name=None, op=Average, prescale_factor=1.0, postscale_factor=1.0,
                                 process_set=None, in_place=False):

@@ -91,8 +91,6 @@ def _push(name, reads, writes, enqueue, priority):
 # ---- allreduce ----------------------------------------------------------------
 
 def _allreduce_async(tensor, output, name, op, prescale_factor, postscale_factor, process_set, priority):
-    if op == Adasum:
-        raise UnsupportedError("unison: Adasum is not implemented for MXNet")
     prepared = _front.prepare("allreduce", tensor, name, op, prescale_factor, postscale_factor)
     name = _name("allreduce", name)
 
@@ -181,9 +179,18 @@ def broadcast_(tensor, root_rank, name=None, priority=0, process_set=global_proc
     return tensor
 
 
+def _copy(tensor):
+    # Without numpy shape semantics MXNet's operators take a 0 in a shape,
+    # or an empty shape, for "unknown", so copy() fails on zero-size and
+    # scalar arrays; those few bytes go through numpy instead.
+    if tensor.ndim == 0 or tensor.size == 0:
+        return mx.nd.array(tensor.asnumpy(), ctx=tensor.context, dtype=tensor.dtype)
+    return tensor.copy()
+
+
 def broadcast(tensor, root_rank, name=None, priority=0, process_set=global_process_set):
     """A new NDArray holding root_rank's `tensor`."""
-    return broadcast_(tensor.copy(), root_rank, name, priority, process_set)
+    return broadcast_(_copy(tensor), root_rank, name, priority, process_set)
 
 
 # ---- reducescatter ------------------------------------------------------------

@@ -11,6 +11,7 @@
 
 #include <pthread.h>
 
+#include "adasum.h"
 #include "dtype.h"
 #include "futex.h"
 #include "signals.h"
@@ -164,10 +165,17 @@ Status Engine::enqueue(const unison_op_options& o, int64_t* handle) {
       return invalid(what() + ": needs a tensor with at least one dimension, got a scalar");
   }
   if (o.op == UNISON_ALLREDUCE || o.op == UNISON_REDUCESCATTER) {
-    if (o.reduce_op == UNISON_ADASUM)
-      return Status::Error(UNISON_ERR_UNSUPPORTED, "unison: " + what() + ": Adasum is not implemented yet");
-    if (o.reduce_op < UNISON_SUM || o.reduce_op > UNISON_PRODUCT)
+    if (o.reduce_op < UNISON_SUM || o.reduce_op > UNISON_ADASUM)
       return invalid(what() + ": unknown reduce op " + std::to_string(o.reduce_op));
+    if (o.reduce_op == UNISON_ADASUM) {
+      // Adasum weighs whole gradients by their dot products: it needs
+      // real numbers, and the scale factors would change those weights.
+      if (o.op == UNISON_REDUCESCATTER) return invalid(what() + ": reducescatter does not take Adasum");
+      if (!dtype_is_float(o.dtype))
+        return invalid(what() + ": Adasum needs a floating-point tensor, got " + dtype_name(o.dtype));
+      if (r.prescale != 1.0 || r.postscale != 1.0)
+        return invalid(what() + ": Adasum takes no prescale or postscale factor");
+    }
     if (o.dtype == UNISON_BOOL && (o.reduce_op == UNISON_AVERAGE || r.prescale != 1.0 || r.postscale != 1.0))
       return invalid(what() + ": bool tensors support Sum (any), Max (any), Min (all) and Product (all) without scale factors");
   }
@@ -690,7 +698,8 @@ void Engine::execute(ProcessSetState& set, const std::vector<const Response*>& g
           o.segments.push_back({z, z, bytes});
         }
       }
-      status = backend->allreduce(o);
+      status = head.reduce_op == UNISON_ADASUM ? adasum_allreduce(*backend, head.dtype, o.segments)
+                                               : backend->allreduce(o);
       break;
     }
     case UNISON_ALLGATHER: {

@@ -67,8 +67,8 @@ enum {
   UNISON_REMOVE_PROCESS_SET = 8
 };
 
-/* Reduce operations. Adasum is reserved: asking for it fails with
-   UNISON_ERR_UNSUPPORTED. */
+/* Reduce operations. Adasum (allreduce of floating-point tensors only,
+   without scale factors) is described in adasum.h. */
 enum {
   UNISON_SUM = 0,
   UNISON_AVERAGE = 1,

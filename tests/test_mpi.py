@@ -73,8 +73,8 @@ def pytest_command(suite):
 
 @needs_mpi
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("suite", ["test_core_ops.py", "test_core_errors.py", "test_core_training.py",
-                                   "test_core_process_sets.py", "test_core_lifecycle.py"])
+@pytest.mark.parametrize("suite", ["test_core_grid.py", "test_core_ops.py", "test_core_errors.py",
+                                   "test_core_training.py", "test_core_process_sets.py", "test_core_lifecycle.py"])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_core_grid_under_mpi(layout, suite):
     options, ranks, backend = LAYOUTS[layout]

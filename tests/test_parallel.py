@@ -1,6 +1,7 @@
 """Runs each suite in tests/parallel under the launcher with 2 and 3 ranks
-(odd sizes find bugs). Each rank runs pytest on the same file; a test that
-hangs is failed by pytest-timeout inside the ranks and by the timeout here."""
+(odd sizes find bugs), and more or fewer where a suite needs them
+(sizes()). Each rank runs pytest on the same file; a test that hangs is
+failed by pytest-timeout inside the ranks and by the timeout here."""
 import importlib.util
 import os
 import subprocess
@@ -24,7 +25,17 @@ def framework_of(suite):
 
 
 # Process sets need 4 ranks: two disjoint pairs, and sets that overlap them.
-RUNS = [(suite, n) for suite in SUITES for n in ([2, 3, 4] if "process_sets" in suite else [2, 3])]
+# The shared grid (parallel/shared_grid.py) also runs on one rank, where
+# every collective must still give the single-process answer.
+def sizes(suite):
+    if "process_sets" in suite:
+        return [2, 3, 4]
+    if suite.endswith("_grid.py"):
+        return [1, 2, 3]
+    return [2, 3]
+
+
+RUNS = [(suite, n) for suite in SUITES for n in sizes(suite)]
 
 
 @pytest.mark.timeout(600)

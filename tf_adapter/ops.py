@@ -232,8 +232,6 @@ def _grouped_allreduce(tensors, name, op, prescale_factor, postscale_factor, pro
     for t, n in zip(tensors, names):
         _check(t, n)
         arguments.check_reduce("allreduce", op, prescale_factor, postscale_factor, n)
-    if op == Adasum:
-        raise UnsupportedError("unison: Adasum is not implemented for TensorFlow")
     if not _needs_gradient(tensors):
         return _grouped_allreduce_raw(list(tensors), name, op, prescale_factor, postscale_factor, process_set)
 

@@ -76,26 +76,7 @@ class TorchTensors(frontend.Tensors):
         return raw.view(like.dtype).reshape(shape)
 
 
-class _TorchFrontEnd(frontend.FrontEnd):
-    def adasum_async(self, source, target, finish, name, process_set):
-        # Adasum needs dot products between whole gradients of different
-        # ranks, which an elementwise reduction cannot give: every rank
-        # allgathers the gradient and combines the parts itself.
-        if not source.dtype.is_floating_point:
-            raise InvalidArgumentError("unison: Adasum of %s needs a floating-point tensor, got %s"
-                                       % (_label(name), source.dtype))
-        gathered = self.allgather_async(source.reshape(1, -1), name=name, process_set=process_set)
-        shape, dtype = source.shape, source.dtype
-
-        def combine(results):
-            combined = adasum_combine(list(results[0])).to(dtype).reshape(shape)
-            with torch.no_grad():
-                target.copy_(combined)
-            return finish(None)
-        return HandleGroup([gathered], combine)
-
-
-_front = _TorchFrontEnd(TorchTensors())
+_front = frontend.FrontEnd(TorchTensors())
 
 
 # ---- autograd ------------------------------------------------------------------
@@ -381,30 +362,6 @@ def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=A
     compressed, contexts = compress_all(compression, tensors)
     reduced = _GroupedReducescatter.apply(name, op, prescale_factor, postscale_factor, process_set, *compressed)
     return [compression.decompress(t, c) for t, c in zip(reduced, contexts)]
-
-
-# ---- Adasum ---------------------------------------------------------------------
-
-def _adasum_pair(a, b):
-    """Adasum of two gradients: their sum, less the part along each other,
-    so orthogonal gradients add and parallel ones average."""
-    dot = torch.dot(a, b)
-    a_sq, b_sq = torch.dot(a, a), torch.dot(b, b)
-    a_weight = 1.0 - dot / (2 * a_sq) if a_sq > 0 else 1.0
-    b_weight = 1.0 - dot / (2 * b_sq) if b_sq > 0 else 1.0
-    return a_weight * a + b_weight * b
-
-
-def adasum_combine(parts):
-    """Adasum of the ranks' gradients, in rank order, as a binary tree:
-    neighbours pair up level by level, an odd one out waiting a level.
-    Computed in float64 by every rank from the same inputs, so every rank
-    gets the same bits."""
-    level = [p.reshape(-1).to(torch.float64) for p in parts]
-    while len(level) > 1:
-        level = [_adasum_pair(level[i], level[i + 1]) if i + 1 < len(level) else level[i]
-                 for i in range(0, len(level), 2)]
-    return level[0]
 
 
 # ---- barrier and join -----------------------------------------------------------

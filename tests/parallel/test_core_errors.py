@@ -116,9 +116,14 @@ def test_average_of_bool_is_refused():
         unp.allreduce(np.ones(2, dtype=bool), op=unison.Average, name="boolavg")
 
 
-def test_adasum_reserved():
-    with pytest.raises(unison.UnsupportedError, match="Adasum"):
-        unp.allreduce(np.ones(2), op=unison.Adasum, name="adasum")
+def test_adasum_refusals_name_the_tensor_and_the_job_goes_on():
+    with pytest.raises(unison.InvalidArgumentError, match="'adasum.int'.*Adasum needs a floating-point tensor"):
+        unp.allreduce(np.ones(2, dtype=np.int32), op=unison.Adasum, name="adasum.int")
+    with pytest.raises(unison.InvalidArgumentError, match="adasum.scaled.*Adasum takes no prescale"):
+        unp.allreduce(np.ones(2), op=unison.Adasum, prescale_factor=2.0, name="adasum.scaled")
+    with pytest.raises(unison.InvalidArgumentError, match="adasum.rs.*op Adasum is not one of"):
+        unp.reducescatter(np.ones((2, 2)), op=unison.Adasum, name="adasum.rs")
+    np.testing.assert_array_equal(unp.allreduce(np.ones(2), op=unison.Adasum, name="adasum.after"), np.ones(2))
 
 
 def test_bad_handle():

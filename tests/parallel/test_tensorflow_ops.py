@@ -1,4 +1,5 @@
-"""unison.tensorflow collectives from one rank's point of view: every rank
+"""unison.tensorflow beyond the shared grid (shared_grid.py,
+test_tensorflow_grid.py), from one rank's point of view: every rank
 computes what every other rank sent, exactly, eagerly and inside
 tf.function; the gradients Horovod defines; errors on every rank."""
 import pytest
@@ -12,9 +13,6 @@ import unison.tensorflow as hvd  # noqa: E402
 hvd.init()
 N, RANK = hvd.size(), hvd.rank()
 
-NUMERIC = ["uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64", "float16", "bfloat16",
-           "float32", "float64"]
-SHAPES = [(), (0,), (5,), (2, 3, 4)]
 MODES = ["eager", "function"]
 
 
@@ -32,25 +30,6 @@ def values(shape, rank, dtype="float64"):
 
 def as_float(t):
     return np.asarray(tf.cast(t, tf.float64))
-
-
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("dtype", NUMERIC)
-def test_allreduce_every_op_and_shape(dtype, mode):
-    for shape in SHAPES:
-        ranks = [values(shape, r).astype(np.float64) for r in range(N)]
-        mine = tf.constant(values(shape, RANK, dtype))
-        for op, want in [(hvd.Sum, sum(ranks)), (hvd.Min, np.minimum.reduce(ranks)),
-                         (hvd.Max, np.maximum.reduce(ranks)), (hvd.Product, np.multiply.reduce(ranks))]:
-            if dtype in ("uint8", "int8", "uint16", "int16") and op == hvd.Product:
-                continue   # wraps around; the core's own tests cover wrap-around
-            out = run(mode, lambda x: hvd.allreduce(x, op=op), mine)
-            assert out.dtype == mine.dtype and out.shape == mine.shape
-            np.testing.assert_array_equal(as_float(out), want.astype(tf.as_dtype(dtype).as_numpy_dtype)
-                                          .astype(np.float64))
-        if dtype.startswith("float") or dtype == "bfloat16":
-            out = run(mode, lambda x: hvd.allreduce(x), mine)          # Average by default
-            np.testing.assert_allclose(as_float(out), sum(ranks) / N, rtol=1e-2 if "16" in dtype else 1e-12)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -76,22 +55,6 @@ def test_grouped_allreduce_and_fp16_compression(mode):
     out = run(mode, lambda t: hvd.allreduce(t, op=hvd.Sum, compression=hvd.Compression.fp16), x)
     assert out.dtype == tf.float32
     np.testing.assert_array_equal(out, sum(values((6,), r) for r in range(N)))
-
-
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("dtype", NUMERIC + ["bool"])
-def test_allgather_different_first_dims(dtype, mode):
-    for tail in [(), (3,), (2, 2)]:
-        mine = tf.constant(values((RANK + 1,) + tail, RANK, "float64").astype(tf.as_dtype(dtype).as_numpy_dtype))
-        out = run(mode, lambda x: hvd.allgather(x), mine)
-        want = np.concatenate([values((r + 1,) + tail, r).astype(tf.as_dtype(dtype).as_numpy_dtype)
-                               for r in range(N)])
-        assert out.dtype == mine.dtype
-        np.testing.assert_array_equal(np.asarray(out), want)
-    gathered = run(mode, lambda a, b: hvd.grouped_allgather([a, b]),
-                   tf.fill([RANK + 1], RANK), tf.fill([2, 2], float(RANK)))
-    np.testing.assert_array_equal(gathered[0], np.concatenate([[r] * (r + 1) for r in range(N)]))
-    assert gathered[1].shape == (2 * N, 2)
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -1,5 +1,6 @@
-"""unison.torch collectives x dtype, async and in-place forms, gradients
-and errors, with exact values: every rank computes what every other rank
+"""unison.torch beyond the shared grid (shared_grid.py, test_torch_grid.py):
+non-contiguous tensors, the average flag, gradients, sparse handles and
+errors, with exact values: every rank computes what every other rank
 sent."""
 import pytest
 
@@ -7,10 +8,6 @@ torch = pytest.importorskip("torch")
 import unison.torch as hvd  # noqa: E402
 
 torch.set_num_threads(1)
-
-DTYPES = [torch.uint8, torch.int8, torch.uint16, torch.int16, torch.uint32, torch.int32, torch.uint64,
-          torch.int64, torch.float16, torch.bfloat16, torch.float32, torch.float64]
-FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 
 
 def rank_values(shape, dtype, rank):
@@ -21,34 +18,10 @@ def rank_values(shape, dtype, rank):
     return ((torch.arange(n) % 5) + rank + 1).to(dtype).reshape(shape)
 
 
-def every_rank(shape, dtype):
-    return [rank_values(shape, dtype, r) for r in range(hvd.size())]
-
-
 def exact(actual, expected):
     assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
     assert actual.shape == expected.shape, (actual.shape, expected.shape)
     assert torch.equal(actual, expected), (actual, expected)
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("op", ["Sum", "Min", "Max", "Product", "Average"])
-def test_allreduce_every_op_and_dtype(op, dtype):
-    shape = (3, 4)
-    values = every_rank(shape, dtype)
-    wide = [v.to(torch.float64) for v in values]
-    stacked = torch.stack(wide)
-    expected = {"Sum": stacked.sum(0), "Min": stacked.min(0).values, "Max": stacked.max(0).values,
-                "Product": stacked.prod(0), "Average": stacked.sum(0) / hvd.size()}[op]
-    if op == "Average" and not dtype.is_floating_point:
-        expected = torch.trunc(expected)
-    result = hvd.allreduce(values[hvd.rank()], op=getattr(hvd, op), name="ar.%s.%s" % (op, dtype))
-    exact(result, expected.to(dtype))
-
-
-def test_allreduce_bool_is_any():
-    mine = torch.tensor([hvd.rank() == 0, False, True])
-    exact(hvd.allreduce(mine, op=hvd.Sum, name="ar.bool"), torch.tensor([True, False, True]))
 
 
 def test_allreduce_average_flag_and_default():
@@ -78,89 +51,10 @@ def test_allreduce_async_in_place_and_non_contiguous():
     exact(y, torch.full((5,), float(n)))
 
 
-def test_prescale_postscale():
-    n = hvd.size()
-    result = hvd.allreduce(torch.full((3,), 2.0), op=hvd.Sum, prescale_factor=0.5, postscale_factor=3.0,
-                           name="ar.scaled")
-    exact(result, torch.full((3,), 3.0 * n))
-
-
-def test_grouped_allreduce_forms():
-    n, r = hvd.size(), hvd.rank()
-    tensors = [torch.full((i + 1,), float(r + i)) for i in range(5)]
-    expected = [torch.full((i + 1,), float(n * i + n * (n - 1) / 2)) for i in range(5)]
-    for got, want in zip(hvd.grouped_allreduce(tensors, op=hvd.Sum, name="gar"), expected):
-        exact(got, want)
-    handle = hvd.grouped_allreduce_async(tensors, op=hvd.Sum, name="gar.async")
-    for got, want in zip(hvd.synchronize(handle), expected):
-        exact(got, want)
-    copies = [t.clone() for t in tensors]
-    hvd.grouped_allreduce_(copies, op=hvd.Sum, name="gar.inplace")
-    for got, want in zip(copies, expected):
-        exact(got, want)
-
-
-@pytest.mark.parametrize("dtype", DTYPES + [torch.bool], ids=str)
-def test_allgather_different_first_dims(dtype):
-    r = hvd.rank()
-    mine = rank_values((r + 1, 3), dtype, r) if dtype != torch.bool else torch.ones(r + 1, 3, dtype=torch.bool)
-    expected = torch.cat([rank_values((k + 1, 3), dtype, k) if dtype != torch.bool
-                          else torch.ones(k + 1, 3, dtype=torch.bool) for k in range(hvd.size())])
-    exact(hvd.allgather(mine, name="ag.%s" % dtype), expected)
-    exact(hvd.synchronize(hvd.allgather_async(mine, name="ag.async.%s" % dtype)), expected)
-
-
-def test_grouped_allgather():
-    r, n = hvd.rank(), hvd.size()
-    got = hvd.grouped_allgather([torch.full((1,), r), torch.full((2, 2), r)], name="gag")
-    exact(got[0], torch.arange(n))
-    exact(got[1], torch.arange(n).repeat_interleave(2).reshape(-1, 1).expand(-1, 2).contiguous())
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_broadcast_from_every_root(dtype):
-    for root in range(hvd.size()):
-        mine = rank_values((2, 3), dtype, hvd.rank())
-        exact(hvd.broadcast(mine, root, name="bc.%s.%d" % (dtype, root)), rank_values((2, 3), dtype, root))
-        copy = mine.clone()
-        hvd.broadcast_(copy, root, name="bc_.%s.%d" % (dtype, root))
-        exact(copy, rank_values((2, 3), dtype, root))
-        h = hvd.broadcast_async(mine, root, name="bca.%s.%d" % (dtype, root))
-        exact(hvd.synchronize(h), rank_values((2, 3), dtype, root))
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_alltoall_with_splits(dtype):
-    r, n = hvd.rank(), hvd.size()
-    # Rank r sends k+1 rows to rank k, each row filled with 10*r + k.
-    splits = torch.tensor([k + 1 for k in range(n)], dtype=torch.int32)
-    rows = torch.cat([torch.full((k + 1, 2), 10 * r + k) for k in range(n)]).to(dtype)
-    output, received = hvd.alltoall(rows, splits=splits, name="a2a.%s" % dtype)
-    expected = torch.cat([torch.full((r + 1, 2), 10 * s + r) for s in range(n)]).to(dtype)
-    exact(output, expected)
-    exact(received, torch.full((n,), r + 1, dtype=torch.int32))
-    output, received = hvd.synchronize(hvd.alltoall_async(rows, splits=splits, name="a2a.async.%s" % dtype))
-    exact(output, expected)
-
-
 def test_alltoall_even_returns_output_only():
     r, n = hvd.rank(), hvd.size()
     out = hvd.alltoall(torch.full((n,), r), name="a2a.even")
     exact(out, torch.arange(n))
-
-
-@pytest.mark.parametrize("dtype", FLOATS + [torch.int32], ids=str)
-def test_reducescatter_uneven(dtype):
-    r, n = hvd.rank(), hvd.size()
-    rows = 2 * n + 1
-    mine = (torch.arange(rows * 2).reshape(rows, 2) % 7 + r).to(dtype)
-    total = sum((torch.arange(rows * 2).reshape(rows, 2) % 7 + k).to(torch.float64) for k in range(n))
-    counts = [rows // n + (1 if k < rows % n else 0) for k in range(n)]
-    start = sum(counts[:r])
-    got = hvd.reducescatter(mine, op=hvd.Sum, name="rs.%s" % dtype)
-    exact(got, total[start:start + counts[r]].to(dtype))
-    grouped = hvd.grouped_reducescatter([mine, mine], op=hvd.Sum, name="grs.%s" % dtype)
-    exact(grouped[1], total[start:start + counts[r]].to(dtype))
 
 
 def test_gradients_of_each_differentiable_op():
@@ -213,17 +107,6 @@ def test_gradients_of_each_differentiable_op():
 def test_join_and_barrier():
     hvd.barrier()
     assert hvd.join() in range(hvd.size())
-
-
-def test_adasum_of_equal_vectors_is_that_vector():
-    # Parallel (here identical) updates are averaged, not added.
-    v = torch.tensor([1.0, 2.0, 3.0])
-    exact(hvd.allreduce(v, op=hvd.Adasum, name="adasum.same"), v)
-    # Orthogonal updates add up.
-    r, n = hvd.rank(), hvd.size()
-    e = torch.zeros(n)
-    e[r] = 1.0
-    exact(hvd.allreduce(e, op=hvd.Adasum, name="adasum.orth"), torch.ones(n))
 
 
 # ---- errors, raised on every rank ---------------------------------------------

@@ -1,0 +1,376 @@
+"""The one test grid every front end runs: each collective x dtype x shape
+(zero-size, scalar and odd shapes always among them) x each form the front
+end offers (sync, async, in place, grouped, tf.function), Adasum, and each
+collective on a process set, with exact values: every rank computes what
+every other rank sent.
+
+A front end joins with a file of a few lines, test_<framework>_grid.py:
+
+    from shared_grid import *   # the tests below, and pytest_generate_tests
+    SHIM = MyShim()             # a Shim: how to make its tensors and read them back
+
+tests/test_parallel.py runs each such file at 1, 2 and 3 ranks, and
+tests/test_mpi.py runs the numpy one on every MPI layout.
+"""
+import numpy as np
+import pytest
+
+import unison
+
+try:
+    import ml_dtypes  # numpy's bfloat16
+except ImportError:  # the mxnet env's numpy is too old for it, and MXNet has no bfloat16
+    ml_dtypes = None
+
+OPS = ["Sum", "Average", "Min", "Max", "Product"]
+SHAPES = [(0,), (), (1,), (17,), (3, 4, 5)]
+ROW_SHAPES = [(0, 3), (1,), (5,), (3, 4, 5)]  # ops that need a first dimension
+FLOATS = ["float16", "bfloat16", "float32", "float64"]
+
+
+def np_dtype(name):
+    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+
+
+class Shim:
+    """What the grid needs from a front end. Tensors cross as numpy arrays:
+    `tensor` makes the framework's own from one, `numpy` reads one back.
+    Each *_forms() is {form name: function}; the grid runs every form."""
+    name = "?"
+    hvd = None               # the front-end module, for Sum, Average, ... and process sets
+    dtypes = []              # dtype names every byte-moving op takes
+    reduce_dtypes = []       # dtype names allreduce and reducescatter take
+    bool_reductions = True   # allreduce of bool (any / all)
+
+    def tensor(self, array):
+        raise NotImplementedError
+
+    def numpy(self, tensor):
+        raise NotImplementedError
+
+    def allreduce_forms(self):
+        """{form: f(x, op, name, prescale, postscale, process_set) -> tensor}"""
+        raise NotImplementedError
+
+    def grouped_allreduce(self, xs, op, name, process_set):
+        raise NotImplementedError
+
+    def allgather_forms(self):
+        """{form: f(x, name, process_set) -> tensor}"""
+        raise NotImplementedError
+
+    def grouped_allgather(self, xs, name, process_set):
+        raise NotImplementedError
+
+    def broadcast_forms(self):
+        """{form: f(x, root, name, process_set) -> tensor}"""
+        raise NotImplementedError
+
+    def alltoall(self, x, splits, name, process_set):
+        """(output, received splits as a list of ints)"""
+        raise NotImplementedError
+
+    def alltoall_even(self, x, name, process_set):
+        """The output alone, as Horovod returns it without splits."""
+        raise NotImplementedError
+
+    def reducescatter_forms(self):
+        """{form: f(x, op, name, process_set) -> tensor}"""
+        raise NotImplementedError
+
+    def grouped_reducescatter(self, xs, op, name, process_set):
+        raise NotImplementedError
+
+    def barrier(self, process_set):
+        raise NotImplementedError
+
+
+def pytest_generate_tests(metafunc):
+    shim = metafunc.module.SHIM
+    axes = {"fw": ([shim], [shim.name]), "op": (OPS, OPS), "shape": (SHAPES, None), "row_shape": (ROW_SHAPES, None),
+            "dtype": (shim.dtypes, None), "reduce_dtype": (shim.reduce_dtypes, None),
+            "float_dtype": ([d for d in FLOATS if d in shim.reduce_dtypes], None)}
+    for argument, (values, ids) in axes.items():
+        if argument in metafunc.fixturenames:
+            metafunc.parametrize(argument, values, ids=ids or [str(v) for v in values])
+
+
+# ---- values ------------------------------------------------------------------------
+
+def rank_values(shape, dtype, rank):
+    """Small integers that differ per rank and per element: exact in every dtype."""
+    n = int(np.prod(shape))
+    if dtype == "bool":
+        return ((np.arange(n) + rank) % 2 == 0).reshape(shape)
+    return ((np.arange(n) % 5) + rank + 1).astype(np_dtype(dtype)).reshape(shape)
+
+
+def reduced(op, inputs, dtype, ranks):
+    """What op gives over `inputs` in `dtype`: integers wrap and their
+    Average truncates, as the frameworks' own integer tensors do."""
+    if np.issubdtype(np_dtype(dtype), np.integer):
+        wide = [x.astype(np.int64) for x in inputs]
+        out = {"Sum": lambda: sum(wide), "Product": lambda: np.prod(wide, axis=0),
+               "Min": lambda: np.min(wide, axis=0), "Max": lambda: np.max(wide, axis=0),
+               "Average": lambda: np.trunc(sum(wide) / ranks).astype(np.int64)}[op]()
+        return np.asarray(out).astype(np_dtype(dtype))
+    wide = [x.astype(np.float64) for x in inputs]
+    out = {"Sum": lambda: sum(wide), "Product": lambda: np.prod(wide, axis=0),
+           "Min": lambda: np.min(wide, axis=0), "Max": lambda: np.max(wide, axis=0),
+           "Average": lambda: sum(wide) / ranks}[op]()
+    return np.asarray(out).astype(np_dtype(dtype))
+
+
+def assert_exact(fw, tensor, expected):
+    got = fw.numpy(tensor)
+    assert got.dtype == expected.dtype, (got.dtype, expected.dtype)
+    assert got.shape == expected.shape, (got.shape, expected.shape)
+    np.testing.assert_array_equal(got.astype(np.float64), expected.astype(np.float64))
+
+
+def subset():
+    """A process set of this rank and some others: the lower or upper half
+    of the job, or at one rank the global set. Every rank adds both halves,
+    as add_process_set requires; the caller removes them with forget()."""
+    n = unison.size()
+    if n == 1:
+        return unison.global_process_set, []
+    low = unison.add_process_set(list(range(n // 2)))
+    high = unison.add_process_set(list(range(n // 2, n)))
+    return (low if low.included() else high), [low, high]
+
+
+@pytest.fixture(scope="module")
+def part():
+    process_set, added = subset()
+    yield process_set
+    for s in added:
+        unison.remove_process_set(s)
+
+
+def tag(*parts):
+    return ".".join(str(p) for p in parts)
+
+
+# ---- allreduce ---------------------------------------------------------------------
+
+def test_allreduce_every_op_dtype_shape(fw, op, reduce_dtype, shape):
+    n, me = unison.size(), unison.rank()
+    inputs = [rank_values(shape, reduce_dtype, r) for r in range(n)]
+    sync = next(iter(fw.allreduce_forms().values()))
+    out = sync(fw.tensor(inputs[me]), getattr(fw.hvd, op), tag("ar", op, reduce_dtype, shape), 1.0, 1.0, None)
+    assert_exact(fw, out, reduced(op, inputs, reduce_dtype, n))
+
+
+def test_allreduce_every_form(fw, reduce_dtype):
+    n, me = unison.size(), unison.rank()
+    inputs = [rank_values((2, 3), reduce_dtype, r) for r in range(n)]
+    for form, allreduce in fw.allreduce_forms().items():
+        for op in ["Sum", "Max"]:
+            out = allreduce(fw.tensor(inputs[me]), getattr(fw.hvd, op), tag("arf", form, op, reduce_dtype),
+                            1.0, 1.0, None)
+            assert_exact(fw, out, reduced(op, inputs, reduce_dtype, n))
+
+
+def test_allreduce_bool_means_any_or_all(fw):
+    if not fw.bool_reductions:
+        return  # the framework has no bool tensors to reduce
+    n, me = unison.size(), unison.rank()
+    inputs = [rank_values((9,), "bool", r) for r in range(n)]
+    sync = next(iter(fw.allreduce_forms().values()))
+    for op, fold in [("Sum", np.any), ("Max", np.any), ("Min", np.all), ("Product", np.all)]:
+        out = sync(fw.tensor(inputs[me]), getattr(fw.hvd, op), tag("arb", op), 1.0, 1.0, None)
+        assert_exact(fw, out, fold(inputs, axis=0))
+
+
+def test_allreduce_prescale_and_postscale(fw, float_dtype):
+    n, me = unison.size(), unison.rank()
+    inputs = [rank_values((11,), float_dtype, r) for r in range(n)]
+    for form, allreduce in fw.allreduce_forms().items():
+        out = allreduce(fw.tensor(inputs[me]), fw.hvd.Sum, tag("scaled", form, float_dtype), 2.0, 0.25, None)
+        assert_exact(fw, out, (reduced("Sum", inputs, "float64", n) * 0.5).astype(np_dtype(float_dtype)))
+
+
+def test_grouped_allreduce_of_mixed_dtypes_and_shapes(fw):
+    n, me = unison.size(), unison.rank()
+    dtypes = [d for d in ["float32", "int32", "float64", "uint8"] if d in fw.reduce_dtypes]
+    shapes = [(3,), (), (0,), (2, 2), (7,)]
+    cases = [(shapes[i % len(shapes)], dtypes[i % len(dtypes)]) for i in range(7)]
+    inputs = [[rank_values(s, d, r) for r in range(n)] for s, d in cases]
+    outs = fw.grouped_allreduce([fw.tensor(v[me]) for v in inputs], fw.hvd.Sum, "gar", None)
+    assert len(outs) == len(cases)
+    for out, v, (s, d) in zip(outs, inputs, cases):
+        assert_exact(fw, out, reduced("Sum", v, d, n))
+
+
+# ---- Adasum ------------------------------------------------------------------------
+
+def adasum_pair(a, b):
+    dot, aa, bb = a @ b, a @ a, b @ b
+    return (1 - dot / (2 * aa) if aa > 0 else 1.0) * a + (1 - dot / (2 * bb) if bb > 0 else 1.0) * b
+
+
+def adasum_reference(parts):
+    """native/adasum.h's order in float64: ranks past the largest power of
+    two p fold into rank r - p, then neighbours pair at distance 1, 2, 4..."""
+    parts = [p.astype(np.float64).reshape(-1) for p in parts]
+    p = 1
+    while p * 2 <= len(parts):
+        p *= 2
+    for r in range(p, len(parts)):
+        parts[r - p] = adasum_pair(parts[r - p], parts[r])
+    level = parts[:p]
+    while len(level) > 1:
+        level = [adasum_pair(level[i], level[i + 1]) for i in range(0, len(level), 2)]
+    return level[0]
+
+
+def test_adasum_matches_the_float64_reference(fw, float_dtype, shape):
+    n, me = unison.size(), unison.rank()
+    rng = np.random.default_rng(11)  # the same draws on every rank
+    parts = [rng.standard_normal(shape).astype(np_dtype(float_dtype)) for _ in range(n)]
+    sync = next(iter(fw.allreduce_forms().values()))
+    out = fw.numpy(sync(fw.tensor(parts[me]), fw.hvd.Adasum, tag("adasum", float_dtype, shape), 1.0, 1.0, None))
+    assert out.dtype == np_dtype(float_dtype) and out.shape == shape
+    tolerance = {"float16": 2e-2, "bfloat16": 5e-2, "float32": 1e-5, "float64": 1e-12}[float_dtype]
+    expected = adasum_reference(parts).reshape(shape)
+    np.testing.assert_allclose(out.astype(np.float64), expected, rtol=tolerance, atol=tolerance)
+
+
+def test_adasum_of_equal_gradients_is_that_gradient_and_orthogonal_ones_add(fw):
+    n, me = unison.size(), unison.rank()
+    sync = next(iter(fw.allreduce_forms().values()))
+    same = np.arange(6, dtype=np.float64) - 2.5
+    assert_exact(fw, sync(fw.tensor(same), fw.hvd.Adasum, "adasum.same", 1.0, 1.0, None), same)
+    axis = np.zeros(n)
+    axis[me] = me + 1.0
+    assert_exact(fw, sync(fw.tensor(axis), fw.hvd.Adasum, "adasum.orth", 1.0, 1.0, None), np.arange(1.0, n + 1))
+
+
+def test_adasum_of_fused_tensors_is_per_tensor(fw):
+    n, me = unison.size(), unison.rank()
+    rng = np.random.default_rng(5)
+    shapes = [(3,), (1000,), (0,), (4, 5)]
+    parts = [[rng.standard_normal(s) for s in shapes] for _ in range(n)]
+    outs = fw.grouped_allreduce([fw.tensor(p) for p in parts[me]], fw.hvd.Adasum, "adasum.fused", None)
+    for i, (out, s) in enumerate(zip(outs, shapes)):
+        expected = adasum_reference([p[i] for p in parts]).reshape(s)
+        np.testing.assert_allclose(fw.numpy(out), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_adasum_refuses_integers_on_every_rank(fw):
+    dtype = next(d for d in fw.reduce_dtypes if d.startswith("int"))
+    sync = next(iter(fw.allreduce_forms().values()))
+    with pytest.raises(Exception, match="Adasum needs a floating-point tensor"):
+        sync(fw.tensor(rank_values((3,), dtype, 0)), fw.hvd.Adasum, "adasum.int", 1.0, 1.0, None)
+    fw.barrier(None)
+
+
+# ---- allgather ---------------------------------------------------------------------
+
+def test_allgather_ranks_contribute_different_first_dims(fw, dtype, row_shape):
+    n, me = unison.size(), unison.rank()
+
+    def contribution(r):
+        rows = row_shape[0] + r if row_shape[0] else 0  # empty everywhere stays empty
+        return rank_values((rows,) + row_shape[1:], dtype, r)
+
+    expected = np.concatenate([contribution(r) for r in range(n)])
+    for form, allgather in fw.allgather_forms().items():
+        assert_exact(fw, allgather(fw.tensor(contribution(me)), tag("ag", form, dtype, row_shape), None), expected)
+
+
+def test_grouped_allgather(fw):
+    n, me = unison.size(), unison.rank()
+    dtypes = [d for d in ["int32", "float64", "uint8"] if d in fw.dtypes]
+    mine = [rank_values((me + 1, 2), dtypes[0], me), rank_values((3,), dtypes[1], me),
+            rank_values((0, 4), dtypes[2], me)]
+    outs = fw.grouped_allgather([fw.tensor(x) for x in mine], "gag", None)
+    assert_exact(fw, outs[0], np.concatenate([rank_values((r + 1, 2), dtypes[0], r) for r in range(n)]))
+    assert_exact(fw, outs[1], np.concatenate([rank_values((3,), dtypes[1], r) for r in range(n)]))
+    assert_exact(fw, outs[2], np.zeros((0, 4), np_dtype(dtypes[2])))
+
+
+# ---- broadcast ---------------------------------------------------------------------
+
+def test_broadcast_from_every_root(fw, dtype, shape):
+    n, me = unison.size(), unison.rank()
+    for root in range(n):
+        for form, broadcast in fw.broadcast_forms().items():
+            out = broadcast(fw.tensor(rank_values(shape, dtype, me)), root, tag("bc", form, dtype, shape, root), None)
+            assert_exact(fw, out, rank_values(shape, dtype, root))
+
+
+# ---- alltoall ----------------------------------------------------------------------
+
+def test_alltoall_with_uneven_splits(fw, dtype):
+    n, me = unison.size(), unison.rank()
+
+    # Rank s sends (s + d) % 3 rows to rank d, each row tagged with s and d.
+    def rows(s, d):
+        return np.full(((s + d) % 3, 2), (s * 10 + d) % 127)
+
+    data = np.concatenate([rows(me, d) for d in range(n)]).astype(np_dtype(dtype))
+    out, received = fw.alltoall(fw.tensor(data), [(me + d) % 3 for d in range(n)], tag("a2a", dtype), None)
+    assert_exact(fw, out, np.concatenate([rows(s, me) for s in range(n)]).astype(np_dtype(dtype)))
+    assert list(received) == [(s + me) % 3 for s in range(n)]
+
+
+def test_alltoall_even_split_and_zero_rows(fw):
+    n, me = unison.size(), unison.rank()
+    x = np.arange(n * 2, dtype=np.int32).reshape(n, 2) + 100 * me
+    out = fw.alltoall_even(fw.tensor(x), "a2a.even", None)
+    assert_exact(fw, out, np.stack([np.array([2 * me, 2 * me + 1], np.int32) + 100 * s for s in range(n)]))
+    out, received = fw.alltoall(fw.tensor(np.zeros((0, 3), np.float32)), [0] * n, "a2a.empty", None)
+    assert_exact(fw, out, np.zeros((0, 3), np.float32))
+    assert list(received) == [0] * n
+
+
+# ---- reducescatter -----------------------------------------------------------------
+
+@pytest.mark.parametrize("rows", [0, 1, 7, 12])
+def test_reducescatter_uneven_rows(fw, reduce_dtype, rows):
+    n, me = unison.size(), unison.rank()
+    inputs = [rank_values((rows, 3), reduce_dtype, r) for r in range(n)]
+    counts = [rows // n + (1 if r < rows % n else 0) for r in range(n)]
+    start = sum(counts[:me])
+    for form, reducescatter in fw.reducescatter_forms().items():
+        for op in ["Sum", "Max"]:
+            out = reducescatter(fw.tensor(inputs[me]), getattr(fw.hvd, op), tag("rs", form, op, reduce_dtype, rows),
+                                None)
+            assert_exact(fw, out, reduced(op, inputs, reduce_dtype, n)[start:start + counts[me]])
+
+
+def test_grouped_reducescatter(fw):
+    n, me = unison.size(), unison.rank()
+    inputs = [[rank_values((2 * n + 1, 2), "float32", r) for r in range(n)],
+              [rank_values((n,), "int32", r) for r in range(n)]]
+    outs = fw.grouped_reducescatter([fw.tensor(v[me]) for v in inputs], fw.hvd.Sum, "grs", None)
+    first = (2 * n + 1) // n
+    start = me * first + min(me, (2 * n + 1) % n)
+    assert_exact(fw, outs[0], reduced("Sum", inputs[0], "float32", n)[start:start + first + (me < (2 * n + 1) % n)])
+    assert_exact(fw, outs[1], reduced("Sum", inputs[1], "int32", n)[me:me + 1])
+
+
+# ---- every collective on a process set -----------------------------------------------
+
+def test_every_collective_on_a_process_set(fw, part):
+    me, ranks = unison.rank(), part.ranks if part.ranks else list(range(unison.size()))
+    k, mine = len(ranks), part.rank()
+    sync_ar = next(iter(fw.allreduce_forms().values()))
+    out = sync_ar(fw.tensor(np.full(3, me + 1.0)), fw.hvd.Sum, "ps.ar", 1.0, 1.0, part)
+    assert_exact(fw, out, np.full(3, float(sum(r + 1 for r in ranks))))
+    out = sync_ar(fw.tensor(np.full(4, me + 1.0)), fw.hvd.Adasum, "ps.adasum", 1.0, 1.0, part)
+    np.testing.assert_allclose(fw.numpy(out), adasum_reference([np.full(4, r + 1.0) for r in ranks]), rtol=1e-12)
+    gather = next(iter(fw.allgather_forms().values()))
+    assert_exact(fw, gather(fw.tensor(np.full((me + 1,), me, np.int32)), "ps.ag", part),
+                 np.array([r for r in ranks for _ in range(r + 1)], np.int32))
+    broadcast = next(iter(fw.broadcast_forms().values()))
+    assert_exact(fw, broadcast(fw.tensor(np.array([me, me], np.float32)), ranks[-1], "ps.bc", part),
+                 np.full(2, float(ranks[-1]), np.float32))
+    out, received = fw.alltoall(fw.tensor(np.arange(k, dtype=np.float64) + 10 * me), [1] * k, "ps.a2a", part)
+    assert_exact(fw, out, np.array([10.0 * r + mine for r in ranks]))
+    assert list(received) == [1] * k
+    scatter = next(iter(fw.reducescatter_forms().values()))
+    assert_exact(fw, scatter(fw.tensor(np.ones((2 * k, 2))), fw.hvd.Sum, "ps.rs", part), np.full((2, 2), float(k)))
+    fw.barrier(part)
