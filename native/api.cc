@@ -54,20 +54,8 @@ int unison_init(void) {
                                                                  " of size " + std::to_string(c.size) +
                                                                  " from the environment is impossible"));
   std::unique_ptr<Backend> backend;
-  if (c.size > 1 && !c.mpi_launcher.empty()) {
-    Status s = make_mpi_backend(&c, generation, &backend);
-    if (!s.ok()) return report(s);
-  } else if (c.size == 1) {
-    backend = make_solo_backend();
-  } else if (c.local_size != c.size) {
-    return report(Status::Error(UNISON_ERR_UNSUPPORTED,
-                                "unison: UNISON_SIZE is " + std::to_string(c.size) + " but UNISON_LOCAL_SIZE is " +
-                                    std::to_string(c.local_size) + "; a job across hosts starts with "
-                                    "`unisonrun -H` (or mpirun/srun) and needs the MPI backend"));
-  } else {
-    Status s = make_shm_backend(c, generation, &backend);
-    if (!s.ok()) return report(s);
-  }
+  Status made = make_backend(&c, generation, &backend);
+  if (!made.ok()) return report(made);
   ++generation;
   config = c;
   engine = std::make_unique<Engine>(c, std::move(backend), &handles);
@@ -92,7 +80,10 @@ int unison_cross_size(int* out) { return query(out, config.cross_size); }
 
 const char* unison_backend_name(void) { return engine != nullptr ? engine->backend().name() : ""; }
 
-const char* unison_built_backends(void) { return mpi_backend_available() ? "solo,shm,mpi" : "solo,shm"; }
+const char* unison_built_backends(void) {
+  static const std::string names = built_backends();
+  return names.c_str();
+}
 
 int unison_enqueue(const unison_op_options* options, unison_handle* out) {
   if (engine == nullptr) return not_initialized();

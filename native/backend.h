@@ -108,6 +108,12 @@ class Backend {
   virtual Status split(const std::vector<int>& members, int set_id, std::unique_ptr<Backend>* out) = 0;
 };
 
+// The backend this process's job needs (backend.cc decides, from the
+// launcher's settings in `config`, which MPI may complete).
+Status make_backend(Config* config, int generation, std::unique_ptr<Backend>* out);
+// The backends this build has, as "solo,shm,mpi".
+std::string built_backends();
+
 // The single-process null object: every collective is a local copy.
 std::unique_ptr<Backend> make_solo_backend();
 // Shared memory between the processes of one host.

@@ -25,6 +25,8 @@ EXAMPLES = [
     ("torch/process_sets.py", ["--epochs", "5"], ("torch", "sklearn"),  # the halves print in either order
      r"^(?=(.|\n)*first half, ranks \[0\], width 32: test accuracy 0\.9\d+; weights identical within the half: True)"
      r"(?=(.|\n)*second half, ranks \[1\], width 256: test accuracy 0\.9\d+; weights identical within the half: True)"),
+    ("torch/parameter_server.py", ["--epochs", "8"], ("torch", "sklearn"),  # one trainer, no data parallelism
+     r"epoch 8: loss \d\.\d+(.|\n)*test accuracy 0\.[89]\d+ with the table on rank 0 and 1 trainer"),
     ("mxnet/digits.py", ["--epochs", "8"], ("mxnet", "sklearn"), r"test accuracy 0\.9\d+ on 2 ranks"),
     ("tensorflow/digits.py", ["--epochs", "8"], ("tensorflow", "sklearn"), r"test accuracy 0\.9\d+ on 2 ranks"),
     ("keras/digits.py", ["--epochs", "8", "--samples-per-second"], ("tensorflow", "sklearn"),
@@ -35,7 +37,7 @@ EXAMPLES = [
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("script,args,needs,expected", EXAMPLES,
                          ids=["numpy-logistic-regression", "torch-digits", "torch-synthetic",
-                              "torch-synthetic-syncbn-fp16", "torch-process-sets", "mxnet-digits", "tensorflow-digits",
+                              "torch-synthetic-syncbn-fp16", "torch-process-sets", "torch-parameter-server", "mxnet-digits", "tensorflow-digits",
                               "keras-digits"])
 def test_example_runs_under_the_launcher(script, args, needs, expected):
     for module in needs:
@@ -47,3 +49,17 @@ def test_example_runs_under_the_launcher(script, args, needs, expected):
     output = proc.stdout.decode(errors="replace")
     assert proc.returncode == 0, output[-5000:]
     assert re.search(expected, output), output[-5000:]
+
+
+@pytest.mark.timeout(300)
+def test_parameter_server_example_with_two_data_parallel_trainers():
+    # Its documented run: rank 0 serves the table, ranks 1 and 2 train.
+    for module in ("torch", "sklearn"):
+        if importlib.util.find_spec(module) is None:
+            pytest.skip("%s is not installed here" % module)
+    command = [sys.executable, "-m", "unison.run", "-np", "3", sys.executable,
+               os.path.join(ROOT, "examples", "torch", "parameter_server.py"), "--epochs", "8"]
+    proc = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=280, cwd=ROOT)
+    output = proc.stdout.decode(errors="replace")
+    assert proc.returncode == 0, output[-5000:]
+    assert re.search(r"test accuracy 0\.9\d+ with the table on rank 0 and 2 trainer", output), output[-5000:]

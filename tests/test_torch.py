@@ -59,3 +59,64 @@ def test_num_groups_split_as_every_framework_splits():
     assignment = _assign_groups(5, params)
     sizes = [sum(1 for p in params if assignment[p] == g) for g in range(5)]
     assert sizes == [len(g) for g in split_into_groups(params, 5)] == [2, 2, 1, 1, 1]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("np_", [2, 3])
+def test_trainer_crash_in_rpc_training_is_reported_on_every_other_rank(tmp_path, np_):
+    # Rank 0 serves a table over RPC and waits in unison.torch.rpc.shutdown();
+    # the trainers step a hybrid DistributedOptimizer; rank 1 dies mid-step.
+    # Every survivor learns it, naming rank 1, within seconds, with no hang.
+    import subprocess
+    import sys
+    import textwrap
+    script = tmp_path / "crash.py"
+    script.write_text(textwrap.dedent("""
+        import os, sys, time, warnings
+        warnings.simplefilter("ignore")
+        import torch
+        import torch.distributed.autograd as dist_autograd
+        import torch.distributed.rpc as torch_rpc
+        import unison.torch as hvd
+        from unison.torch import rpc
+        torch.set_num_threads(1)
+        table = None
+        def make_table():
+            global table
+            if table is None:
+                table = torch.nn.Parameter(torch.zeros(10, 4))
+            return table
+        def lookup(i):
+            return torch.nn.functional.embedding(i, table)
+        hvd.init()
+        rpc.init_rpc()
+        trainers = hvd.add_process_set(list(range(1, hvd.size())))
+        start = time.monotonic()
+        try:
+            if hvd.rank() == 0:
+                rpc.shutdown()
+            else:
+                ref = torch_rpc.remote("worker0", make_table)
+                head = torch.nn.Linear(4, 1)
+                opt = rpc.DistributedOptimizer(torch.optim.SGD, [ref], lr=0.1, process_set=trainers,
+                                               dense_optimizer=torch.optim.SGD(head.parameters(), lr=0.1))
+                for step in range(1000):
+                    if hvd.rank() == 1 and step == 3:
+                        os._exit(3)
+                    start = time.monotonic()
+                    with dist_autograd.context() as cid:
+                        rows = torch_rpc.rpc_sync("worker0", lookup, args=(torch.tensor([1, 2]),))
+                        dist_autograd.backward(cid, [head(rows).sum()])
+                        opt.step(cid)
+        except hvd.UnisonError as e:
+            print("survivor %d reported after %.1f s: %s" % (hvd.rank(), time.monotonic() - start, e), flush=True)
+            os._exit(17)
+    """))
+    proc = subprocess.run([sys.executable, "-m", "unison.run", "-np", str(np_), sys.executable, str(script)],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=100, cwd=str(tmp_path))
+    out, err = proc.stdout.decode(), proc.stderr.decode()
+    survivors = [line for line in out.splitlines() if "survivor" in line]
+    assert len(survivors) == np_ - 1, out + err
+    for line in survivors:
+        assert "rank 1 (pid" in line and float(line.split("after ")[1].split(" s")[0]) < 10, line
+    assert "unisonrun: job failed: rank 1" in err and "exited with status 3" in err

@@ -1,0 +1,175 @@
+"""unison.torch.rpc: torch's RPC (remote parameters, distributed autograd,
+torch.distributed.optim.DistributedOptimizer) inside a unison job.
+
+torch's RPC engine does the work; unison only arranges what a script would
+otherwise have to: the rendezvous (rank 0 picks an address and a free port,
+every rank learns them through unison, so a job started by unisonrun or
+mpirun needs no MASTER_ADDR/MASTER_PORT), the worker names, and a
+DistributedOptimizer that can also keep dense, replicated parameters
+data-parallel with unison's allreduce in the same step.
+
+    import unison.torch as hvd
+    from unison.torch import rpc
+
+    hvd.init()
+    rpc.init_rpc()                          # worker0, worker1, ...
+    ...
+    with torch.distributed.autograd.context() as context_id:
+        torch.distributed.autograd.backward(context_id, [loss])
+        optimizer.step(context_id)
+    rpc.shutdown()
+"""
+import os
+import socket
+
+import torch
+import torch.distributed.autograd as dist_autograd
+import torch.distributed.optim as dist_optim
+import torch.distributed.rpc as torch_rpc
+
+from unison import basics, objects
+from unison.exceptions import InvalidArgumentError, UnisonError
+from unison.process_sets import check_member, global_process_set
+import unison.torch.ops as ops
+
+
+def worker_name(rank):
+    """The default name of rank `rank`'s RPC worker."""
+    return "worker%d" % rank
+
+
+def _rendezvous_address():
+    """Where rank 0's RPC agent listens. One host: the loopback. Across
+    hosts: UNISON_RPC_ADDRESS if set, else the address rank 0's host name
+    resolves to (what the other hosts would use to reach it)."""
+    address = os.environ.get("UNISON_RPC_ADDRESS")
+    if address:
+        return address
+    if basics.cross_size() == 1:
+        return "127.0.0.1"
+    return socket.gethostbyname(socket.gethostname())
+
+
+def _free_port(address):
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((address, 0))
+        return s.getsockname()[1]
+
+
+def is_initialized():
+    return torch_rpc.is_available() and torch_rpc.api._is_current_rpc_agent_set()
+
+
+def _require_rpc(what):
+    if not is_initialized():
+        raise UnisonError("unison: %s needs torch's RPC; call unison.torch.rpc.init_rpc() first (after hvd.init())"
+                          % what)
+
+
+def init_rpc(name=None, backend=None, rpc_backend_options=None):
+    """Starts torch's RPC on every rank of the job, as worker `name`
+    (worker{rank} by default), with unison's rank and size. Collective:
+    every rank calls it. Options not given are torch's defaults; the
+    rendezvous (init_method) is unison's unless the options name one."""
+    if not basics.is_initialized():
+        raise UnisonError("unison: init_rpc() needs unison itself first: call hvd.init()")
+    if is_initialized():
+        raise UnisonError("unison: init_rpc() was already called in this process; call shutdown() first")
+    rank, size = basics.rank(), basics.size()
+    endpoint = None
+    if rank == 0:
+        address = _rendezvous_address()
+        endpoint = "tcp://%s:%d" % (address, _free_port(address))
+    endpoint = objects.broadcast_object(endpoint, root_rank=0, name="unison.rpc.rendezvous")
+    if rpc_backend_options is None:
+        rpc_backend_options = torch_rpc.TensorPipeRpcBackendOptions(init_method=endpoint)
+    elif getattr(rpc_backend_options, "init_method", None) in (None, "env://"):
+        rpc_backend_options.init_method = endpoint
+    torch_rpc.init_rpc(name or worker_name(rank), backend=backend, rank=rank, world_size=size,
+                       rpc_backend_options=rpc_backend_options)
+
+
+def shutdown(graceful=True):
+    """Ends RPC on this rank. First a unison barrier: it returns when every
+    rank has finished its RPC work, and fails fast, naming the rank, when
+    one has died (torch's own graceful shutdown would wait for it until
+    its RPC timeout)."""
+    _require_rpc("shutdown()")
+    if graceful:
+        ops.barrier()
+    torch_rpc.shutdown(graceful=graceful)
+
+
+def _owner_check(params_rref):
+    workers = {info.id: info.name for info in torch_rpc.api._get_current_rpc_agent().get_worker_infos()}
+    for i, rref in enumerate(params_rref):
+        if not callable(getattr(rref, "owner", None)):  # RRef's own type is not subclassable: duck-type it
+            raise InvalidArgumentError("unison: DistributedOptimizer: params_rref[%d] is a %s, not an RRef"
+                                       % (i, type(rref).__name__))
+        owner = rref.owner()
+        if workers.get(owner.id) != owner.name:
+            raise InvalidArgumentError(
+                "unison: DistributedOptimizer: params_rref[%d] is owned by %s (id %d), which is not a worker of "
+                "this job (%s)" % (i, owner.name, owner.id, ", ".join(workers[k] for k in sorted(workers))))
+
+
+class DistributedOptimizer:
+    """torch.distributed.optim.DistributedOptimizer over `params_rref`: an
+    `optimizer_class(params, *args, **kwargs)` on each owner for its own
+    parameters, all owners stepping at once, each owner's steps serialised
+    by its lock, an owner's error re-raised here. torch's engine runs all
+    of it.
+
+    The hybrid mode: `dense_optimizer`, a local torch optimizer over
+    parameters every trainer holds a replica of, takes its step in the same
+    step() with the gradients of this autograd context averaged by unison
+    across `process_set` (the trainers), while the remote steps run."""
+
+    def __init__(self, optimizer_class, params_rref, *args, dense_optimizer=None,
+                 process_set=global_process_set, **kwargs):
+        _require_rpc("DistributedOptimizer")
+        params_rref = list(params_rref)
+        _owner_check(params_rref)
+        self._remote = dist_optim.DistributedOptimizer(optimizer_class, params_rref, *args, **kwargs)
+        self._dense = dense_optimizer
+        self._process_set = process_set
+        if dense_optimizer is not None:
+            check_member(process_set, "DistributedOptimizer")
+            self._dense_params = [p for group in dense_optimizer.param_groups for p in group["params"]]
+            self._names = ["rpc.dense.%d" % i for i in range(len(self._dense_params))]
+
+    def _gradients(self, context_id):
+        try:
+            return dist_autograd.get_gradients(context_id)
+        except RuntimeError as e:
+            raise UnisonError(
+                "unison: DistributedOptimizer.step(%r): no distributed autograd context with that id is active "
+                "on this rank; call step() inside `with torch.distributed.autograd.context() as context_id:`, "
+                "after torch.distributed.autograd.backward(context_id, ...)" % (context_id,)) from e
+
+    def step(self, context_id):
+        """One step of every owner's optimizer on the gradients of
+        `context_id`, and of the dense optimizer on the averaged ones."""
+        _require_rpc("DistributedOptimizer.step")
+        gradients = self._gradients(context_id)
+        handle = None
+        if self._dense is not None:
+            # Parameters this context did not reach get zeros, so every
+            # trainer enqueues the same tensors.
+            grads = [gradients.get(p, torch.zeros_like(p)) for p in self._dense_params]
+            handle = ops.grouped_allreduce_async(grads, name="rpc.dense", op=ops.Average,
+                                                 process_set=self._process_set)
+        try:
+            self._remote.step(context_id)
+        finally:
+            averaged = ops.synchronize(handle) if handle is not None else None
+        if self._dense is not None:
+            for p, g in zip(self._dense_params, averaged):
+                p.grad = g
+            self._dense.step()
+
+    def zero_grad(self, set_to_none=True):
+        """Only the dense optimizer keeps .grad; remote gradients live in
+        their autograd context."""
+        if self._dense is not None:
+            self._dense.zero_grad(set_to_none=set_to_none)
