@@ -208,7 +208,8 @@ Status adasum_allreduce(Backend& backend, int dtype, const std::vector<Segment>&
       swap.bytes[(size_t)s * size + (s ^ distance)] = ((end[s] - begin[s]) - (kept_end[s] - kept_begin[s])) * element;
     }
     const bool left = (rank & distance) == 0;  // in the group whose gradient is "a"
-    if (rank < p) swap.input = at(mine, left ? kept_end[rank] : begin[rank]);
+    // Ranks p.. send nothing, but every rank names a real buffer.
+    swap.input = rank < p ? at(mine, left ? kept_end[rank] : begin[rank]) : mine.data();
     swap.output = theirs.data();
     status = backend.alltoall(swap);
     if (!status.ok()) return status;
