@@ -33,14 +33,18 @@ def np_dtype(name):
 
 
 class Shim:
-    """What the grid needs from a front end. Tensors cross as numpy arrays:
-    `tensor` makes the framework's own from one, `numpy` reads one back.
-    Each *_forms() is {form name: function}; the grid runs every form."""
+    """What the grid needs from a front end, written once for Horovod's API:
+    `api` is the module whose allreduce, allreduce_, allreduce_async, ...
+    the grid calls, and every form the module has (sync, async, in place,
+    grouped, ...) is run. A front end's shim says how to make its tensors
+    from a numpy array (`tensor`) and read them back (`numpy`), which
+    dtypes it has, and overrides a *_forms method where its forms differ
+    (TensorFlow's eager and tf.function). Each *_forms() is {form name:
+    function}; the grid runs every form."""
     name = "?"
-    hvd = None               # the front-end module, for Sum, Average, ... and process sets
+    api = None               # the front-end module: the ops, Sum, Average, ..., Adasum and process sets
     dtypes = []              # dtype names every byte-moving op takes
     reduce_dtypes = []       # dtype names allreduce and reducescatter take
-    bool_reductions = True   # allreduce of bool (any / all)
 
     def tensor(self, array):
         raise NotImplementedError
@@ -48,41 +52,91 @@ class Shim:
     def numpy(self, tensor):
         raise NotImplementedError
 
+    def ps(self, process_set):
+        return unison.global_process_set if process_set is None else process_set  # one object for every front end
+
+    def _has(self, *names):
+        return all(hasattr(self.api, n) for n in names)
+
     def allreduce_forms(self):
         """{form: f(x, op, name, prescale, postscale, process_set) -> tensor}"""
-        raise NotImplementedError
+        api, ps = self.api, self.ps
+
+        def options(op, name, pre, post, process_set):
+            return dict(op=op, name=name, prescale_factor=pre, postscale_factor=post, process_set=ps(process_set))
+
+        def in_place(x, *args):
+            assert api.allreduce_(x, **options(*args)) is x
+            return x
+
+        def in_place_async(x, *args):
+            assert api.synchronize(api.allreduce_async_(x, **options(*args))) is x
+            return x
+
+        def grouped_in_place(x, *args):
+            api.grouped_allreduce_([x], **options(*args))
+            return x
+        forms = {"sync": lambda x, *args: api.allreduce(x, **options(*args)),
+                 "async": lambda x, *args: api.synchronize(api.allreduce_async(x, **options(*args))),
+                 "in_place": in_place, "in_place_async": in_place_async,
+                 "grouped": lambda x, *args: api.grouped_allreduce([x], **options(*args))[0],
+                 "grouped_in_place": grouped_in_place}
+        needs = {"sync": ["allreduce"], "async": ["allreduce_async"], "in_place": ["allreduce_"],
+                 "in_place_async": ["allreduce_async_"], "grouped": ["grouped_allreduce"],
+                 "grouped_in_place": ["grouped_allreduce_"]}
+        return {form: f for form, f in forms.items() if self._has(*needs[form])}
 
     def grouped_allreduce(self, xs, op, name, process_set):
-        raise NotImplementedError
+        return self.api.grouped_allreduce(xs, op=op, name=name, process_set=self.ps(process_set))
 
     def allgather_forms(self):
         """{form: f(x, name, process_set) -> tensor}"""
-        raise NotImplementedError
+        api, ps = self.api, self.ps
+        forms = {"sync": lambda x, name, p: api.allgather(x, name=name, process_set=ps(p))}
+        if self._has("allgather_async"):
+            forms["async"] = lambda x, name, p: api.synchronize(api.allgather_async(x, name=name, process_set=ps(p)))
+        return forms
 
     def grouped_allgather(self, xs, name, process_set):
-        raise NotImplementedError
+        return self.api.grouped_allgather(xs, name=name, process_set=self.ps(process_set))
 
     def broadcast_forms(self):
         """{form: f(x, root, name, process_set) -> tensor}"""
-        raise NotImplementedError
+        api, ps = self.api, self.ps
+
+        def in_place(x, root, name, p):
+            assert api.broadcast_(x, root, name=name, process_set=ps(p)) is x
+            return x
+        forms = {"sync": lambda x, root, name, p: api.broadcast(x, root, name=name, process_set=ps(p)),
+                 "in_place": in_place}
+        if self._has("broadcast_async"):
+            forms["async"] = lambda x, root, name, p: api.synchronize(
+                api.broadcast_async(x, root, name=name, process_set=ps(p)))
+        return forms
 
     def alltoall(self, x, splits, name, process_set):
         """(output, received splits as a list of ints)"""
-        raise NotImplementedError
+        out, received = self.api.alltoall(x, splits=splits, name=name, process_set=self.ps(process_set))
+        return out, [int(s) for s in self.numpy(received).tolist()]
 
     def alltoall_even(self, x, name, process_set):
         """The output alone, as Horovod returns it without splits."""
-        raise NotImplementedError
+        return self.api.alltoall(x, name=name, process_set=self.ps(process_set))
 
     def reducescatter_forms(self):
         """{form: f(x, op, name, process_set) -> tensor}"""
-        raise NotImplementedError
+        api, ps = self.api, self.ps
+        forms = {"sync": lambda x, op, name, p: api.reducescatter(x, op=op, name=name, process_set=ps(p))}
+        if self._has("reducescatter_async"):
+            forms["async"] = lambda x, op, name, p: api.synchronize(
+                api.reducescatter_async(x, op=op, name=name, process_set=ps(p)))
+        return forms
 
     def grouped_reducescatter(self, xs, op, name, process_set):
-        raise NotImplementedError
+        return self.api.grouped_reducescatter(xs, op=op, name=name, process_set=self.ps(process_set))
 
     def barrier(self, process_set):
-        raise NotImplementedError
+        self.api.barrier(process_set=self.ps(process_set))
 
 
 def pytest_generate_tests(metafunc):
@@ -158,7 +212,7 @@ def test_allreduce_every_op_dtype_shape(fw, op, reduce_dtype, shape):
     n, me = unison.size(), unison.rank()
     inputs = [rank_values(shape, reduce_dtype, r) for r in range(n)]
     sync = next(iter(fw.allreduce_forms().values()))
-    out = sync(fw.tensor(inputs[me]), getattr(fw.hvd, op), tag("ar", op, reduce_dtype, shape), 1.0, 1.0, None)
+    out = sync(fw.tensor(inputs[me]), getattr(fw.api, op), tag("ar", op, reduce_dtype, shape), 1.0, 1.0, None)
     assert_exact(fw, out, reduced(op, inputs, reduce_dtype, n))
 
 
@@ -167,19 +221,17 @@ def test_allreduce_every_form(fw, reduce_dtype):
     inputs = [rank_values((2, 3), reduce_dtype, r) for r in range(n)]
     for form, allreduce in fw.allreduce_forms().items():
         for op in ["Sum", "Max"]:
-            out = allreduce(fw.tensor(inputs[me]), getattr(fw.hvd, op), tag("arf", form, op, reduce_dtype),
+            out = allreduce(fw.tensor(inputs[me]), getattr(fw.api, op), tag("arf", form, op, reduce_dtype),
                             1.0, 1.0, None)
             assert_exact(fw, out, reduced(op, inputs, reduce_dtype, n))
 
 
 def test_allreduce_bool_means_any_or_all(fw):
-    if not fw.bool_reductions:
-        return  # the framework has no bool tensors to reduce
     n, me = unison.size(), unison.rank()
     inputs = [rank_values((9,), "bool", r) for r in range(n)]
     sync = next(iter(fw.allreduce_forms().values()))
     for op, fold in [("Sum", np.any), ("Max", np.any), ("Min", np.all), ("Product", np.all)]:
-        out = sync(fw.tensor(inputs[me]), getattr(fw.hvd, op), tag("arb", op), 1.0, 1.0, None)
+        out = sync(fw.tensor(inputs[me]), getattr(fw.api, op), tag("arb", op), 1.0, 1.0, None)
         assert_exact(fw, out, fold(inputs, axis=0))
 
 
@@ -187,7 +239,7 @@ def test_allreduce_prescale_and_postscale(fw, float_dtype):
     n, me = unison.size(), unison.rank()
     inputs = [rank_values((11,), float_dtype, r) for r in range(n)]
     for form, allreduce in fw.allreduce_forms().items():
-        out = allreduce(fw.tensor(inputs[me]), fw.hvd.Sum, tag("scaled", form, float_dtype), 2.0, 0.25, None)
+        out = allreduce(fw.tensor(inputs[me]), fw.api.Sum, tag("scaled", form, float_dtype), 2.0, 0.25, None)
         assert_exact(fw, out, (reduced("Sum", inputs, "float64", n) * 0.5).astype(np_dtype(float_dtype)))
 
 
@@ -197,7 +249,7 @@ def test_grouped_allreduce_of_mixed_dtypes_and_shapes(fw):
     shapes = [(3,), (), (0,), (2, 2), (7,)]
     cases = [(shapes[i % len(shapes)], dtypes[i % len(dtypes)]) for i in range(7)]
     inputs = [[rank_values(s, d, r) for r in range(n)] for s, d in cases]
-    outs = fw.grouped_allreduce([fw.tensor(v[me]) for v in inputs], fw.hvd.Sum, "gar", None)
+    outs = fw.grouped_allreduce([fw.tensor(v[me]) for v in inputs], fw.api.Sum, "gar", None)
     assert len(outs) == len(cases)
     for out, v, (s, d) in zip(outs, inputs, cases):
         assert_exact(fw, out, reduced("Sum", v, d, n))
@@ -230,7 +282,7 @@ def test_adasum_matches_the_float64_reference(fw, float_dtype, shape):
     rng = np.random.default_rng(11)  # the same draws on every rank
     parts = [rng.standard_normal(shape).astype(np_dtype(float_dtype)) for _ in range(n)]
     sync = next(iter(fw.allreduce_forms().values()))
-    out = fw.numpy(sync(fw.tensor(parts[me]), fw.hvd.Adasum, tag("adasum", float_dtype, shape), 1.0, 1.0, None))
+    out = fw.numpy(sync(fw.tensor(parts[me]), fw.api.Adasum, tag("adasum", float_dtype, shape), 1.0, 1.0, None))
     assert out.dtype == np_dtype(float_dtype) and out.shape == shape
     tolerance = {"float16": 2e-2, "bfloat16": 5e-2, "float32": 1e-5, "float64": 1e-12}[float_dtype]
     expected = adasum_reference(parts).reshape(shape)
@@ -241,10 +293,10 @@ def test_adasum_of_equal_gradients_is_that_gradient_and_orthogonal_ones_add(fw):
     n, me = unison.size(), unison.rank()
     sync = next(iter(fw.allreduce_forms().values()))
     same = np.arange(6, dtype=np.float64) - 2.5
-    assert_exact(fw, sync(fw.tensor(same), fw.hvd.Adasum, "adasum.same", 1.0, 1.0, None), same)
+    assert_exact(fw, sync(fw.tensor(same), fw.api.Adasum, "adasum.same", 1.0, 1.0, None), same)
     axis = np.zeros(n)
     axis[me] = me + 1.0
-    assert_exact(fw, sync(fw.tensor(axis), fw.hvd.Adasum, "adasum.orth", 1.0, 1.0, None), np.arange(1.0, n + 1))
+    assert_exact(fw, sync(fw.tensor(axis), fw.api.Adasum, "adasum.orth", 1.0, 1.0, None), np.arange(1.0, n + 1))
 
 
 def test_adasum_of_fused_tensors_is_per_tensor(fw):
@@ -252,7 +304,7 @@ def test_adasum_of_fused_tensors_is_per_tensor(fw):
     rng = np.random.default_rng(5)
     shapes = [(3,), (1000,), (0,), (4, 5)]
     parts = [[rng.standard_normal(s) for s in shapes] for _ in range(n)]
-    outs = fw.grouped_allreduce([fw.tensor(p) for p in parts[me]], fw.hvd.Adasum, "adasum.fused", None)
+    outs = fw.grouped_allreduce([fw.tensor(p) for p in parts[me]], fw.api.Adasum, "adasum.fused", None)
     for i, (out, s) in enumerate(zip(outs, shapes)):
         expected = adasum_reference([p[i] for p in parts]).reshape(s)
         np.testing.assert_allclose(fw.numpy(out), expected, rtol=1e-12, atol=1e-12)
@@ -262,7 +314,7 @@ def test_adasum_refuses_integers_on_every_rank(fw):
     dtype = next(d for d in fw.reduce_dtypes if d.startswith("int"))
     sync = next(iter(fw.allreduce_forms().values()))
     with pytest.raises(Exception, match="Adasum needs a floating-point tensor"):
-        sync(fw.tensor(rank_values((3,), dtype, 0)), fw.hvd.Adasum, "adasum.int", 1.0, 1.0, None)
+        sync(fw.tensor(rank_values((3,), dtype, 0)), fw.api.Adasum, "adasum.int", 1.0, 1.0, None)
     fw.barrier(None)
 
 
@@ -336,7 +388,7 @@ def test_reducescatter_uneven_rows(fw, reduce_dtype, rows):
     start = sum(counts[:me])
     for form, reducescatter in fw.reducescatter_forms().items():
         for op in ["Sum", "Max"]:
-            out = reducescatter(fw.tensor(inputs[me]), getattr(fw.hvd, op), tag("rs", form, op, reduce_dtype, rows),
+            out = reducescatter(fw.tensor(inputs[me]), getattr(fw.api, op), tag("rs", form, op, reduce_dtype, rows),
                                 None)
             assert_exact(fw, out, reduced(op, inputs, reduce_dtype, n)[start:start + counts[me]])
 
@@ -345,7 +397,7 @@ def test_grouped_reducescatter(fw):
     n, me = unison.size(), unison.rank()
     inputs = [[rank_values((2 * n + 1, 2), "float32", r) for r in range(n)],
               [rank_values((n,), "int32", r) for r in range(n)]]
-    outs = fw.grouped_reducescatter([fw.tensor(v[me]) for v in inputs], fw.hvd.Sum, "grs", None)
+    outs = fw.grouped_reducescatter([fw.tensor(v[me]) for v in inputs], fw.api.Sum, "grs", None)
     first = (2 * n + 1) // n
     start = me * first + min(me, (2 * n + 1) % n)
     assert_exact(fw, outs[0], reduced("Sum", inputs[0], "float32", n)[start:start + first + (me < (2 * n + 1) % n)])
@@ -358,9 +410,9 @@ def test_every_collective_on_a_process_set(fw, part):
     me, ranks = unison.rank(), part.ranks if part.ranks else list(range(unison.size()))
     k, mine = len(ranks), part.rank()
     sync_ar = next(iter(fw.allreduce_forms().values()))
-    out = sync_ar(fw.tensor(np.full(3, me + 1.0)), fw.hvd.Sum, "ps.ar", 1.0, 1.0, part)
+    out = sync_ar(fw.tensor(np.full(3, me + 1.0)), fw.api.Sum, "ps.ar", 1.0, 1.0, part)
     assert_exact(fw, out, np.full(3, float(sum(r + 1 for r in ranks))))
-    out = sync_ar(fw.tensor(np.full(4, me + 1.0)), fw.hvd.Adasum, "ps.adasum", 1.0, 1.0, part)
+    out = sync_ar(fw.tensor(np.full(4, me + 1.0)), fw.api.Adasum, "ps.adasum", 1.0, 1.0, part)
     np.testing.assert_allclose(fw.numpy(out), adasum_reference([np.full(4, r + 1.0) for r in ranks]), rtol=1e-12)
     gather = next(iter(fw.allgather_forms().values()))
     assert_exact(fw, gather(fw.tensor(np.full((me + 1,), me, np.int32)), "ps.ag", part),
@@ -372,5 +424,5 @@ def test_every_collective_on_a_process_set(fw, part):
     assert_exact(fw, out, np.array([10.0 * r + mine for r in ranks]))
     assert list(received) == [1] * k
     scatter = next(iter(fw.reducescatter_forms().values()))
-    assert_exact(fw, scatter(fw.tensor(np.ones((2 * k, 2))), fw.hvd.Sum, "ps.rs", part), np.full((2, 2), float(k)))
+    assert_exact(fw, scatter(fw.tensor(np.ones((2 * k, 2))), fw.api.Sum, "ps.rs", part), np.full((2, 2), float(k)))
     fw.barrier(part)

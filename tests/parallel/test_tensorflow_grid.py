@@ -10,27 +10,23 @@ import unison.tensorflow as hvd  # noqa: E402
 from shared_grid import *  # noqa: F401,F403,E402  (the grid's tests and pytest_generate_tests)
 from shared_grid import Shim  # noqa: E402
 
-ALL = ["uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64", "float16", "bfloat16",
-       "float32", "float64"]
+NUMBERS = ["uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64", "float16", "bfloat16",
+           "float32", "float64"]
 
 
-def _ps(process_set):
-    return hvd.global_process_set if process_set is None else process_set
-
-
-def eager_and_traced(fn):
-    """{'eager': fn, 'tf.function': fn traced into a graph}: tensors are
-    arguments of the traced function, everything else is closed over."""
-    def traced(x, *rest):
-        return tf.function(lambda t: fn(t, *rest))(x)
-    return {"eager": fn, "tf.function": traced}
+def eager_and_traced(forms):
+    """Each of Horovod's forms eagerly and traced into a tf.function: the
+    tensor is the traced function's argument, the rest is closed over."""
+    def traced(fn):
+        return lambda x, *rest: tf.function(lambda t: fn(t, *rest))(x)
+    return {"eager": forms["sync"], "tf.function": traced(forms["sync"])}
 
 
 class TensorFlowShim(Shim):
     name = "tensorflow"
-    hvd = hvd
-    dtypes = ALL + ["bool"]
-    reduce_dtypes = ALL
+    api = hvd
+    dtypes = NUMBERS + ["bool"]
+    reduce_dtypes = NUMBERS
 
     def tensor(self, array):
         return tf.constant(array)
@@ -38,44 +34,25 @@ class TensorFlowShim(Shim):
     def numpy(self, tensor):
         return np.asarray(tensor.numpy())
 
+    # TensorFlow's ops have no async or in-place forms (but for broadcast_
+    # into variables); they run eagerly and inside tf.function instead.
     def allreduce_forms(self):
-        return eager_and_traced(lambda x, op, name, pre, post, ps: hvd.allreduce(
-            x, op=op, name=name, prescale_factor=pre, postscale_factor=post, process_set=_ps(ps)))
-
-    def grouped_allreduce(self, xs, op, name, ps):
-        return hvd.grouped_allreduce(xs, op=op, name=name, process_set=_ps(ps))
+        return eager_and_traced(super().allreduce_forms())
 
     def allgather_forms(self):
-        return eager_and_traced(lambda x, name, ps: hvd.allgather(x, name=name, process_set=_ps(ps)))
-
-    def grouped_allgather(self, xs, name, ps):
-        return hvd.grouped_allgather(xs, name=name, process_set=_ps(ps))
-
-    def broadcast_forms(self):
-        def into_variable(x, root, name, ps):
-            variable = tf.Variable(x)
-            hvd.broadcast_([variable], root, name=name, process_set=_ps(ps))
-            return variable
-        forms = eager_and_traced(lambda x, root, name, ps: hvd.broadcast(x, root, name=name, process_set=_ps(ps)))
-        forms["variable"] = into_variable
-        return forms
-
-    def alltoall(self, x, splits, name, ps):
-        out, received = hvd.alltoall(x, splits=tf.constant(splits, tf.int32), name=name, process_set=_ps(ps))
-        return out, received.numpy().tolist()
-
-    def alltoall_even(self, x, name, ps):
-        return hvd.alltoall(x, name=name, process_set=_ps(ps))
+        return eager_and_traced(super().allgather_forms())
 
     def reducescatter_forms(self):
-        return eager_and_traced(lambda x, op, name, ps: hvd.reducescatter(x, op=op, name=name,
-                                                                          process_set=_ps(ps)))
+        return eager_and_traced(super().reducescatter_forms())
 
-    def grouped_reducescatter(self, xs, op, name, ps):
-        return hvd.grouped_reducescatter(xs, op=op, name=name, process_set=_ps(ps))
-
-    def barrier(self, ps):
-        hvd.barrier(process_set=_ps(ps))
+    def broadcast_forms(self):
+        def into_variable(x, root, name, process_set):
+            variable = tf.Variable(x)
+            hvd.broadcast_([variable], root, name=name, process_set=self.ps(process_set))
+            return variable
+        forms = eager_and_traced(super().broadcast_forms())
+        forms["variable"] = into_variable
+        return forms
 
 
 SHIM = TensorFlowShim()
