@@ -2,7 +2,8 @@
 
     unisonrun -np 4 python train.py
     python -m unison.run -np 4 python train.py
-    unisonrun -np 8 -H host1:4,host2:4 python train.py   (through mpirun: mpi_run.py)
+    unisonrun -np 8 -H host1:4,host2:4 python train.py   (over ssh and TCP: tcp_run.py)
+    unisonrun --mpi -np 8 -H host1:4,host2:4 python train.py   (through mpirun: mpi_run.py)
 
 Each rank gets its identity and the job's settings through UNISON_*
 environment variables. Output lines are prefixed with the rank. Ctrl-C and
@@ -16,6 +17,7 @@ import ctypes
 import glob
 import importlib.util
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -50,11 +52,18 @@ def _parse(argv):
     p.add_argument("--output-filename",
                    help="also write each rank's output to DIR/rank.N/stdout and stderr")
     p.add_argument("--verbose", action="store_true", help="print what the launcher does")
-    cluster = p.add_argument_group("across hosts (through mpirun)")
+    cluster = p.add_argument_group("across hosts")
     cluster.add_argument("-H", "--hosts", help="hosts and their slots, e.g. host1:4,host2:4")
     cluster.add_argument("--hostfile", help="a file of `host slots=N` (or `host:N`) lines")
+    cluster.add_argument("--network-interface",
+                         help="the interface (such as eth0) or IPv4 address ranks listen on for each other; "
+                              "default: the one that reaches the first host. 0.0.0.0 listens on every interface")
+    cluster.add_argument("-p", "--ssh-port", type=int, help="the port of sshd on the hosts")
+    cluster.add_argument("-i", "--ssh-identity-file", help="the key ssh logs in with")
+    cluster.add_argument("--rendezvous-port", type=int,
+                         help="the port rank 0 listens on for the others to meet (default: a free one)")
     cluster.add_argument("--mpi", action="store_true",
-                         help="start the ranks through mpirun even on this host alone")
+                         help="start the ranks through mpirun (MPI across hosts), even on this host alone")
     cluster.add_argument("--simulate-hosts", type=int, metavar="K",
                          help="through mpirun, split the ranks of this machine into K hosts (each rank is told "
                               "its host in UNISON_HOSTNAME): the cross-host paths on one machine, for testing")
@@ -90,6 +99,7 @@ def check_build():
         lines.append("    %s %s" % (mark(importlib.util.find_spec(module) is not None), label))
     lines += ["", "Available Data Planes:",
               "    %s Shared memory (one host)" % mark("shm" in built),
+              "    %s TCP (several hosts, no MPI)" % mark("tcp" in built),
               "    %s MPI (several hosts)" % mark("mpi" in built),
               "    %s NCCL (GPUs)" % mark("nccl" in built)]
     print("\n".join(lines))
@@ -123,7 +133,11 @@ def _settings(args):
 
 
 def _through_mpirun(args):
-    return bool(args.hosts or args.hostfile or args.mpi or args.simulate_hosts)
+    return bool(args.mpi or args.simulate_hosts)
+
+
+def _across_hosts(args):
+    return bool(args.hosts or args.hostfile)
 
 
 def _die_with_parent():
@@ -134,9 +148,18 @@ def _die_with_parent():
         pass
 
 
-def _forward(stream, rank, kind, sink, log_file):
+# How a rank's wrapper on another host says the rank failed (tcp_run.py,
+# mpi_run.py): ssh's own exit status cannot tell a signal from a status.
+FAILURE = re.compile(rb"unisonrun: rank (\d+) .*?((?:exited with status|was killed by signal) \d+.*)$")
+
+
+def _forward(stream, rank, kind, sink, log_file, report=None):
     prefix = ("[%d]<%s>:" % (rank, kind)).encode()
     for line in iter(stream.readline, b""):
+        if report is not None:
+            match = FAILURE.search(line.rstrip(b"\n"))
+            if match:
+                report.setdefault(rank, match.group(2).decode(errors="replace"))
         if log_file is not None:
             log_file.write(line)
             log_file.flush()
@@ -154,11 +177,50 @@ def _describe(code):
     return "exited with status %d" % code
 
 
+class Launch:
+    """How one rank starts: its command, its environment, and, for a rank on
+    another host, the host (the command is then ssh) and what ssh's stdin
+    carries first (the job's secret, which never goes on a command line)."""
+
+    def __init__(self, rank, command, env, host=None, stdin_text=None):
+        self.rank, self.command, self.env, self.host, self.stdin_text = rank, command, env, host, stdin_text
+
+
+def local_launches(args, job_id, base):
+    """Every rank on this host."""
+    n = args.np
+    launches = []
+    for rank in range(n):
+        env = dict(base)
+        env.update({
+            "UNISON_RANK": str(rank), "UNISON_SIZE": str(n),
+            "UNISON_LOCAL_RANK": str(rank), "UNISON_LOCAL_SIZE": str(n),
+            "UNISON_CROSS_RANK": "0", "UNISON_CROSS_SIZE": "1",
+            "UNISON_JOB_ID": job_id,
+        })
+        launches.append(Launch(rank, args.command, env))
+    return launches
+
+
+def base_environment(args):
+    """What every rank's environment starts from."""
+    base = dict(os.environ)
+    base.update(_settings(args))
+    base.setdefault("PYTHONUNBUFFERED", "1")
+    # Like torchrun: one OpenMP thread per rank unless told otherwise, so
+    # that N ranks do not each spawn a thread per core.
+    if args.np > 1:
+        base.setdefault("OMP_NUM_THREADS", "1")
+    return base
+
+
 class Job:
     def __init__(self, args):
         self.args = args
         self.job_id = new_job_id()
         self.procs = []
+        self.hosts = {}  # rank -> host, for ranks started on hosts named with -H
+        self.reported = {}  # rank -> how a remote rank's wrapper said it ended
         self.threads = []
         self.logs = []
         # (rank, exit code) in the order the ranks ended, appended by one
@@ -172,27 +234,23 @@ class Job:
         if self.args.verbose:
             print("unisonrun: " + message, file=sys.stderr, flush=True)
 
-    def start(self):
-        n = self.args.np
-        base = dict(os.environ)
-        base.update(_settings(self.args))
-        base.setdefault("PYTHONUNBUFFERED", "1")
-        # Like torchrun: one OpenMP thread per rank unless told otherwise, so
-        # that N ranks do not each spawn a thread per core.
-        if n > 1:
-            base.setdefault("OMP_NUM_THREADS", "1")
-        for rank in range(n):
-            env = dict(base)
-            env.update({
-                "UNISON_RANK": str(rank), "UNISON_SIZE": str(n),
-                "UNISON_LOCAL_RANK": str(rank), "UNISON_LOCAL_SIZE": str(n),
-                "UNISON_CROSS_RANK": "0", "UNISON_CROSS_SIZE": "1",
-                "UNISON_JOB_ID": self.job_id,
-            })
-            self.log("starting rank %d: %s" % (rank, " ".join(self.args.command)))
-            proc = subprocess.Popen(self.args.command, env=env, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+    def describe(self, rank):
+        return "rank %d (host %s)" % (rank, self.hosts[rank]) if rank in self.hosts else "rank %d" % rank
+
+    def start(self, launches):
+        for launch in launches:
+            rank = launch.rank
+            if launch.host is not None:
+                self.hosts[rank] = launch.host
+            self.log("starting %s: %s" % (self.describe(rank), " ".join(launch.command)))
+            proc = subprocess.Popen(launch.command, env=launch.env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE,
+                                    stdin=subprocess.PIPE if launch.stdin_text is not None else subprocess.DEVNULL,
                                     start_new_session=True, preexec_fn=_die_with_parent)
+            if launch.stdin_text is not None:
+                # Left open: the rank's wrapper ends the rank when it closes.
+                proc.stdin.write(launch.stdin_text.encode())
+                proc.stdin.flush()
             self.procs.append(proc)
             waiter = threading.Thread(target=self._await_exit, args=(rank, proc), daemon=True)
             waiter.start()
@@ -203,7 +261,9 @@ class Job:
                     os.makedirs(folder, exist_ok=True)
                     log_file = open(os.path.join(folder, kind), "wb")
                     self.logs.append(log_file)
-                t = threading.Thread(target=_forward, args=(stream, rank, kind, sink, log_file), daemon=True)
+                report = self.reported if launch.host is not None and kind == "stderr" else None
+                t = threading.Thread(target=_forward, args=(stream, rank, kind, sink, log_file, report),
+                                     daemon=True)
                 t.start()
                 self.threads.append(t)
 
@@ -218,6 +278,11 @@ class Job:
             ended = {rank for rank, _ in self.exits}
         for rank, proc in enumerate(self.procs):
             if rank not in ended:
+                if proc.stdin is not None:
+                    try:  # ssh's end: the remote wrapper stops its rank
+                        proc.stdin.close()
+                    except OSError:
+                        pass
                 try:
                     os.killpg(proc.pid, signum)
                 except ProcessLookupError:
@@ -237,7 +302,7 @@ class Job:
                 if code != 0 and failed is None:
                     failed = (rank, code)
                     deadline = time.monotonic() + self.args.failure_grace_seconds
-                    print("unisonrun: rank %d %s; stopping the other ranks" % (rank, _describe(code)),
+                    print("unisonrun: %s %s; stopping the other ranks" % (self.describe(rank), self._how(rank, code)),
                           file=sys.stderr, flush=True)
             seen = len(ended)
             if seen == len(self.procs):
@@ -258,8 +323,19 @@ class Job:
         if failed is None:
             return 0
         rank, code = failed
-        print("unisonrun: job failed: rank %d %s" % (rank, _describe(code)), file=sys.stderr, flush=True)
-        return code if code > 0 else 128 - code
+        how = self._how(rank, code)
+        print("unisonrun: job failed: %s %s" % (self.describe(rank), how), file=sys.stderr, flush=True)
+        status = re.search(r"exited with status (\d+)", how)
+        signum = re.search(r"killed by signal (\d+)", how)
+        return int(status.group(1)) if status else 128 + int(signum.group(1))
+
+    def _how(self, rank, code):
+        # A remote rank's own wrapper knows how it ended; ssh only passes on a status.
+        for _ in range(20):  # its line may still be on the way
+            if rank in self.reported or rank not in self.hosts:
+                break
+            time.sleep(0.05)
+        return self.reported.get(rank, _describe(code))
 
     def cleanup(self):
         remove_shared_memory(self.job_id)
@@ -287,6 +363,11 @@ def main(argv=None):
         from unison import mpi_run
         return mpi_run.launch(args, _settings(args))
     job = Job(args)
+    if _across_hosts(args):
+        from unison import tcp_run
+        launches = tcp_run.launches(args, job.job_id, base_environment(args))
+    else:
+        launches = local_launches(args, job.job_id, base_environment(args))
 
     def forward(signum, _frame):
         job.log("forwarding signal %d to every rank" % signum)
@@ -294,7 +375,7 @@ def main(argv=None):
 
     signal.signal(signal.SIGINT, forward)
     signal.signal(signal.SIGTERM, forward)
-    job.start()
+    job.start(launches)
     return job.wait()
 
 

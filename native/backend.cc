@@ -15,18 +15,21 @@ Status make_backend(Config* config, int generation, std::unique_ptr<Backend>* ou
     *out = make_solo_backend();
     return Status::OK();
   }
+  // A job started by unisonrun across hosts: a rendezvous to meet at.
+  if (!config->rendezvous_address.empty()) return make_tcp_backend(config, generation, out);
   if (config->local_size != config->size)
     return Status::Error(UNISON_ERR_UNSUPPORTED,
                          "unison: UNISON_SIZE is " + std::to_string(config->size) + " but UNISON_LOCAL_SIZE is " +
                              std::to_string(config->local_size) +
-                             "; a job across hosts starts with `unisonrun -H` (or mpirun/srun) and needs the "
-                             "MPI backend");
+                             " and no rendezvous is set (UNISON_RENDEZVOUS_ADDR); a job across hosts starts with "
+                             "`unisonrun -H` (or mpirun/srun)");
   return make_shm_backend(*config, generation, out);
 }
 
 std::string built_backends() {
   std::string names = "solo";
   if (shm_backend_available()) names += ",shm";
+  if (tcp_backend_available()) names += ",tcp";
   if (mpi_backend_available()) names += ",mpi";
   return names;
 }

@@ -125,5 +125,10 @@ Status make_shm_backend(const Config& config, int generation, std::unique_ptr<Ba
 // says how to get one.
 bool mpi_backend_available();
 Status make_mpi_backend(Config* config, int generation, std::unique_ptr<Backend>* out);
+// A job started by `unisonrun -H` (tcp/): shared memory within each host and
+// TCP across hosts, or TCP alone. Meets the other ranks at the launcher's
+// rendezvous, and fills in `config`'s identity from what they say.
+bool tcp_backend_available();
+Status make_tcp_backend(Config* config, int generation, std::unique_ptr<Backend>* out);
 
 }  // namespace unison

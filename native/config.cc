@@ -200,6 +200,20 @@ Status Config::from_environment(Config* out) {
   read(read_int(&c.cross_size, "UNISON_CROSS_SIZE", "HOROVOD_CROSS_SIZE", 1));
   if (const char* v = lookup("UNISON_JOB_ID", nullptr)) c.job_id = v;
   if (const char* v = lookup("UNISON_HOSTNAME", "HOROVOD_HOSTNAME")) c.hostname = v;
+  const char* rendezvous_host = lookup("UNISON_RENDEZVOUS_ADDR", "HOROVOD_GLOO_RENDEZVOUS_ADDR");
+  const char* rendezvous_port = lookup("UNISON_RENDEZVOUS_PORT", "HOROVOD_GLOO_RENDEZVOUS_PORT");
+  if ((rendezvous_host == nullptr) != (rendezvous_port == nullptr))
+    read(Status::Error(UNISON_ERR_INVALID_ARGUMENT,
+                       std::string("unison: UNISON_RENDEZVOUS_ADDR and UNISON_RENDEZVOUS_PORT go together, and only ") +
+                           (rendezvous_host ? "UNISON_RENDEZVOUS_ADDR" : "UNISON_RENDEZVOUS_PORT") + " is set"));
+  else if (rendezvous_host != nullptr)
+    c.rendezvous_address = trimmed(rendezvous_host) + ":" + trimmed(rendezvous_port);
+  if (const char* v = lookup("UNISON_SECRET_KEY", nullptr)) c.secret_key = v;
+  if (!c.rendezvous_address.empty() && c.secret_key.empty())
+    read(Status::Error(UNISON_ERR_INVALID_ARGUMENT,
+                       "unison: UNISON_RENDEZVOUS_ADDR is set but UNISON_SECRET_KEY is not: ranks across hosts only "
+                       "accept connections that prove the job's secret (unisonrun -H sets both)"));
+  if (const char* v = lookup("UNISON_NETWORK_INTERFACE", "HOROVOD_GLOO_IFACE")) c.network_interface = trimmed(v);
   read(read_flag(&c.hierarchical, "UNISON_HIERARCHICAL_ALLREDUCE", "HOROVOD_HIERARCHICAL_ALLREDUCE"));
 
   read(read_size(&c.fusion_threshold_bytes, "UNISON_FUSION_THRESHOLD", "HOROVOD_FUSION_THRESHOLD"));

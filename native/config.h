@@ -39,8 +39,16 @@ struct Config {
   // the host is the whole job (local rank == rank).
   std::vector<int> host_ranks;
 
-  // Across hosts: shared memory within each host and MPI between them
-  // (true), or MPI for every byte between every pair of ranks (false).
+  // Across hosts without MPI (tcp/): where rank 0 listens ("host:port",
+  // from UNISON_RENDEZVOUS_ADDR and UNISON_RENDEZVOUS_PORT), the job's
+  // secret every connection must prove, and the interface (name or IPv4
+  // address) to listen on; empty means the one that reaches rank 0.
+  std::string rendezvous_address;
+  std::string secret_key;
+  std::string network_interface;
+
+  // Across hosts: shared memory within each host and MPI or TCP between them
+  // (true), or MPI or TCP for every byte between every pair of ranks (false).
   // Hierarchical is the default because it is faster wherever a host runs
   // more than one rank (benchmarks/README.md); a job with one rank per host
   // runs flat either way.

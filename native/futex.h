@@ -9,6 +9,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <climits>
@@ -60,5 +61,27 @@ struct Doorbell {
     sleepers.fetch_sub(1, std::memory_order_seq_cst);
   }
 };
+
+// Waits until `arrived()` or `timeout_seconds`: spins for `spin_seconds`,
+// then calls `sleep(pause)` (which may end early) with pauses doubling to
+// 1 ms. That bounds what a lone op pays when every other rank is idle, at a
+// cost of a thousand wake-ups a second for an idle engine.
+template <typename Arrived, typename Sleep>
+void poll_with_backoff(Arrived arrived, Sleep sleep, double timeout_seconds, double spin_seconds) {
+  constexpr double kLongestPause = 1e-3;
+  const double start = monotonic_seconds();
+  double pause = 20e-6;
+  for (;;) {
+    if (arrived()) return;
+    const double waited = monotonic_seconds() - start;
+    if (waited >= timeout_seconds) return;
+    if (waited < spin_seconds) {
+      cpu_relax();
+      continue;
+    }
+    sleep(std::min(pause, timeout_seconds - waited));
+    pause = std::min(pause * 2, kLongestPause);
+  }
+}
 
 }  // namespace unison

@@ -17,7 +17,6 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 
 import pytest
 
@@ -329,30 +328,6 @@ b = unp.broadcast(np.arange(5) * (unison.rank() + 1), root_rank=3, name="from3")
 assert b.tolist() == [0, 4, 8, 12, 16], b.tolist()
 print("rank %d %s sent %d bytes" % (unison.rank(), unison.basics.backend_name(), sent() - before))
 """
-
-
-@pytest.fixture
-def two_namespaces():
-    """Two network namespaces joined by a veth pair, 10.77.x.1 and 10.77.x.2."""
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        pytest.skip("network namespaces need root and iproute2's ip")
-    tag = uuid.uuid4().hex[:6]
-    names = ["un%sa" % tag, "un%sb" % tag]
-    subnet = 10 + int(tag[:2], 16) % 200
-    steps = [["netns", "add", names[0]], ["netns", "add", names[1]],
-             ["link", "add", "v%sa" % tag, "type", "veth", "peer", "name", "v%sb" % tag]]
-    for i, name in enumerate(names):
-        end = "v%s%s" % (tag, "ab"[i])
-        steps += [["link", "set", end, "netns", name], ["-n", name, "link", "set", end, "name", "uveth"],
-                  ["-n", name, "addr", "add", "10.77.%d.%d/24" % (subnet, i + 1), "dev", "uveth"],
-                  ["-n", name, "link", "set", "uveth", "up"], ["-n", name, "link", "set", "lo", "up"]]
-    try:
-        for step in steps:
-            subprocess.run(["ip"] + step, check=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        yield names
-    finally:
-        for name in names:
-            subprocess.run(["ip", "netns", "delete", name], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
 @needs_mpi

@@ -7,12 +7,11 @@
 // harmless, and every rank ends up running every cycle anyone asked for.
 //
 // MPI offers nothing to sleep on, so a rank that waits for such a message
-// polls (poll_with_backoff).
+// polls (poll_with_backoff, futex.h).
 #pragma once
 
 #include <mpi.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <deque>
 #include <vector>
@@ -47,27 +46,5 @@ class CycleRequests {
   MPI_Request receive_ = MPI_REQUEST_NULL;
   std::deque<Sent> sent_;  // a deque never moves its elements, which MPI is writing from
 };
-
-// Waits until `arrived()` or `timeout_seconds`: spins for `spin_seconds`,
-// then calls `sleep(pause)` (which may end early) with pauses doubling to
-// 1 ms. That bounds what a lone op pays when every other rank is idle, at a
-// cost of a thousand wake-ups a second for an idle engine.
-template <typename Arrived, typename Sleep>
-void poll_with_backoff(Arrived arrived, Sleep sleep, double timeout_seconds, double spin_seconds) {
-  constexpr double kLongestPause = 1e-3;
-  const double start = monotonic_seconds();
-  double pause = 20e-6;
-  for (;;) {
-    if (arrived()) return;
-    const double waited = monotonic_seconds() - start;
-    if (waited >= timeout_seconds) return;
-    if (waited < spin_seconds) {
-      cpu_relax();
-      continue;
-    }
-    sleep(std::min(pause, timeout_seconds - waited));
-    pause = std::min(pause * 2, kLongestPause);
-  }
-}
 
 }  // namespace unison

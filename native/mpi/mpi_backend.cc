@@ -71,6 +71,8 @@ class MpiBackend final : public Backend {
   }
   ~MpiBackend() override { requests_.reset(); }
 
+  MPI_Comm comm() const { return comm_->comm(); }
+
   const char* name() const override { return "mpi"; }
   int rank() const override { return comm_->rank(); }
   int size() const override { return comm_->size(); }
@@ -138,6 +140,26 @@ Status make_flat_mpi_backend(const Config& config, const MpiWorld& world, std::u
   Status s = backend->start(MPI_COMM_WORLD, true);
   if (!s.ok()) return s;
   *out = std::move(backend);
+  return Status::OK();
+}
+
+Status make_mpi_across_backends(const Config& config, int host, Backend* local, std::unique_ptr<Backend>* world,
+                                std::unique_ptr<Backend>* cross) {
+  Liveness liveness = [local] { return local->check_peers(); };
+  auto everyone = std::make_unique<MpiBackend>(config, liveness);
+  Status s = everyone->start(MPI_COMM_WORLD, false);
+  if (!s.ok()) return s;
+  MPI_Comm split;
+  // Keyed by host, so that a rank's place in its cross group is its host's
+  // number whatever order mpirun placed the ranks in.
+  const int rc = MPI_Comm_split(everyone->comm(), config.local_rank, host, &split);
+  if (rc != MPI_SUCCESS) return mpi_error("MPI_Comm_split", rc);
+  auto group = std::make_unique<MpiBackend>(config, liveness);
+  s = group->start(split, config.local_rank == 0);  // the leaders ask each other for cycles
+  MPI_Comm_free(&split);
+  if (!s.ok()) return s;
+  *world = std::move(everyone);
+  *cross = std::move(group);
   return Status::OK();
 }
 

@@ -12,6 +12,7 @@
 #include <cstring>
 #include <random>
 
+#include "../hierarchical.h"
 #include "../signals.h"
 #include "communicator.h"
 
@@ -160,32 +161,25 @@ Status make_mpi_backend(Config* config, int generation, std::unique_ptr<Backend>
                              " ranks but MPI says " + std::to_string(world.size) +
                              ": unison was built against another MPI than the one that started it (under srun, "
                              "the MPI must support SLURM's PMI)");
-  const std::vector<int>& mine = world.host_ranks[world.my_host()];
-  config->rank = world.rank;
-  config->local_size = (int)mine.size();
-  config->local_rank = 0;
-  while (mine[config->local_rank] != world.rank) ++config->local_rank;
-  // Cross ranks: the ranks that have the same local rank, one per host.
-  config->cross_rank = 0;
-  config->cross_size = 0;
-  for (int h = 0; h < (int)world.host_ranks.size(); ++h) {
-    if ((int)world.host_ranks[h].size() <= config->local_rank) continue;
-    if (h < world.my_host()) ++config->cross_rank;
-    ++config->cross_size;
-  }
-  config->host_ranks = mine;
+  HostLayout layout;
+  layout.host_of = world.host;
+  layout.host_ranks = world.host_ranks;
   // unisonrun names the job (and removes what a crash leaves under that
   // name); under a plain mpirun rank 0 chooses a name.
   if (config->job_id.empty()) s = agree_on_job_id(*config, world, &config->job_id);
   if (!s.ok()) return s;
-  config->job_id += "-host" + std::to_string(world.my_host());
+  place_rank(config, world.rank, layout);
 
   const int hosts = (int)world.host_ranks.size();
-  bool same_size_hosts = true;
-  for (const auto& ranks : world.host_ranks) same_size_hosts &= ranks.size() == mine.size();
   if (config->hierarchical && hosts == 1) return make_shm_backend(*config, generation, out);
-  if (config->hierarchical && same_size_hosts && config->local_size > 1)
-    return make_hierarchical_backend(*config, world, generation, out);
+  if (config->hierarchical && layout.same_size_hosts() && config->local_size > 1) {
+    const int host = world.my_host();
+    return make_hierarchical_backend(*config, layout, generation,
+                                     [&](Backend* local, std::unique_ptr<Backend>* across, std::unique_ptr<Backend>* cross) {
+                                       return make_mpi_across_backends(*config, host, local, across, cross);
+                                     },
+                                     out);
+  }
   if (config->hierarchical && config->local_size > 1 && config->rank == 0)
     std::fprintf(stderr, "unison: hosts run different numbers of ranks, so every collective goes over MPI (flat)\n");
   return make_flat_mpi_backend(*config, world, out);

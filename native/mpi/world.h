@@ -35,13 +35,15 @@ void mark_mpi_broken();
 // An error naming the MPI call that failed and MPI's reason.
 Status mpi_error(const std::string& what, int code);
 
-// The two MPI backends; make_mpi_backend (world.cc) picks one.
+// The flat MPI backend; make_mpi_backend (world.cc) picks it or hierarchical.
 Status make_flat_mpi_backend(const Config& config, const MpiWorld& world, std::unique_ptr<Backend>* out);
 // A process set's backend: flat MPI among `members` (ranks of `parent`),
 // collective over `parent`; non-members get null.
 Status make_mpi_set_backend(MPI_Comm parent, const std::vector<int>& members, const Config& config,
                             std::function<Status()> liveness, std::unique_ptr<Backend>* out);
-Status make_hierarchical_backend(const Config& config, const MpiWorld& world, int generation,
-                                 std::unique_ptr<Backend>* out);
+// What a hierarchical job runs across hosts (hierarchical.h): MPI among
+// every rank, and among the ranks of this one's local rank, keyed by host.
+Status make_mpi_across_backends(const Config& config, int host, Backend* local, std::unique_ptr<Backend>* world,
+                                std::unique_ptr<Backend>* cross);
 
 }  // namespace unison

@@ -1,33 +1,33 @@
-// The hierarchical backend: shared memory within each host, MPI across.
+// The hierarchical backend: shared memory within each host, and a flat
+// backend across hosts (MPI or TCP; it only uses the Backend interface).
 //
-// Every host runs the same number of ranks (world.cc checks). Local rank l
-// of every host belongs to cross communicator l; the local rank 0s (the
-// leaders) also carry the control plane and the cycle requests between
-// hosts.
+// Every host runs the same number of ranks (the makers check). Local rank l
+// of every host belongs to cross group l; the local rank 0s (the leaders)
+// also carry the control plane and the cycle requests between hosts.
 //
 //   allreduce:  each host reduce-scatters over shared memory, so local rank l
-//               holds the host's sum of chunk l; cross communicator l
-//               allreduces chunk l over MPI; each host allgathers the chunks
-//               over shared memory. Each MPI link carries 1/L of the bytes,
-//               and the L links of a host run at once.
+//               holds the host's sum of chunk l; cross group l allreduces
+//               chunk l across hosts; each host allgathers the chunks over
+//               shared memory. Each cross link carries 1/L of the bytes, and
+//               the L links of a host run at once.
 //   allgather:  each host gathers its ranks' parts over shared memory, the
-//               leaders exchange whole hosts over MPI, and each leader
-//               broadcasts the result over shared memory.
-//   broadcast:  to the root's host over shared memory, across the leaders
-//               over MPI, then within every other host over shared memory.
+//               leaders exchange whole hosts, and each leader broadcasts the
+//               result over shared memory.
+//   broadcast:  to the root's host over shared memory, across the leaders,
+//               then within every other host over shared memory.
 //   control:    exchange within the host, leaders exchange whole hosts,
 //               leaders broadcast the lot within their host.
-//   alltoall and reducescatter go flat over MPI: every pair of ranks has
-//               its own bytes to move, so a host has nothing to combine.
+//   alltoall and reducescatter go flat across the world: every pair of
+//               ranks has its own bytes to move, so a host has nothing to
+//               combine.
+#include "hierarchical.h"
+
 #include <algorithm>
 #include <cstring>
 
-#include "../byte_stream.h"
-#include "../dtype.h"
-#include "../futex.h"
-#include "communicator.h"
-#include "cycle_requests.h"
-#include "world.h"
+#include "byte_stream.h"
+#include "dtype.h"
+#include "futex.h"
 
 namespace unison {
 namespace {
@@ -58,33 +58,18 @@ std::vector<std::string> unpack(const std::string& packed) {
 
 class HierarchicalBackend final : public Backend {
  public:
-  HierarchicalBackend(const Config& config, const MpiWorld& world)
-      : config_(config), host_ranks_(world.host_ranks), host_(world.my_host()) {
-    for (int r = 0; r < world.size; ++r) host_of_.push_back(world.host[r]);
-  }
+  HierarchicalBackend(const Config& config, const HostLayout& layout)
+      : config_(config), host_ranks_(layout.host_ranks), host_of_(layout.host_of), host_(layout.host_of[config.rank]) {}
 
-  Status start(int generation) {
-    // The leader polls MPI while idle, so its shared-memory waits must not
-    // spin first: it does its own spinning (wait_for_activity).
+  Status start(int generation, const MakeAcross& make_across) {
+    // The leader polls its cross group while idle, so its shared-memory
+    // waits must not spin first: it does its own spinning (wait_for_activity).
     Config local = config_;
     if (leader()) local.idle_spin_microseconds = 0;
     Status s = make_shm_backend(local, generation, &local_);
     if (!s.ok()) return s;
-    Liveness liveness = [this] { return local_->check_peers(); };
-    s = MpiCommunicator::create(MPI_COMM_WORLD, config_, liveness, &world_);
-    if (!s.ok()) return s;
-    MPI_Comm cross;
-    // Keyed by host, so that a rank's place in its cross communicator is
-    // its host's number whatever order mpirun placed the ranks in.
-    int rc = MPI_Comm_split(world_->comm(), config_.local_rank, host_, &cross);
-    if (rc != MPI_SUCCESS) return mpi_error("MPI_Comm_split", rc);
-    s = MpiCommunicator::create(cross, config_, liveness, &cross_);
-    MPI_Comm_free(&cross);
-    if (!s.ok()) return s;
-    if (leader()) requests_ = std::make_unique<CycleRequests>(cross_->comm());  // the other leaders
-    return Status::OK();
+    return make_across(local_.get(), &world_, &cross_);
   }
-  ~HierarchicalBackend() override { requests_.reset(); }
 
   const char* name() const override { return "hierarchical"; }
   int rank() const override { return config_.rank; }
@@ -99,7 +84,7 @@ class HierarchicalBackend final : public Backend {
     std::string all;
     if (leader()) {
       std::vector<std::string> hosts;
-      s = cross_->allgather_strings(pack(on_host), &hosts);
+      s = cross_->exchange(pack(on_host), &hosts);
       if (!s.ok()) return s;
       all = pack(hosts);
     }
@@ -117,7 +102,7 @@ class HierarchicalBackend final : public Backend {
 
   Status broadcast_message(std::string* message, int root) override {
     return in_three_steps(root, [&](Backend* local, int local_root) { return local->broadcast_message(message, local_root); },
-                          [&](int root_host) { return cross_->broadcast_string(message, root_host); });
+                          [&](int root_host) { return cross_->broadcast_message(message, root_host); });
   }
 
   // Every rank's message travels together through one shared-memory mailbox.
@@ -136,11 +121,17 @@ class HierarchicalBackend final : public Backend {
   }
   void request_cycles(uint64_t count) override {
     local_->request_cycles(count);
-    if (leader()) requests_->announce(count);
+    if (leader()) cross_->request_cycles(count);
   }
   uint32_t activity_token() const override { return local_->activity_token(); }
   void wait_for_activity(uint32_t token, double timeout_seconds) override {
-    if (!leader()) return local_->wait_for_activity(token, timeout_seconds);
+    if (!leader()) {
+      local_->wait_for_activity(token, timeout_seconds);
+      // Peers on other hosts judge this rank alive by what it sends them;
+      // the world backend's check sends it (a TCP heartbeat) if one is due.
+      world_->check_peers();
+      return;
+    }
     poll_with_backoff(
         [&] {
           const uint64_t before = local_->requested_cycles();
@@ -236,13 +227,16 @@ class HierarchicalBackend final : public Backend {
   Status broadcast(const BroadcastOptions& o) override {
     return in_three_steps(o.root, [&](Backend* local, int local_root) {
       return local->broadcast(BroadcastOptions{o.buffer, o.bytes, local_root});
-    }, [&](int root_host) { return cross_->broadcast(o.buffer, o.bytes, root_host); });
+    }, [&](int root_host) { return cross_->broadcast(BroadcastOptions{o.buffer, o.bytes, root_host}); });
   }
 
   Status alltoall(const AlltoallOptions& o) override { return world_->alltoall(o); }
   Status reducescatter(const ReducescatterOptions& o) override { return world_->reducescatter(o); }
 
-  Status check_peers() override { return local_->check_peers(); }
+  Status check_peers() override {
+    Status s = local_->check_peers();
+    return s.ok() ? world_->check_peers() : s;
+  }
 
   // A set within one host needs no MPI: its members get shared memory of
   // their own. A set across hosts goes flat over MPI among its members.
@@ -253,8 +247,7 @@ class HierarchicalBackend final : public Backend {
     const int first_host = host_of_[members[0]];
     bool one_host = true;
     for (int r : members) one_host &= host_of_[r] == first_host;
-    if (!one_host)
-      return make_mpi_set_backend(world_->comm(), members, config_, [this] { return local_->check_peers(); }, out);
+    if (!one_host) return world_->split(members, set_id, out);
     if (first_host != host_) return Status::OK();
     const std::vector<int>& here = host_ranks_[host_];
     std::vector<int> local;
@@ -269,8 +262,8 @@ class HierarchicalBackend final : public Backend {
   // theirs to this host; returns the count every host has been told of.
   uint64_t relay() const {
     const uint64_t here = local_->requested_cycles();
-    requests_->announce(here);
-    const uint64_t elsewhere = requests_->heard();
+    cross_->request_cycles(here);
+    const uint64_t elsewhere = cross_->requested_cycles();
     if (elsewhere <= here) return here;
     local_->request_cycles(elsewhere);
     return elsewhere;
@@ -294,19 +287,58 @@ class HierarchicalBackend final : public Backend {
   std::vector<std::vector<int>> host_ranks_;
   std::vector<int> host_of_;
   int host_;
+  // Declared first, destroyed last: the others' liveness may look at it.
   std::unique_ptr<Backend> local_;
-  std::unique_ptr<MpiCommunicator> world_;
-  std::unique_ptr<MpiCommunicator> cross_;
-  std::unique_ptr<CycleRequests> requests_;  // leaders only
+  std::unique_ptr<Backend> world_;  // every rank, flat: alltoall, reducescatter, sets across hosts
+  std::unique_ptr<Backend> cross_;  // this local rank's group, one rank per host
   std::vector<char> chunk_, everything_;
 };
 
 }  // namespace
 
-Status make_hierarchical_backend(const Config& config, const MpiWorld& world, int generation,
-                                 std::unique_ptr<Backend>* out) {
-  auto backend = std::make_unique<HierarchicalBackend>(config, world);
-  Status s = backend->start(generation);
+bool HostLayout::same_size_hosts() const {
+  for (const auto& ranks : host_ranks)
+    if (ranks.size() != host_ranks[0].size()) return false;
+  return true;
+}
+
+HostLayout layout_of(const std::vector<std::string>& host_names) {
+  HostLayout layout;
+  std::vector<std::string> seen;
+  for (const std::string& name : host_names) {
+    const int h = (int)(std::find(seen.begin(), seen.end(), name) - seen.begin());
+    if (h == (int)seen.size()) {
+      seen.push_back(name);
+      layout.host_ranks.emplace_back();
+    }
+    layout.host_ranks[h].push_back((int)layout.host_of.size());
+    layout.host_of.push_back(h);
+  }
+  return layout;
+}
+
+void place_rank(Config* config, int rank, const HostLayout& layout) {
+  const int host = layout.host_of[rank];
+  const std::vector<int>& mine = layout.host_ranks[host];
+  config->rank = rank;
+  config->local_size = (int)mine.size();
+  config->local_rank = (int)(std::find(mine.begin(), mine.end(), rank) - mine.begin());
+  // Cross ranks: the ranks that have the same local rank, one per host.
+  config->cross_rank = 0;
+  config->cross_size = 0;
+  for (int h = 0; h < (int)layout.host_ranks.size(); ++h) {
+    if ((int)layout.host_ranks[h].size() <= config->local_rank) continue;
+    if (h < host) ++config->cross_rank;
+    ++config->cross_size;
+  }
+  config->host_ranks = mine;
+  config->job_id += "-host" + std::to_string(host);
+}
+
+Status make_hierarchical_backend(const Config& config, const HostLayout& layout, int generation,
+                                 const MakeAcross& make_across, std::unique_ptr<Backend>* out) {
+  auto backend = std::make_unique<HierarchicalBackend>(config, layout);
+  Status s = backend->start(generation, make_across);
   if (!s.ok()) return s;
   *out = std::move(backend);
   return Status::OK();

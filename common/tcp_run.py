@@ -1,0 +1,251 @@
+"""unisonrun across hosts without MPI: ranks on this machine start directly,
+ranks on other hosts through ssh, and they meet over TCP.
+
+    unisonrun -np 8 -H host1:4,host2:4 python train.py
+    unisonrun -np 8 --hostfile hosts python train.py
+
+Ranks fill the hosts in order (ranks 0-3 on host1 above). Each rank is told
+the job's rendezvous (rank 0's host and a port) and a fresh per-job secret
+that every connection between ranks must prove (native/tcp/). The secret
+reaches a remote rank on ssh's standard input, never on a command line
+that `ps` on the host would show.
+
+A remote rank runs under a small wrapper (`python -m unison.tcp_run
+--remote-rank`): it reads the secret, runs the command, ends it when ssh's
+standard input closes (the launcher stopped the job, or was killed), and says
+how the command ended, which ssh's exit status alone cannot tell.
+
+Hosts that are this machine (localhost, 127.0.0.1, its name, any of its
+addresses) start their ranks directly; a different name for this machine
+still counts as a host of its own, which is how two hosts are tested on one.
+"""
+import fcntl
+import os
+import secrets
+import shlex
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+
+from unison import mpi_run
+
+# Variables a remote rank needs beside the UNISON_* and HOROVOD_* settings.
+PASSED_VARIABLES = mpi_run.PASSED_VARIABLES
+SIOCGIFADDR = 0x8915
+
+
+def parse_hosts(args):
+    """[(host, slots)] from -H or --hostfile."""
+    text = args.hosts or mpi_run.parse_hostfile(args.hostfile)
+    hosts = []
+    for item in text.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        name, _, slots = item.rpartition(":") if ":" in item else (item, "", "1")
+        if not slots.isdigit() or int(slots) < 1 or not name:
+            raise SystemExit("unisonrun: -H %s: write each host as host:slots, such as node1:4" % text)
+        hosts.append((name, int(slots)))
+    return hosts
+
+
+def place(hosts, np_):
+    """Each rank's host, filling the hosts in order."""
+    total = sum(slots for _, slots in hosts)
+    if total < np_:
+        raise SystemExit("unisonrun: -np %d but the hosts have %d slots" % (np_, total))
+    placed = []
+    for name, slots in hosts:
+        placed += [name] * min(slots, np_ - len(placed))
+    return placed
+
+
+def is_this_machine(host):
+    """True when `host` names this machine: an address of it can be bound."""
+    try:
+        address = socket.gethostbyname(host)
+    except OSError:
+        return False
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.bind((address, 0))
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
+
+
+def interface_address(name):
+    """The IPv4 address of interface `name` (or `name` itself if it is one)."""
+    try:
+        socket.inet_aton(name)
+        return name
+    except OSError:
+        pass
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        packed = fcntl.ioctl(probe.fileno(), SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+        return socket.inet_ntoa(packed[20:24])
+    except OSError:
+        raise SystemExit("unisonrun: --network-interface %s: this host has no interface of that name with an "
+                         "IPv4 address" % name)
+    finally:
+        probe.close()
+
+
+def route_source(toward):
+    """The address this machine uses to reach `toward`."""
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect((socket.gethostbyname(toward), 9))
+        return probe.getsockname()[0]
+    except OSError as e:
+        raise SystemExit("unisonrun: cannot tell which address of this machine reaches %s (%s); name the "
+                         "interface the ranks should use with --network-interface" % (toward, e))
+    finally:
+        probe.close()
+
+
+def rendezvous(args, placed, local):
+    """(address, port) where rank 0 listens for the others."""
+    first = placed[0]
+    address = first
+    if local[first]:
+        remote = [h for h in placed if not local[h]]
+        interface = args.network_interface if args.network_interface not in (None, "0.0.0.0") else None
+        if interface:
+            address = interface_address(interface)
+        elif remote and socket.gethostbyname(first).startswith("127."):
+            # "localhost" means nothing to the other hosts: give them the
+            # address this machine reaches them from.
+            address = route_source(remote[0])
+    port = args.rendezvous_port
+    if port is None:
+        # A port free here now; on another host, most likely free there too
+        # (rank 0 names it if not, with --rendezvous-port as the way out).
+        probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            probe.bind((socket.gethostbyname(address) if local[first] else "", 0))
+            port = probe.getsockname()[1]
+        finally:
+            probe.close()
+    return address, port
+
+
+def ssh_command(args, host, remote_command):
+    # $UNISON_SSH replaces ssh itself (a wrapper, or a test's stand-in).
+    command = shlex.split(os.environ.get("UNISON_SSH", "ssh")) + ["-o", "BatchMode=yes"]
+    if args.ssh_port:
+        command += ["-p", str(args.ssh_port)]
+    if args.ssh_identity_file:
+        command += ["-i", args.ssh_identity_file]
+    return command + [host, remote_command]
+
+
+def launches(args, job_id, base):
+    """Every rank's Launch (run.py) for a job on the hosts of -H/--hostfile."""
+    from unison.run import Launch
+
+    placed = place(parse_hosts(args), args.np)
+    names = list(dict.fromkeys(placed))  # hosts in order of their first rank
+    local = {h: is_this_machine(h) for h in names}
+    ranks_on = {h: [r for r, p in enumerate(placed) if p == h] for h in names}
+    secret = secrets.token_hex(32)
+    job = {"UNISON_SIZE": str(args.np), "UNISON_JOB_ID": job_id}
+    if len(names) > 1:
+        address, port = rendezvous(args, placed, local)
+        job.update({"UNISON_RENDEZVOUS_ADDR": address, "UNISON_RENDEZVOUS_PORT": str(port)})
+        if args.network_interface:
+            job["UNISON_NETWORK_INTERFACE"] = args.network_interface
+    result = []
+    for rank, host in enumerate(placed):
+        mine = ranks_on[host]
+        identity = dict(job)
+        identity.update({
+            "UNISON_RANK": str(rank),
+            "UNISON_LOCAL_RANK": str(mine.index(rank)), "UNISON_LOCAL_SIZE": str(len(mine)),
+            "UNISON_CROSS_RANK": str(sum(1 for h in names[:names.index(host)] if len(ranks_on[h]) > mine.index(rank))),
+            "UNISON_CROSS_SIZE": str(sum(1 for h in names if len(ranks_on[h]) > mine.index(rank))),
+            # The host as the user named it: two names for this machine are
+            # two hosts, with shared memory of their own.
+            "UNISON_HOSTNAME": host,
+        })
+        if local[host]:
+            env = dict(base)
+            env.update(identity)
+            if len(names) > 1:
+                env["UNISON_SECRET_KEY"] = secret
+            result.append(Launch(rank, args.command, env, host=host))
+            continue
+        settings = {k: v for k, v in base.items()
+                    if (k.startswith(("UNISON_", "HOROVOD_")) or k in PASSED_VARIABLES) and k != "UNISON_SECRET_KEY"}
+        settings.update(identity)
+        remote = "cd %s 2>/dev/null; exec env %s %s -m unison.tcp_run --remote-rank -- %s" % (
+            shlex.quote(os.getcwd()), " ".join("%s=%s" % (k, shlex.quote(v)) for k, v in sorted(settings.items())),
+            shlex.quote(sys.executable), " ".join(shlex.quote(c) for c in args.command))
+        result.append(Launch(rank, ssh_command(args, host, remote), dict(base), host=host, stdin_text=secret + "\n"))
+    return result
+
+
+# ---- on the remote host ----------------------------------------------------------
+
+
+def remote_rank(argv):
+    """Runs one rank on a remote host: see the module's docstring."""
+    from unison.run import _describe, _die_with_parent, remove_shared_memory
+
+    command = argv[1:] if argv[:1] == ["--"] else argv
+    # Unbuffered reads of fd 0: the secret's line, then nothing but the end.
+    line = b""
+    while not line.endswith(b"\n"):
+        byte = os.read(0, 1)
+        if not byte:
+            break
+        line += byte
+    secret = line.decode().strip()
+    if not secret:
+        raise SystemExit("unison.tcp_run: no secret on standard input; this wrapper is started by unisonrun")
+    env = dict(os.environ, UNISON_SECRET_KEY=secret)
+    proc = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
+                            preexec_fn=_die_with_parent)
+
+    def stop(_signum=None, _frame=None):
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                return
+            deadline = time.monotonic() + 5
+            while proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+
+    def watch_stdin():
+        # ssh closes it when the launcher stops the job, or dies.
+        while os.read(0, 4096):
+            pass
+        stop()
+
+    threading.Thread(target=watch_stdin, daemon=True).start()
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGHUP, stop)
+    signal.signal(signal.SIGINT, stop)
+    code = proc.wait()
+    if code != 0:
+        if "UNISON_JOB_ID" in env:
+            remove_shared_memory(env["UNISON_JOB_ID"])
+        print("unisonrun: rank %s (host %s) %s" % (env.get("UNISON_RANK", "?"), env.get("UNISON_HOSTNAME", "?"),
+                                                   _describe(code)), file=sys.stderr, flush=True)
+    return code if code >= 0 else 128 - code
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--remote-rank"]:
+        sys.exit(remote_rank(sys.argv[2:]))
+    raise SystemExit("unison.tcp_run is run by unisonrun; see unisonrun --help")

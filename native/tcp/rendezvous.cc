@@ -1,0 +1,241 @@
+// Mesh::connect: how a job's ranks find each other and connect.
+//
+//   1. Every rank listens on its own address (socket.h: the interface that
+//      reaches rank 0, unless one is named); rank 0 listens on the
+//      rendezvous port the launcher chose.
+//   2. Every other rank connects to rank 0, the two prove the job's secret
+//      to each other, and the rank says who it is and where it listens.
+//   3. Rank 0 checks the ranks agree (size, no rank twice) and sends every
+//      rank the whole table, or the reason the job cannot start.
+//   4. Each rank connects to every lower rank but 0, proving the secret
+//      again, and accepts the higher ones. Rank 0's connections from step 2
+//      are its mesh connections.
+// Then the listening sockets close: nothing can connect to a running job.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <sstream>
+
+#include "mesh.h"
+#include "socket.h"
+
+namespace unison {
+namespace {
+
+// Start-up messages: a 4-byte length, then text. Only read after the
+// sender proved the secret, and never longer than this.
+constexpr uint32_t kLongestStartMessage = 1u << 20;
+
+Status send_text(int fd, const std::string& text, double deadline) {
+  const uint32_t n = (uint32_t)text.size();
+  Status s = write_all(fd, &n, sizeof(n), deadline);
+  return s.ok() ? write_all(fd, text.data(), text.size(), deadline) : s;
+}
+
+Status read_text(int fd, std::string* text, double deadline) {
+  uint32_t n = 0;
+  Status s = read_all(fd, &n, sizeof(n), deadline);
+  if (!s.ok()) return s;
+  if (n > kLongestStartMessage)
+    return Status::Error(UNISON_ERR_INTERNAL, "unison: a start-up message of " + std::to_string(n) + " bytes");
+  text->resize(n);
+  return read_all(fd, &(*text)[0], n, deadline);
+}
+
+std::string peer_address(int fd) {
+  sockaddr_in a{};
+  socklen_t length = sizeof(a);
+  getpeername(fd, reinterpret_cast<sockaddr*>(&a), &length);
+  char buffer[INET_ADDRSTRLEN] = {0};
+  inet_ntop(AF_INET, &a.sin_addr, buffer, sizeof(buffer));
+  return std::string(buffer) + ":" + std::to_string(ntohs(a.sin_port));
+}
+
+std::string this_host(const Config& config) {
+  if (!config.hostname.empty()) return config.hostname;
+  char name[256] = {0};
+  gethostname(name, sizeof(name) - 1);
+  return name;
+}
+
+// One rank's line of the table: "rank pid ip:port host".
+std::string table_line(const TcpPeer& p) {
+  return std::to_string(p.rank) + " " + std::to_string(p.pid) + " " + p.address + " " + p.host + "\n";
+}
+
+bool parse_table_line(const std::string& line, TcpPeer* p) {
+  std::istringstream in(line);
+  in >> p->rank >> p->pid >> p->address;
+  std::getline(in >> std::ws, p->host);
+  return !in.fail() && !p->address.empty();
+}
+
+// Closes every socket it was given unless released: start-up can fail at
+// any step.
+struct Sockets {
+  std::vector<int> fds;
+  ~Sockets() {
+    for (int fd : fds)
+      if (fd >= 0) close(fd);
+  }
+};
+
+}  // namespace
+
+Status Mesh::connect(const Config& config, std::shared_ptr<Mesh>* out) {
+  const double deadline = monotonic_seconds() + config.start_timeout_seconds;
+  const int size = config.size, me = config.rank;
+  std::string rendezvous_ip;
+  int rendezvous_port = 0;
+  Status s = parse_endpoint(config.rendezvous_address, "UNISON_RENDEZVOUS_ADDR:UNISON_RENDEZVOUS_PORT", &rendezvous_ip,
+                            &rendezvous_port);
+  if (!s.ok()) return s;
+  std::string my_ip;
+  s = choose_listen_address(config.network_interface, rendezvous_ip, &my_ip);
+  if (!s.ok()) return s;
+  // Rank 0 listens where the others will look for it, unless an interface
+  // was named for it.
+  if (me == 0 && config.network_interface.empty()) my_ip = rendezvous_ip;
+
+  auto mesh = std::shared_ptr<Mesh>(new Mesh(config));
+  mesh->rank_ = me;
+  mesh->connections_.resize(size);
+  mesh->peers_.resize(size);
+  Sockets sockets;  // owns every fd until the mesh does
+  sockets.fds.assign(size, -1);
+  int listener = -1;
+  int port = me == 0 ? rendezvous_port : 0;
+  s = listen_on(my_ip, &port, size + 16, &listener);
+  if (!s.ok()) {
+    if (me == 0) s.message += " (the rendezvous port: pick another with unisonrun --rendezvous-port)";
+    return s;
+  }
+  Sockets listening{{listener}};
+  TcpPeer mine{me, (int)getpid(), this_host(config), my_ip + ":" + std::to_string(port)};
+  mesh->peers_[me] = mine;
+  const std::string secret = config.secret_key;
+
+  // ---- steps 2 and 3: everyone meets rank 0 -------------------------------------
+  std::string table;
+  if (me == 0) {
+    std::vector<bool> seen(size, false);
+    std::string problem;
+    for (int joined = 1; joined < size;) {
+      int fd = -1;
+      s = accept_before(listener, deadline, &fd);
+      if (!s.ok())
+        return Status::Error(UNISON_ERR_RANK_FAILED,
+                             "unison: only " + std::to_string(joined) + " of " + std::to_string(size) +
+                                 " ranks reached rank 0 within " + std::to_string((int)config.start_timeout_seconds) +
+                                 " s (UNISON_START_TIMEOUT)");
+      // A stranger gets a few seconds to prove itself, so that one which
+      // connects and says nothing cannot hold up the job.
+      Status proved = prove_as_acceptor(fd, secret, std::min(deadline, monotonic_seconds() + 5.0));
+      std::string hello;
+      if (proved.ok()) proved = read_text(fd, &hello, deadline);
+      if (!proved.ok()) {
+        std::fprintf(stderr, "unison: rank 0 refused a connection from %s: %s\n", peer_address(fd).c_str(),
+                     proved.message.c_str());
+        close(fd);
+        continue;
+      }
+      TcpPeer p;
+      int their_size = 0;
+      std::istringstream in(hello);
+      in >> their_size;
+      if (!parse_table_line(hello.substr(std::min(hello.size(), hello.find(' ') + 1)), &p) || p.rank <= 0 ||
+          p.rank >= size) {
+        problem = "a rank said it is '" + hello + "', which is not a rank of a job of " + std::to_string(size);
+      } else if (their_size != size) {
+        problem = "rank " + std::to_string(p.rank) + " (host " + p.host + ") was told the job has " +
+                  std::to_string(their_size) + " ranks, rank 0 that it has " + std::to_string(size);
+      } else if (seen[p.rank]) {
+        problem = "two processes (on hosts " + mesh->peers_[p.rank].host + " and " + p.host + ") both say they are rank " +
+                  std::to_string(p.rank);
+      }
+      if (!problem.empty()) {
+        close(fd);
+        break;
+      }
+      seen[p.rank] = true;
+      mesh->peers_[p.rank] = p;
+      sockets.fds[p.rank] = fd;
+      ++joined;
+    }
+    table = problem.empty() ? "ok\n" : "error " + problem + "\n";
+    for (const TcpPeer& p : mesh->peers_) table += table_line(p);
+    for (int r = 1; r < size; ++r)
+      if (sockets.fds[r] >= 0) send_text(sockets.fds[r], table, deadline);
+    if (!problem.empty()) return Status::Error(UNISON_ERR_INVALID_ARGUMENT, "unison: cannot start the job: " + problem);
+  } else {
+    int fd = -1;
+    s = connect_to(rendezvous_ip, rendezvous_port, deadline, "rank 0", &fd);
+    if (!s.ok()) return s;
+    sockets.fds[0] = fd;
+    s = prove_as_connector(fd, secret, deadline);
+    if (s.ok()) s = send_text(fd, std::to_string(size) + " " + table_line(mine), deadline);
+    if (s.ok()) s = read_text(fd, &table, deadline);
+    if (!s.ok()) return s;
+    std::istringstream lines(table);
+    std::string line;
+    std::getline(lines, line);
+    if (line.rfind("error ", 0) == 0)
+      return Status::Error(UNISON_ERR_INVALID_ARGUMENT, "unison: cannot start the job: " + line.substr(6));
+    while (std::getline(lines, line)) {
+      TcpPeer p;
+      if (parse_table_line(line, &p) && p.rank >= 0 && p.rank < size) mesh->peers_[p.rank] = p;
+    }
+  }
+
+  // ---- step 4: every pair ----------------------------------------------------------
+  for (int lower = 1; lower < me; ++lower) {
+    std::string ip;
+    int their_port = 0;
+    s = parse_endpoint(mesh->peers_[lower].address, "a rank's address", &ip, &their_port);
+    int fd = -1;
+    if (s.ok()) s = connect_to(ip, their_port, deadline, mesh->describe(lower), &fd);
+    if (!s.ok()) return s;
+    sockets.fds[lower] = fd;
+    s = prove_as_connector(fd, secret, deadline);
+    if (s.ok()) s = send_text(fd, std::to_string(me), deadline);
+    if (!s.ok()) return s;
+  }
+  for (int higher = std::max(me + 1, 1); me > 0 && higher < size;) {
+    int fd = -1;
+    s = accept_before(listener, deadline, &fd);
+    if (!s.ok()) return Status::Error(UNISON_ERR_RANK_FAILED, "unison: rank " + std::to_string(me) +
+                                                                  " timed out waiting for the ranks above it to connect");
+    Status proved = prove_as_acceptor(fd, secret, std::min(deadline, monotonic_seconds() + 5.0));
+    std::string hello;
+    if (proved.ok()) proved = read_text(fd, &hello, deadline);
+    const int who = proved.ok() ? std::atoi(hello.c_str()) : -1;
+    if (!proved.ok() || who <= me || who >= size || sockets.fds[who] >= 0) {
+      std::fprintf(stderr, "unison: rank %d refused a connection from %s: %s\n", me, peer_address(fd).c_str(),
+                   proved.ok() ? ("it claimed to be rank " + hello).c_str() : proved.message.c_str());
+      close(fd);
+      continue;
+    }
+    sockets.fds[who] = fd;
+    ++higher;
+  }
+
+  const double now = monotonic_seconds();
+  for (int r = 0; r < size; ++r) {
+    if (r == me) continue;
+    make_data_socket(sockets.fds[r]);
+    mesh->connections_[r].fd = sockets.fds[r];
+    mesh->connections_[r].last_heard = now;
+    sockets.fds[r] = -1;
+  }
+  mesh->wake_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  mesh->beat_interval_ = std::min(1.0, std::max(0.05, config.peer_timeout_seconds / 5));
+  *out = std::move(mesh);
+  return Status::OK();
+}
+
+}  // namespace unison

@@ -1,0 +1,344 @@
+"""Across hosts without MPI: the TCP backend and `unisonrun -H`.
+
+Layouts on this one machine, with no MPI on PATH:
+  localhost:2,127.0.0.1:2   two hosts of two ranks: hierarchical (shared
+                            memory within each, TCP across), and flat TCP
+  localhost:1,127.0.0.1:1   two hosts of one rank
+  localhost:2,127.0.0.1:1   hosts of different sizes: flat TCP, 3 ranks
+  two network namespaces    hierarchical, with TCP's bytes crossing a veth
+                            pair, and ranks started through an ssh stand-in
+"""
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+LAYOUTS = {
+    "2x2": (["-np", "4", "-H", "localhost:2,127.0.0.1:2"], 4, "hierarchical"),
+    "2x2-flat": (["-np", "4", "-H", "localhost:2,127.0.0.1:2", "--no-hierarchical-allreduce"], 4, "tcp"),
+    "1+1": (["-np", "2", "-H", "localhost:1,127.0.0.1:1"], 2, "tcp"),
+    "2+1": (["-np", "3", "-H", "localhost:2,127.0.0.1:1"], 3, "tcp"),
+}
+SUITES = ["test_core_grid.py", "test_core_ops.py", "test_core_errors.py", "test_core_training.py",
+          "test_core_process_sets.py", "test_core_lifecycle.py"]
+
+
+def without_mpi():
+    """The environment with every directory that holds an mpirun off PATH."""
+    path = [d for d in os.environ.get("PATH", "").split(os.pathsep)
+            if not os.path.exists(os.path.join(d, "mpirun"))]
+    return dict(os.environ, PATH=os.pathsep.join(path))
+
+
+def unisonrun(options, command, env=None, timeout=300):
+    full = [sys.executable, "-m", "unison.run"] + options + command
+    return subprocess.run(full, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout, cwd=HERE,
+                          env=dict(without_mpi(), **(env or {})))
+
+
+def pytest_command(suite):
+    return [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--timeout=120", "-x",
+            os.path.join(HERE, "parallel", suite)]
+
+
+def assert_every_rank_passed(proc, ranks):
+    output = proc.stdout.decode(errors="replace")
+    summaries = [line for line in output.splitlines() if " passed" in line or " failed" in line]
+    assert proc.returncode == 0, output[-20000:]
+    assert len([s for s in summaries if "passed" in s and "failed" not in s]) == ranks, output[-5000:]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("suite", SUITES)
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_core_suites_across_hosts(layout, suite):
+    options, ranks, backend = LAYOUTS[layout]
+    proc = unisonrun(options, pytest_command(suite), env={"UNISON_TEST_EXPECT_BACKEND": backend}, timeout=580)
+    assert_every_rank_passed(proc, ranks)
+
+
+IDENTITY = """
+import os, shutil, numpy as np, unison, unison.numpy as unp
+unison.init()
+r, n = unison.rank(), unison.size()
+total = unp.allreduce(np.array([r + 1], dtype=np.int64), op=unison.Sum, name="total")
+who = unp.allgather(np.array([[r, unison.local_rank(), unison.local_size(), unison.cross_rank(),
+                               unison.cross_size()]], dtype=np.int64), name="who")
+print("rank %d of %d: %s total %d who %s mpirun %s" % (r, n, unison.basics.backend_name(), total[0], who.tolist(),
+                                                     shutil.which("mpirun")))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_two_hosts_on_one_machine_identity(tmp_path):
+    script = tmp_path / "identity.py"
+    script.write_text(IDENTITY)
+    proc = unisonrun(["-np", "4", "-H", "localhost:2,127.0.0.1:2"], [sys.executable, str(script)], timeout=100)
+    output = proc.stdout.decode(errors="replace")
+    assert proc.returncode == 0, output
+    who = [[0, 0, 2, 0, 2], [1, 1, 2, 0, 2], [2, 0, 2, 1, 2], [3, 1, 2, 1, 2]]
+    for r in range(4):
+        assert "[%d]<stdout>:rank %d of 4: hierarchical total 10 who %s mpirun None" % (r, r, who) in output, output
+
+
+STRANGER = """
+import os, socket, time, numpy as np, unison, unison.numpy as unp
+if os.environ["UNISON_RANK"] == "1":
+    # Before joining, knock on rank 0's door without the secret.
+    address = (os.environ["UNISON_RENDEZVOUS_ADDR"], int(os.environ["UNISON_RENDEZVOUS_PORT"]))
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            stranger = socket.create_connection(address)
+            break
+        except ConnectionRefusedError:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    challenge = stranger.recv(16)
+    stranger.sendall(b"\\0" * 48 + b"then a great deal more" * 1000)
+    stranger.settimeout(20)
+    try:
+        answer = stranger.recv(1000)
+    except ConnectionResetError:
+        answer = b""
+    print("stranger got %d bytes of challenge and %r" % (len(challenge), answer), flush=True)
+unison.init()
+total = unp.allreduce(np.array([unison.rank() + 1.0]), op=unison.Sum, name="total")
+print("rank %d total %d" % (unison.rank(), total[0]), flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_connection_without_the_secret_is_refused_and_the_job_goes_on(tmp_path):
+    script = tmp_path / "stranger.py"
+    script.write_text(STRANGER)
+    proc = unisonrun(["-np", "3", "-H", "localhost:2,127.0.0.1:1"], [sys.executable, str(script)], timeout=100)
+    output = proc.stdout.decode(errors="replace")
+    assert proc.returncode == 0, output
+    assert "stranger got 16 bytes of challenge and b''" in output, output
+    assert re.search(r"\[0\]<stderr>:unison: rank 0 refused a connection from 127\.0\.0\.1:\d+: unison: a "
+                     r"connection without the job's secret was refused", output), output
+    for r in range(3):
+        assert "[%d]<stdout>:rank %d total 6" % (r, r) in output, output
+
+
+SILENT = """
+import os, signal, numpy as np, unison, unison.numpy as unp
+unison.init()
+unp.allreduce(np.ones(3), name="first")
+if unison.rank() == 1:
+    os.kill(os.getpid(), signal.SIGSTOP)
+try:
+    unp.allreduce(np.ones(3), name="second")
+except unison.HorovodInternalError as e:
+    print("rank %d: %s" % (unison.rank(), e), flush=True)
+    raise SystemExit(1)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_silent_peer_on_another_host_is_named_within_the_peer_timeout(tmp_path):
+    script = tmp_path / "silent.py"
+    script.write_text(SILENT)
+    start = time.monotonic()
+    proc = unisonrun(["-np", "2", "-H", "localhost:1,127.0.0.1:1", "--peer-timeout-seconds", "2"],
+                     [sys.executable, str(script)], timeout=100)
+    output = proc.stdout.decode(errors="replace")
+    assert proc.returncode != 0, output
+    assert re.search(r"\[0\]<stdout>:rank 0: unison: rank 1 \(host 127\.0\.0\.1, pid \d+\) has shown no sign of "
+                     r"life for [23] s", output), output
+    assert "unisonrun: job failed: rank 0 (host localhost) exited with status 1" in output, output
+    assert time.monotonic() - start < 30, output
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("setting,expected", [
+    ({"UNISON_NETWORK_INTERFACE": "nosuch0"}, "UNISON_NETWORK_INTERFACE='nosuch0' is neither an IPv4 address nor an "
+                                              "interface of this host"),
+    ({"UNISON_RENDEZVOUS_ADDR": "127.0.0.1"}, "UNISON_RENDEZVOUS_ADDR and UNISON_RENDEZVOUS_PORT go together"),
+    ({"UNISON_RENDEZVOUS_ADDR": "127.0.0.1", "UNISON_RENDEZVOUS_PORT": "http"},
+     "UNISON_RENDEZVOUS_ADDR:UNISON_RENDEZVOUS_PORT='127.0.0.1:http' is not host:port"),
+])
+def test_bad_network_settings_are_named(setting, expected):
+    env = dict(without_mpi(), UNISON_RANK="0", UNISON_SIZE="2", UNISON_LOCAL_SIZE="1", UNISON_SECRET_KEY="s",
+               UNISON_RENDEZVOUS_ADDR="127.0.0.1", UNISON_RENDEZVOUS_PORT="1", UNISON_START_TIMEOUT="5")
+    env.update(setting)
+    if "UNISON_RENDEZVOUS_PORT" not in setting and setting.get("UNISON_RENDEZVOUS_ADDR"):
+        env.pop("UNISON_RENDEZVOUS_PORT")
+    proc = subprocess.run([sys.executable, "-c", "import unison; unison.init()"], env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, timeout=50)
+    assert proc.returncode != 0
+    assert expected in proc.stdout.decode(), proc.stdout.decode()
+
+
+@pytest.mark.timeout(60)
+def test_a_rendezvous_without_a_secret_is_refused():
+    env = dict(without_mpi(), UNISON_RANK="0", UNISON_SIZE="2", UNISON_LOCAL_SIZE="1",
+               UNISON_RENDEZVOUS_ADDR="127.0.0.1", UNISON_RENDEZVOUS_PORT="29999")
+    env.pop("UNISON_SECRET_KEY", None)
+    proc = subprocess.run([sys.executable, "-c", "import unison; unison.init()"], env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, timeout=50)
+    assert proc.returncode != 0
+    assert "UNISON_SECRET_KEY is not" in proc.stdout.decode(), proc.stdout.decode()
+
+
+def test_launcher_rejects_an_unknown_interface():
+    proc = unisonrun(["-np", "2", "-H", "localhost:1,127.0.0.1:1", "--network-interface", "nosuch0"],
+                     [sys.executable, "-c", "pass"], timeout=60)
+    assert proc.returncode != 0
+    assert "--network-interface nosuch0: this host has no interface of that name" in proc.stdout.decode()
+
+
+def test_placement_and_slots():
+    from unison import tcp_run
+    assert tcp_run.place([("a", 2), ("b", 2)], 3) == ["a", "a", "b"]
+    with pytest.raises(SystemExit, match="-np 5 but the hosts have 4 slots"):
+        tcp_run.place([("a", 2), ("b", 2)], 5)
+    assert tcp_run.is_this_machine("localhost") and tcp_run.is_this_machine("127.0.0.1")
+    assert tcp_run.is_this_machine(socket.gethostname())
+
+
+# ---- ranks started over ssh ------------------------------------------------------------
+
+
+# unisonrun's ssh stand-in for a host that is not this machine: it runs the
+# command here, in a session of its own, so that only the end of its standard
+# input (not a signal to ssh's process group) can stop the rank, as on a real
+# remote host.
+FAKE_SSH = """#!/bin/bash
+while [ $# -gt 2 ]; do shift; done
+exec setsid -w bash -c "$2"
+"""
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_stops_every_rank_on_every_host(tmp_path):
+    ssh = tmp_path / "ssh"
+    ssh.write_text(FAKE_SSH)
+    ssh.chmod(0o755)
+    script = tmp_path / "waits.py"
+    marker = tmp_path / "started"
+    script.write_text("import time, unison, pathlib\nunison.init()\n"
+                      "pathlib.Path(%r + str(unison.rank())).touch()\ntime.sleep(60)\n" % str(marker))
+    proc = subprocess.Popen([sys.executable, "-m", "unison.run", "-np", "3", "-H", "localhost:1,elsewhere.invalid:2",
+                             "--network-interface", "lo", sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env=dict(without_mpi(), UNISON_SSH=str(ssh)))
+    deadline = time.monotonic() + 60
+    while not all(os.path.exists(str(marker) + str(r)) for r in range(3)):
+        assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read().decode()
+        time.sleep(0.1)
+    start = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode != 0, out.decode()
+    assert time.monotonic() - start < 15
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        left = subprocess.run(["pgrep", "-f", str(script)], stdout=subprocess.PIPE).stdout.decode().split()
+        if not left:
+            break
+        time.sleep(0.2)
+    assert left == [], "ranks still running: %s" % left
+
+
+EXITS = """
+import sys, time, numpy as np, unison, unison.numpy as unp
+unison.init()
+unp.allreduce(np.ones(3), name="first")
+if unison.rank() == 2:
+    sys.exit(3)
+time.sleep(60)  # the others are busy elsewhere: the launcher must stop them
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_remote_rank_is_named_with_its_status(tmp_path):
+    ssh = tmp_path / "ssh"
+    ssh.write_text(FAKE_SSH)
+    ssh.chmod(0o755)
+    script = tmp_path / "exits.py"
+    script.write_text(EXITS)
+    start = time.monotonic()
+    proc = unisonrun(["-np", "3", "-H", "localhost:1,elsewhere.invalid:2", "--network-interface", "lo"],
+                     [sys.executable, str(script)],
+                     env={"UNISON_SSH": str(ssh)}, timeout=100)
+    output = proc.stdout.decode(errors="replace")
+    assert proc.returncode == 3, output
+    assert "unisonrun: job failed: rank 2 (host elsewhere.invalid) exited with status 3" in output, output
+    assert time.monotonic() - start < 30, output
+
+
+def namespace_ssh(tmp_path, namespaces):
+    """An ssh stand-in that runs the command in the namespace of its host."""
+    ssh = tmp_path / "ssh"
+    cases = "".join("  %s) ns=%s;;\n" % (a, n) for a, n in zip(namespaces.addresses, namespaces))
+    ssh.write_text("#!/bin/bash\nwhile [ $# -gt 2 ]; do shift; done\ncase $1 in\n%sesac\n"
+                   "exec ip netns exec $ns setsid -w bash -c \"$2\"\n" % cases)
+    ssh.chmod(0o755)
+    return str(ssh)
+
+
+NETWORK = """
+import numpy as np, unison, unison.numpy as unp
+def sent():
+    return int(open("/sys/class/net/uveth/statistics/tx_bytes").read())
+unison.init()
+before = sent()
+x = unp.allreduce(np.ones(1 << 20, dtype=np.float32) * (unison.rank() + 1), op=unison.Sum, name="big")
+assert (x == 10).all(), x[:4]
+print("rank %d %s sent %d bytes" % (unison.rank(), unison.basics.backend_name(), sent() - before))
+"""
+
+
+@pytest.mark.timeout(600)
+def test_across_network_namespaces(tmp_path, two_namespaces):
+    """Two ranks in each of two network namespaces, started through ssh: the
+    core grid passes, and TCP's bytes between the hosts leave through the veth."""
+    ssh = namespace_ssh(tmp_path, two_namespaces)
+    hosts = ["-np", "4", "-H", "%s:2,%s:2" % tuple(two_namespaces.addresses)]
+    script = tmp_path / "network.py"
+    script.write_text(NETWORK)
+    proc = unisonrun(hosts, [sys.executable, str(script)], env={"UNISON_SSH": ssh}, timeout=100)
+    output = proc.stdout.decode(errors="replace")
+    assert proc.returncode == 0, output
+    sent = dict(re.findall(r"rank (\d) hierarchical sent (\d+) bytes", output))
+    assert sorted(sent) == ["0", "1", "2", "3"], output
+    # Each host sends the other at least half of the 4 MiB allreduce.
+    assert all(int(n) >= 2 << 20 for n in sent.values()), sent
+    proc = unisonrun(hosts, pytest_command("test_core_grid.py"),
+                     env={"UNISON_SSH": ssh, "UNISON_TEST_EXPECT_BACKEND": "hierarchical"}, timeout=500)
+    assert_every_rank_passed(proc, 4)
+
+
+KILLED = """
+import os, time, numpy as np, unison, unison.numpy as unp
+unison.init()
+for step in range(20):
+    unp.allreduce(np.ones(1000), name="step")
+    if step == 5 and unison.rank() == 3:
+        os.kill(os.getpid(), 9)
+    time.sleep(0.05)
+time.sleep(60)  # only a rank the launcher fails to stop gets here
+"""
+
+
+@pytest.mark.timeout(120)
+def test_rank_killed_in_another_namespace_ends_the_job(tmp_path, two_namespaces):
+    ssh = namespace_ssh(tmp_path, two_namespaces)
+    script = tmp_path / "killed.py"
+    script.write_text(KILLED)
+    start = time.monotonic()
+    proc = unisonrun(["-np", "4", "-H", "%s:2,%s:2" % tuple(two_namespaces.addresses)],
+                     [sys.executable, str(script)], env={"UNISON_SSH": ssh}, timeout=100)
+    output = proc.stdout.decode(errors="replace")
+    assert proc.returncode != 0, output
+    assert ("unisonrun: job failed: rank 3 (host %s) was killed by signal 9" % two_namespaces.addresses[1]) in output, \
+        output
+    assert time.monotonic() - start < 30, output
