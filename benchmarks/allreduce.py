@@ -2,6 +2,7 @@
 
     unisonrun -np 2 python benchmarks/allreduce.py
     unisonrun -np 4 --simulate-hosts 2 python benchmarks/allreduce.py --mpi-layouts
+    sudo python benchmarks/two_hosts.py            (--tcp-and-mpi, in two network namespaces)
 
 Every rank joins both a unison job and a gloo process group, and the two
 are timed in alternating blocks in the same processes, so both see the same
@@ -13,6 +14,12 @@ the unison columns are the two MPI layouts, hierarchical (shared memory
 within hosts, MPI across) and flat (MPI between every pair): the processes
 shut unison down and start it again in the other layout before every block,
 so the two layouts and gloo alternate as well.
+
+With --tcp-and-mpi (started by benchmarks/two_hosts.py: mpirun across two
+network namespaces, so every byte between hosts crosses a veth pair) the
+columns are TCP and MPI, each hierarchical (shared memory within hosts) and
+flat, and gloo, alternating the same way: a TCP block hides mpirun's
+identity from unison and names the rendezvous instead.
 """
 import argparse
 import hashlib
@@ -35,7 +42,8 @@ def setup_gloo():
     if job is None:  # started by mpirun: rank 0 picks the port
         job = str(int(unp.broadcast(np.array([os.getpid()]), root_rank=0, name="bench.port")[0]))
     port = os.environ.get("BENCH_GLOO_PORT") or str(20000 + int(hashlib.md5(job.encode()).hexdigest(), 16) % 20000)
-    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%s" % port, rank=unison.rank(),
+    address = os.environ.get("BENCH_GLOO_ADDR", "127.0.0.1")
+    dist.init_process_group("gloo", init_method="tcp://%s:%s" % (address, port), rank=unison.rank(),
                             world_size=unison.size())
 
 
@@ -107,11 +115,28 @@ def iterations_for(nbytes):
 
 
 LAYOUTS = [("hierarchical", "1"), ("flat", "0")]
+# Columns: (name, data plane, layout).
+MPI_LAYOUTS = [("hierarchical", "mpi", "hierarchical"), ("flat MPI", "mpi", "flat")]
+TCP_AND_MPI = [("TCP hierarchical", "tcp", "hierarchical"), ("MPI hierarchical", "mpi", "hierarchical"),
+               ("TCP flat", "tcp", "flat"), ("MPI flat", "mpi", "flat")]
+TCP_IDENTITY = {"UNISON_RANK": "PMI_RANK", "UNISON_SIZE": "PMI_SIZE"}
 
 
-def in_layout(layout, fn):
-    """Runs fn() with unison started in an MPI layout, then stops unison."""
+def in_layout(layout, fn, plane="mpi"):
+    """Runs fn() with unison started in a layout, then stops unison. A TCP
+    layout gives unison its identity and rendezvous in UNISON_* variables,
+    which take precedence over mpirun's; an MPI layout takes them away."""
     os.environ["UNISON_HIERARCHICAL_ALLREDUCE"] = dict(LAYOUTS)[layout]
+    for name, source in TCP_IDENTITY.items():
+        if plane == "tcp":
+            os.environ[name] = os.environ[source]
+        else:
+            os.environ.pop(name, None)
+    for name in ("UNISON_RENDEZVOUS_ADDR", "UNISON_RENDEZVOUS_PORT"):
+        if plane == "tcp":
+            os.environ[name] = os.environ["BENCH_" + name[len("UNISON_"):]]
+        else:
+            os.environ.pop(name, None)
     unison.init()
     try:
         return fn()
@@ -119,14 +144,14 @@ def in_layout(layout, fn):
         unison.shutdown()
 
 
-def mpi_layouts(args):
-    """The MPI layouts against gloo, every block in every layout in turn."""
+def layouts_against_gloo(args, planes):
+    """Every layout of `planes` and gloo, every block in each in turn (see
+    the top of the file). A job started by mpirun; TCP layouts also need
+    BENCH_RENDEZVOUS_ADDR and BENCH_RENDEZVOUS_PORT."""
     torch.set_num_threads(1)
-    unison.init()
-    setup_gloo()
-    rank, size = unison.rank(), unison.size()
-    hosts = unison.cross_size()
-    unison.shutdown()
+    in_layout("hierarchical", setup_gloo)
+    rank, size = dist.get_rank(), dist.get_world_size()
+    hosts = in_layout("hierarchical", unison.cross_size)
 
     def say(line=""):
         if rank == 0:
@@ -135,9 +160,9 @@ def mpi_layouts(args):
     say("allreduce of float32, %d ranks on %d hosts, median of %d blocks; each block runs every layout and gloo"
         % (size, hosts, args.blocks))
     say()
-    say("| size | hierarchical | flat MPI | gloo | hierarchical algbw | flat algbw | gloo algbw "
-        "| hierarchical / gloo speed | flat / gloo speed |")
-    say("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    say("| size | " + " | ".join(name for name, _, _ in planes) + " | gloo | "
+        + " | ".join("%s / gloo speed" % name for name, _, _ in planes) + " |")
+    say("|" + " --- |" * (2 + 2 * len(planes)))
     for label, nbytes in SIZES:
         n = nbytes // 4
         x = np.ones(n, dtype=np.float32)
@@ -152,8 +177,8 @@ def mpi_layouts(args):
             return agree(timed(fn, iterations))
 
         for _ in range(args.blocks):
-            for layout, _value in LAYOUTS:
-                times.setdefault(layout, []).append(in_layout(layout, unison_block))
+            for name, plane, layout in planes:
+                times.setdefault(name, []).append(in_layout(layout, unison_block, plane))
             dist.all_reduce(t)
             dist.barrier()
             start = time.perf_counter()
@@ -161,9 +186,11 @@ def mpi_layouts(args):
                 dist.all_reduce(t)
             elapsed = (time.perf_counter() - start) / iterations
             times["gloo"].append(in_layout("hierarchical", lambda: agree(elapsed)))
-        h, f, g = (statistics.median(times[k]) for k in ("hierarchical", "flat", "gloo"))
-        say("| %s | %.1f us | %.1f us | %.1f us | %.2f GB/s | %.2f GB/s | %.2f GB/s | %.2fx | %.2fx |"
-            % (label, h * 1e6, f * 1e6, g * 1e6, nbytes / h / 1e9, nbytes / f / 1e9, nbytes / g / 1e9, g / h, g / f))
+        medians = {k: statistics.median(v) for k, v in times.items()}
+        g = medians["gloo"]
+        say("| %s | " % label + " | ".join("%.1f us" % (medians[name] * 1e6) for name, _, _ in planes)
+            + " | %.1f us | " % (g * 1e6) + " | ".join("%.2fx" % (g / medians[name]) for name, _, _ in planes)
+            + " |")
     dist.destroy_process_group()
 
 
@@ -172,9 +199,11 @@ def main():
     parser.add_argument("--blocks", type=int, default=7)
     parser.add_argument("--mpi-layouts", action="store_true",
                         help="compare the hierarchical and flat MPI layouts with gloo (start through mpirun)")
+    parser.add_argument("--tcp-and-mpi", action="store_true",
+                        help="compare TCP, MPI and gloo across hosts (started by benchmarks/two_hosts.py)")
     args = parser.parse_args()
-    if args.mpi_layouts:
-        return mpi_layouts(args)
+    if args.mpi_layouts or args.tcp_and_mpi:
+        return layouts_against_gloo(args, TCP_AND_MPI if args.tcp_and_mpi else MPI_LAYOUTS)
     torch.set_num_threads(1)
     unison.init()
     setup_gloo()

@@ -11,10 +11,7 @@ Status make_backend(Config* config, int generation, std::unique_ptr<Backend>* ou
   // A job started by mpirun or srun: MPI says who is where and carries the
   // bytes between hosts (mpi/world.cc picks flat or hierarchical).
   if (config->size > 1 && !config->mpi_launcher.empty()) return make_mpi_backend(config, generation, out);
-  if (config->size == 1) {
-    *out = make_solo_backend();
-    return Status::OK();
-  }
+  if (config->size == 1) return make_solo_backend(*config, generation, out);
   // A job started by unisonrun across hosts: a rendezvous to meet at.
   if (!config->rendezvous_address.empty()) return make_tcp_backend(config, generation, out);
   if (config->local_size != config->size)
@@ -27,7 +24,8 @@ Status make_backend(Config* config, int generation, std::unique_ptr<Backend>* ou
 }
 
 std::string built_backends() {
-  std::string names = "solo";
+  std::string names;
+  if (solo_backend_available()) names += "solo";
   if (shm_backend_available()) names += ",shm";
   if (tcp_backend_available()) names += ",tcp";
   if (mpi_backend_available()) names += ",mpi";

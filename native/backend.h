@@ -5,8 +5,9 @@
 // of negotiation) and tells the engine when a cycle is wanted, because only
 // it knows how its ranks reach each other. Everything a backend must do is
 // on this screen. Each backend lives in its own folder and exposes
-// `make_<name>_backend`; where one is not built, a stub file of the same
-// name answers with an error instead.
+// `<name>_backend_available` and `make_<name>_backend`; where one is not
+// built, a stub file answers with an error instead. backend.cc alone
+// decides which one a job starts with.
 #pragma once
 
 #include <cstddef>
@@ -115,7 +116,8 @@ Status make_backend(Config* config, int generation, std::unique_ptr<Backend>* ou
 std::string built_backends();
 
 // The single-process null object: every collective is a local copy.
-std::unique_ptr<Backend> make_solo_backend();
+bool solo_backend_available();
+Status make_solo_backend(const Config& config, int generation, std::unique_ptr<Backend>* out);
 // Shared memory between the processes of one host.
 bool shm_backend_available();
 Status make_shm_backend(const Config& config, int generation, std::unique_ptr<Backend>* out);

@@ -20,9 +20,9 @@ import time
 
 import pytest
 
+from jobs import CORE_SUITES, EXITS, HERE, IDENTITY, KILLED, assert_every_rank_passed, pytest_command, unisonrun
 from unison import basics, mpi_run
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 BUILT_WITH_MPI = "mpi" in basics.built_backends()
 needs_mpi = pytest.mark.skipif(not BUILT_WITH_MPI, reason="unison was built without MPI; the tox env 'mpi' runs these")
 
@@ -59,40 +59,14 @@ def remove_mpi_shm_left_by_the_test():
             pass
 
 
-def unisonrun(options, command, env=None, timeout=300):
-    full = [sys.executable, "-m", "unison.run"] + options + command
-    return subprocess.run(full, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout, cwd=HERE,
-                          env=dict(os.environ, **(env or {})))
-
-
-def pytest_command(suite):
-    return [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--timeout=120", "-x",
-            os.path.join(HERE, "parallel", suite)]
-
-
 @needs_mpi
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("suite", ["test_core_grid.py", "test_core_ops.py", "test_core_errors.py",
-                                   "test_core_training.py", "test_core_process_sets.py", "test_core_lifecycle.py"])
+@pytest.mark.parametrize("suite", CORE_SUITES)
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_core_grid_under_mpi(layout, suite):
     options, ranks, backend = LAYOUTS[layout]
     proc = unisonrun(options, pytest_command(suite), env={"UNISON_TEST_EXPECT_BACKEND": backend}, timeout=580)
-    output = proc.stdout.decode(errors="replace")
-    summaries = [line for line in output.splitlines() if " passed" in line or " failed" in line]
-    assert proc.returncode == 0, output[-20000:]
-    assert len([s for s in summaries if "passed" in s and "failed" not in s]) == ranks, output[-5000:]
-
-
-IDENTITY = """
-import os, numpy as np, unison, unison.numpy as unp
-unison.init()
-r, n = unison.rank(), unison.size()
-total = unp.allreduce(np.array([r + 1], dtype=np.int64), op=unison.Sum, name="total")
-ranks = unp.allgather(np.array([[r, unison.local_rank(), unison.local_size(), unison.cross_rank(),
-                                 unison.cross_size()]], dtype=np.int64), name="who")
-print("rank %d of %d: %s total %d who %s" % (r, n, unison.basics.backend_name(), total[0], ranks.tolist()))
-"""
+    assert_every_rank_passed(proc, ranks)
 
 
 @needs_mpi
@@ -162,18 +136,6 @@ def test_hosts_and_settings_reach_every_rank(tmp_path, hosts):
         assert "[%d]<stdout>:rank %d of 2 cycle time 3.0" % (r, r) in output, output
 
 
-KILLED = """
-import os, time, numpy as np, unison, unison.numpy as unp
-unison.init()
-for step in range(20):
-    unp.allreduce(np.ones(1000), name="step")
-    if step == 5 and unison.rank() == 3:
-        os.kill(os.getpid(), 9)
-    time.sleep(0.05)
-time.sleep(60)  # only a rank the launcher fails to stop gets here
-"""
-
-
 @needs_mpi
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("flat", [False, True], ids=["hierarchical", "flat"])
@@ -188,16 +150,6 @@ def test_rank_killed_on_a_simulated_host_ends_the_job(tmp_path, flat):
     assert proc.returncode != 0, output
     assert "unisonrun: job failed: rank 3 (host " in output and "killed by signal 9" in output, output
     assert elapsed < 30, "the job took %.1f s to end" % elapsed
-
-
-EXITS = """
-import sys, time, numpy as np, unison, unison.numpy as unp
-unison.init()
-unp.allreduce(np.ones(3), name="first")
-if unison.rank() == 1:
-    sys.exit(3)
-time.sleep(60)  # the others are busy elsewhere: the launcher must stop them
-"""
 
 
 @needs_mpi

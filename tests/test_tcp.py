@@ -18,7 +18,8 @@ import time
 
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+import jobs
+from jobs import CORE_SUITES, EXITS, IDENTITY, KILLED, assert_every_rank_passed, pytest_command
 
 LAYOUTS = {
     "2x2": (["-np", "4", "-H", "localhost:2,127.0.0.1:2"], 4, "hierarchical"),
@@ -26,10 +27,6 @@ LAYOUTS = {
     "1+1": (["-np", "2", "-H", "localhost:1,127.0.0.1:1"], 2, "tcp"),
     "2+1": (["-np", "3", "-H", "localhost:2,127.0.0.1:1"], 3, "tcp"),
 }
-SUITES = ["test_core_grid.py", "test_core_ops.py", "test_core_errors.py", "test_core_training.py",
-          "test_core_process_sets.py", "test_core_lifecycle.py"]
-
-
 def without_mpi():
     """The environment with every directory that holds an mpirun off PATH."""
     path = [d for d in os.environ.get("PATH", "").split(os.pathsep)
@@ -38,25 +35,11 @@ def without_mpi():
 
 
 def unisonrun(options, command, env=None, timeout=300):
-    full = [sys.executable, "-m", "unison.run"] + options + command
-    return subprocess.run(full, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout, cwd=HERE,
-                          env=dict(without_mpi(), **(env or {})))
-
-
-def pytest_command(suite):
-    return [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--timeout=120", "-x",
-            os.path.join(HERE, "parallel", suite)]
-
-
-def assert_every_rank_passed(proc, ranks):
-    output = proc.stdout.decode(errors="replace")
-    summaries = [line for line in output.splitlines() if " passed" in line or " failed" in line]
-    assert proc.returncode == 0, output[-20000:]
-    assert len([s for s in summaries if "passed" in s and "failed" not in s]) == ranks, output[-5000:]
+    return jobs.unisonrun(options, command, env, timeout, base=without_mpi())
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("suite", SUITES)
+@pytest.mark.parametrize("suite", CORE_SUITES)
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_core_suites_across_hosts(layout, suite):
     options, ranks, backend = LAYOUTS[layout]
@@ -64,23 +47,18 @@ def test_core_suites_across_hosts(layout, suite):
     assert_every_rank_passed(proc, ranks)
 
 
-IDENTITY = """
-import os, shutil, numpy as np, unison, unison.numpy as unp
-unison.init()
-r, n = unison.rank(), unison.size()
-total = unp.allreduce(np.array([r + 1], dtype=np.int64), op=unison.Sum, name="total")
-who = unp.allgather(np.array([[r, unison.local_rank(), unison.local_size(), unison.cross_rank(),
-                               unison.cross_size()]], dtype=np.int64), name="who")
-print("rank %d of %d: %s total %d who %s mpirun %s" % (r, n, unison.basics.backend_name(), total[0], who.tolist(),
-                                                     shutil.which("mpirun")))
-"""
-
-
 @pytest.mark.timeout(120)
-def test_two_hosts_on_one_machine_identity(tmp_path):
+@pytest.mark.parametrize("hosts", ["-H", "--hostfile"])
+def test_two_hosts_on_one_machine_identity(tmp_path, hosts):
     script = tmp_path / "identity.py"
     script.write_text(IDENTITY)
-    proc = unisonrun(["-np", "4", "-H", "localhost:2,127.0.0.1:2"], [sys.executable, str(script)], timeout=100)
+    if hosts == "-H":
+        options = ["-H", "localhost:2,127.0.0.1:2"]
+    else:
+        hostfile = tmp_path / "hosts"
+        hostfile.write_text("localhost slots=2\n127.0.0.1:2\n")
+        options = ["--hostfile", str(hostfile)]
+    proc = unisonrun(["-np", "4"] + options, [sys.executable, str(script)], timeout=100)
     output = proc.stdout.decode(errors="replace")
     assert proc.returncode == 0, output
     who = [[0, 0, 2, 0, 2], [1, 1, 2, 0, 2], [2, 0, 2, 1, 2], [3, 1, 2, 1, 2]]
@@ -218,18 +196,23 @@ exec setsid -w bash -c "$2"
 """
 
 
-@pytest.mark.timeout(120)
-def test_ctrl_c_stops_every_rank_on_every_host(tmp_path):
+def fake_ssh(tmp_path):
     ssh = tmp_path / "ssh"
     ssh.write_text(FAKE_SSH)
     ssh.chmod(0o755)
+    return str(ssh)
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_stops_every_rank_on_every_host(tmp_path):
+    ssh = fake_ssh(tmp_path)
     script = tmp_path / "waits.py"
     marker = tmp_path / "started"
     script.write_text("import time, unison, pathlib\nunison.init()\n"
                       "pathlib.Path(%r + str(unison.rank())).touch()\ntime.sleep(60)\n" % str(marker))
     proc = subprocess.Popen([sys.executable, "-m", "unison.run", "-np", "3", "-H", "localhost:1,elsewhere.invalid:2",
-                             "--network-interface", "lo", sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            env=dict(without_mpi(), UNISON_SSH=str(ssh)))
+                             "--network-interface", "lo", sys.executable, str(script)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,                            env=dict(without_mpi(), UNISON_SSH=ssh))
     deadline = time.monotonic() + 60
     while not all(os.path.exists(str(marker) + str(r)) for r in range(3)):
         assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read().decode()
@@ -248,30 +231,18 @@ def test_ctrl_c_stops_every_rank_on_every_host(tmp_path):
     assert left == [], "ranks still running: %s" % left
 
 
-EXITS = """
-import sys, time, numpy as np, unison, unison.numpy as unp
-unison.init()
-unp.allreduce(np.ones(3), name="first")
-if unison.rank() == 2:
-    sys.exit(3)
-time.sleep(60)  # the others are busy elsewhere: the launcher must stop them
-"""
-
-
 @pytest.mark.timeout(120)
 def test_a_failed_remote_rank_is_named_with_its_status(tmp_path):
-    ssh = tmp_path / "ssh"
-    ssh.write_text(FAKE_SSH)
-    ssh.chmod(0o755)
+    ssh = fake_ssh(tmp_path)
     script = tmp_path / "exits.py"
     script.write_text(EXITS)
     start = time.monotonic()
     proc = unisonrun(["-np", "3", "-H", "localhost:1,elsewhere.invalid:2", "--network-interface", "lo"],
                      [sys.executable, str(script)],
-                     env={"UNISON_SSH": str(ssh)}, timeout=100)
+                     env={"UNISON_SSH": ssh}, timeout=100)
     output = proc.stdout.decode(errors="replace")
     assert proc.returncode == 3, output
-    assert "unisonrun: job failed: rank 2 (host elsewhere.invalid) exited with status 3" in output, output
+    assert "unisonrun: job failed: rank 1 (host elsewhere.invalid) exited with status 3" in output, output
     assert time.monotonic() - start < 30, output
 
 
@@ -317,18 +288,6 @@ def test_across_network_namespaces(tmp_path, two_namespaces):
     assert_every_rank_passed(proc, 4)
 
 
-KILLED = """
-import os, time, numpy as np, unison, unison.numpy as unp
-unison.init()
-for step in range(20):
-    unp.allreduce(np.ones(1000), name="step")
-    if step == 5 and unison.rank() == 3:
-        os.kill(os.getpid(), 9)
-    time.sleep(0.05)
-time.sleep(60)  # only a rank the launcher fails to stop gets here
-"""
-
-
 @pytest.mark.timeout(120)
 def test_rank_killed_in_another_namespace_ends_the_job(tmp_path, two_namespaces):
     ssh = namespace_ssh(tmp_path, two_namespaces)
@@ -342,3 +301,8 @@ def test_rank_killed_in_another_namespace_ends_the_job(tmp_path, two_namespaces)
     assert ("unisonrun: job failed: rank 3 (host %s) was killed by signal 9" % two_namespaces.addresses[1]) in output, \
         output
     assert time.monotonic() - start < 30, output
+
+
+def test_check_build_lists_tcp():
+    proc = unisonrun(["--check-build"], [])
+    assert "[X] TCP (several hosts, no MPI)" in proc.stdout.decode(), proc.stdout.decode()

@@ -1,5 +1,9 @@
 """unison.torch in one process without the launcher (rank 0 of 1), and
 misuse outside a job."""
+import os
+import subprocess
+import sys
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -67,8 +71,6 @@ def test_trainer_crash_in_rpc_training_is_reported_on_every_other_rank(tmp_path,
     # Rank 0 serves a table over RPC and waits in unison.torch.rpc.shutdown();
     # the trainers step a hybrid DistributedOptimizer; rank 1 dies mid-step.
     # Every survivor learns it, naming rank 1, within seconds, with no hang.
-    import subprocess
-    import sys
     import textwrap
     script = tmp_path / "crash.py"
     script.write_text(textwrap.dedent("""
@@ -120,3 +122,18 @@ def test_trainer_crash_in_rpc_training_is_reported_on_every_other_rank(tmp_path,
     for line in survivors:
         assert "rank 1 (pid" in line and float(line.split("after ")[1].split(" s")[0]) < 10, line
     assert "unisonrun: job failed: rank 1" in err and "exited with status 3" in err
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("hosts,np_", [("localhost:1,127.0.0.1:1", 2), ("localhost:2,127.0.0.1:1", 3)])
+def test_rpc_suite_across_hosts(hosts, np_):
+    """The remote-parameter suite in a job that spans two hosts (two names
+    for this machine): rank 0 must offer torch's RPC an address the other
+    host can reach, not the loopback a one-host job uses."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    command = [sys.executable, "-m", "unison.run", "-np", str(np_), "-H", hosts, sys.executable, "-m", "pytest",
+               "-q", "-p", "no:cacheprovider", "--timeout=120", "-x", os.path.join(here, "parallel", "test_torch_rpc.py")]
+    proc = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=580, cwd=here)
+    output = proc.stdout.decode(errors="replace")
+    assert proc.returncode == 0, output[-20000:]
+    assert len([line for line in output.splitlines() if " passed" in line and "failed" not in line]) == np_, output

@@ -80,6 +80,11 @@ class SoloBackend final : public Backend {
 
 }  // namespace
 
-std::unique_ptr<Backend> make_solo_backend() { return std::make_unique<SoloBackend>(); }
+bool solo_backend_available() { return true; }
+
+Status make_solo_backend(const Config&, int, std::unique_ptr<Backend>* out) {
+  *out = std::make_unique<SoloBackend>();
+  return Status::OK();
+}
 
 }  // namespace unison

@@ -1,0 +1,62 @@
+"""What the tests that start whole jobs share: running unisonrun, running a
+suite of tests/parallel inside every rank, and small rank scripts."""
+import os
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CORE_SUITES = ["test_core_grid.py", "test_core_ops.py", "test_core_errors.py", "test_core_training.py",
+               "test_core_process_sets.py", "test_core_lifecycle.py"]
+
+
+def unisonrun(options, command, env=None, timeout=300, base=None):
+    full = [sys.executable, "-m", "unison.run"] + options + command
+    return subprocess.run(full, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout, cwd=HERE,
+                          env=dict(base if base is not None else os.environ, **(env or {})))
+
+
+def pytest_command(suite):
+    return [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--timeout=120", "-x",
+            os.path.join(HERE, "parallel", suite)]
+
+
+def assert_every_rank_passed(proc, ranks):
+    output = proc.stdout.decode(errors="replace")
+    summaries = [line for line in output.splitlines() if " passed" in line or " failed" in line]
+    assert proc.returncode == 0, output[-20000:]
+    assert len([s for s in summaries if "passed" in s and "failed" not in s]) == ranks, output[-5000:]
+
+
+# Each rank prints its identity, the backend, and whether an mpirun is on PATH.
+IDENTITY = """
+import os, shutil, numpy as np, unison, unison.numpy as unp
+unison.init()
+r, n = unison.rank(), unison.size()
+total = unp.allreduce(np.array([r + 1], dtype=np.int64), op=unison.Sum, name="total")
+who = unp.allgather(np.array([[r, unison.local_rank(), unison.local_size(), unison.cross_rank(),
+                               unison.cross_size()]], dtype=np.int64), name="who")
+print("rank %d of %d: %s total %d who %s mpirun %s" % (r, n, unison.basics.backend_name(), total[0], who.tolist(),
+                                                     shutil.which("mpirun")))
+"""
+
+# Rank 3 kills itself mid-training.
+KILLED = """
+import os, time, numpy as np, unison, unison.numpy as unp
+unison.init()
+for step in range(20):
+    unp.allreduce(np.ones(1000), name="step")
+    if step == 5 and unison.rank() == 3:
+        os.kill(os.getpid(), 9)
+    time.sleep(0.05)
+time.sleep(60)  # only a rank the launcher fails to stop gets here
+"""
+
+# Rank 1 exits with status 3 while the others sleep.
+EXITS = """
+import sys, time, numpy as np, unison, unison.numpy as unp
+unison.init()
+unp.allreduce(np.ones(3), name="first")
+if unison.rank() == 1:
+    sys.exit(3)
+time.sleep(60)  # the others are busy elsewhere: the launcher must stop them
+"""
