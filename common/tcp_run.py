@@ -114,13 +114,18 @@ def route_source(toward):
 def rendezvous(args, placed, local):
     """(address, port) where rank 0 listens for the others."""
     first = placed[0]
-    address = first
+    # Resolved here, as the other hosts would: on its own host a name often
+    # resolves to a loopback address (Debian's 127.0.1.1), useless to them.
+    try:
+        address = socket.gethostbyname(first)
+    except OSError:
+        address = first
     if local[first]:
         remote = [h for h in placed if not local[h]]
         interface = args.network_interface if args.network_interface not in (None, "0.0.0.0") else None
         if interface:
             address = interface_address(interface)
-        elif remote and socket.gethostbyname(first).startswith("127."):
+        elif remote and address.startswith("127."):
             # "localhost" means nothing to the other hosts: give them the
             # address this machine reaches them from.
             address = route_source(remote[0])

@@ -328,6 +328,9 @@ void Mesh::announce(uint32_t channel, const std::vector<int>& peers, uint64_t co
 }
 
 uint64_t Mesh::heard(uint32_t channel) {
+  // A hierarchical host's leader waits by polling this, never wait(): it
+  // must keep its heartbeats going from here.
+  beat_if_due();
   drain_everyone();
   auto it = heard_.find(channel);
   return it == heard_.end() ? 0 : it->second;
