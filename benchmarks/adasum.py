@@ -10,12 +10,12 @@ rank 0 prints the table and the ratios.
 """
 import argparse
 import statistics
-import time
 
 import numpy as np
 
 import unison
 import unison.numpy as unp
+from timing import agree, timed
 
 SIZES = [("64 KiB", 64 << 10), ("1 MiB", 1 << 20), ("16 MiB", 16 << 20)]
 
@@ -37,17 +37,6 @@ def gathered_adasum(x, name):
     while len(level) > 1:
         level = [adasum_pair(level[i], level[i + 1]) for i in range(0, len(level), 2)]
     return level[0].astype(x.dtype)
-
-
-def timed(fn, iterations):
-    start = time.perf_counter()
-    for _ in range(iterations):
-        fn()
-    return (time.perf_counter() - start) / iterations
-
-
-def agree(seconds):
-    return float(unp.allreduce(np.array(seconds), op=unison.Max, name="bench.agree"))
 
 
 def main():

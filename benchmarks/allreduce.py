@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 import unison
 import unison.numpy as unp
+from timing import agree, timed
 
 SIZES = [("4 KiB", 4 << 10), ("64 KiB", 64 << 10), ("1 MiB", 1 << 20), ("16 MiB", 16 << 20), ("64 MiB", 64 << 20)]
 
@@ -45,18 +46,6 @@ def setup_gloo():
     address = os.environ.get("BENCH_GLOO_ADDR", "127.0.0.1")
     dist.init_process_group("gloo", init_method="tcp://%s:%s" % (address, port), rank=unison.rank(),
                             world_size=unison.size())
-
-
-def timed(fn, iterations):
-    start = time.perf_counter()
-    for _ in range(iterations):
-        fn()
-    return (time.perf_counter() - start) / iterations
-
-
-def agree(seconds):
-    """The slowest rank's time, so every rank reports the same figure."""
-    return float(unp.allreduce(np.array(seconds), op=unison.Max, name="bench.agree"))
 
 
 def compare(unison_fn, gloo_fn, iterations, blocks):

@@ -27,7 +27,6 @@
 #include <cstring>
 
 #include "../backend.h"
-#include "../byte_stream.h"
 #include "../dtype.h"
 #include "../hierarchical.h"
 #include "mesh.h"
@@ -114,13 +113,8 @@ class TcpBackend final : public Backend {
   // ---- data plane ----------------------------------------------------------
 
   Status allreduce(const AllreduceOptions& o) override {
-    ByteStream in, out;
     size_t total = 0;
-    for (const Segment& s : o.segments) {
-      in.append(s.input, s.bytes);
-      out.append(s.output, s.bytes);
-      total += s.bytes;
-    }
+    for (const Segment& s : o.segments) total += s.bytes;
     if (total <= kDirectAllreduceBytes || size() == 1) return allreduce_direct(o, total);
     // The ring works in place on one run of memory: the output itself when
     // there is one tensor, else a staging buffer.
@@ -144,7 +138,12 @@ class TcpBackend final : public Backend {
       at += s.bytes;
     }
     Status s = ring_allreduce(o.reduce, work, total);
-    if (s.ok() && o.segments.size() > 1) out.write(0, total, work);
+    if (!s.ok() || o.segments.size() == 1) return s;
+    at = 0;
+    for (const Segment& seg : o.segments) {
+      std::memcpy(seg.output, work + at, seg.bytes);
+      at += seg.bytes;
+    }
     return s;
   }
 

@@ -38,6 +38,28 @@ def test_fused_large_allreduces_in_and_out_of_place_across_rounds():
         expected = (np.arange(s, dtype=np.float64) % 1000) * n + n * (n - 1) / 2
         np.testing.assert_array_equal(unp.synchronize(h), expected)
 
+@pytest.mark.parametrize("dtype", [np.int32, np.float16, np.float32, np.float64])
+def test_large_allreduces_with_every_op_and_scaling(dtype):
+    # Past the sizes the grid uses, so that every backend's large path (the
+    # TCP ring, shared-memory rounds) scales, averages and combines.
+    n, rank = unison.size(), unison.rank()
+    count = 100_003
+    x = np.full(count, rank + 1, dtype=dtype)
+    sums = unp.grouped_allreduce([x, x[:70_001].copy()], op=unison.Sum, name="large.sum.%s" % x.dtype)
+    for out in sums:
+        np.testing.assert_array_equal(out, np.full(out.shape, n * (n + 1) // 2, dtype=dtype))
+    expected_average = n * (n + 1) // 2 // n if np.issubdtype(dtype, np.integer) else (n + 1) / 2
+    np.testing.assert_array_equal(unp.allreduce(x, op=unison.Average, name="large.avg.%s" % x.dtype),
+                                  np.full(count, expected_average, dtype=dtype))
+    for op, expected in ((unison.Min, 1), (unison.Max, n), (unison.Product, np.prod(np.arange(1, n + 1)))):
+        np.testing.assert_array_equal(unp.allreduce(x, op=op, name="large.%s.%s" % (op, x.dtype)),
+                                      np.full(count, expected, dtype=dtype))
+    if not np.issubdtype(dtype, np.integer):
+        scaled = unp.allreduce(x, op=unison.Average, prescale_factor=3.0, postscale_factor=0.5,
+                               name="large.scaled.%s" % x.dtype)
+        np.testing.assert_array_equal(scaled, np.full(count, 1.5 * (n + 1) / 2, dtype=dtype))
+
+
 def test_average_is_the_default_op_as_in_horovod():
     result = unp.allreduce(np.full(4, float(unison.rank())), name="default.op")
     np.testing.assert_array_equal(result, np.full(4, (unison.size() - 1) / 2))
