@@ -49,6 +49,9 @@ def init(comm=None, process_sets=None):
             "unison: init(comm=%r): unison runs on every rank its launcher started; use process sets "
             "for collectives among some of them" % (comm,))
     from unison import process_sets as sets  # it imports this module
+    from unison.elastic import worker
+    if worker.in_elastic_job() and not lib.unison_is_initialized():
+        worker.join_round()  # this round's rank and size, from unisonrun's driver
     check(lib.unison_init())
     sets.register_at_init(process_sets)
 

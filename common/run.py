@@ -73,6 +73,21 @@ def _parse(argv):
                            help="shared memory within each host, MPI across hosts (the default)")
     hierarchy.add_argument("--no-hierarchical-allreduce", dest="hierarchical", action="store_false",
                            help="every byte between ranks over MPI (flat)")
+    elastic = p.add_argument_group("elastic (elastic_run.py): the job goes on when workers fail, and grows")
+    elastic.add_argument("--min-np", type=int, help="the fewest workers the job trains with (default: -np)")
+    elastic.add_argument("--max-np", type=int, help="the most workers the job grows to (default: -np)")
+    elastic.add_argument("--host-discovery-script",
+                         help="a command printing the usable hosts, one `host:slots` (or `host`) per line; "
+                              "re-run every second")
+    elastic.add_argument("--slots", type=int, help="slots of a host the discovery script prints without any")
+    elastic.add_argument("--elastic-timeout", type=float, default=600.0,
+                         help="how long the job waits for --min-np slots, or for a new worker to start "
+                              "(default 600 s)")
+    elastic.add_argument("--reset-limit", type=int,
+                         help="end the job when it would re-form more than this many times (default: no limit)")
+    elastic.add_argument("--blacklist-cooldown-range", type=float, nargs=2, metavar=("LOW", "HIGH"),
+                         help="a failed host returns after LOW seconds, twice as long each later time, at most "
+                              "HIGH (default: never)")
     p.add_argument("--check-build", action="store_true",
                    help="show which frameworks and data planes this install supports, and exit")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the command each rank runs")
@@ -83,6 +98,22 @@ def _parse(argv):
         p.error("-np N (at least 1) is required")
     if not args.command:
         p.error("a command to run is required")
+    for flag, value in (("--min-np", args.min_np), ("--max-np", args.max_np), ("--slots", args.slots)):
+        if value is not None and value < 1:
+            p.error("%s %d: at least 1" % (flag, value))
+    if args.min_np is not None and args.max_np is not None and args.min_np > args.max_np:
+        p.error("--min-np %d is more than --max-np %d" % (args.min_np, args.max_np))
+    if args.reset_limit is not None and args.reset_limit < 0:
+        p.error("--reset-limit %d: at least 0" % args.reset_limit)
+    if args.elastic_timeout <= 0:
+        p.error("--elastic-timeout %g: more than 0" % args.elastic_timeout)
+    cooldown = args.blacklist_cooldown_range
+    if cooldown is not None and not 0 <= cooldown[0] <= cooldown[1]:
+        p.error("--blacklist-cooldown-range %g %g: 0 <= LOW <= HIGH" % tuple(cooldown))
+    if _elastic(args) and _through_mpirun(args):
+        p.error("an elastic job (--min-np, --max-np, --host-discovery-script) runs over TCP, not --mpi")
+    if args.host_discovery_script and (args.hosts or args.hostfile):
+        p.error("--host-discovery-script and -H/--hostfile both name the hosts: give one")
     return args
 
 
@@ -136,6 +167,10 @@ def _through_mpirun(args):
     return bool(args.mpi or args.simulate_hosts)
 
 
+def _elastic(args):
+    return bool(args.host_discovery_script or args.min_np is not None or args.max_np is not None)
+
+
 def _across_hosts(args):
     return bool(args.hosts or args.hostfile)
 
@@ -154,7 +189,7 @@ FAILURE = re.compile(rb"unisonrun: rank (\d+) .*?((?:exited with status|was kill
 
 
 def _forward(stream, rank, kind, sink, log_file, report=None):
-    prefix = ("[%d]<%s>:" % (rank, kind)).encode()
+    prefix = ("[%s]<%s>:" % (rank, kind)).encode()  # a rank, or an elastic worker host:slot
     for line in iter(stream.readline, b""):
         if report is not None:
             match = FAILURE.search(line.rstrip(b"\n"))
@@ -362,6 +397,9 @@ def main(argv=None):
     if _through_mpirun(args):
         from unison import mpi_run
         return mpi_run.launch(args, _settings(args))
+    if _elastic(args):
+        from unison import elastic_run
+        return elastic_run.launch(args, new_job_id(), base_environment(args))
     job = Job(args)
     if _across_hosts(args):
         from unison import tcp_run

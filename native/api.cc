@@ -54,7 +54,7 @@ int unison_init(void) {
                                                                  " of size " + std::to_string(c.size) +
                                                                  " from the environment is impossible"));
   std::unique_ptr<Backend> backend;
-  Status made = make_backend(&c, generation, &backend);
+  Status made = make_backend(&c, c.elastic_round >= 0 ? c.elastic_round : generation, &backend);
   if (!made.ok()) return report(made);
   ++generation;
   config = c;

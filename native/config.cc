@@ -199,6 +199,7 @@ Status Config::from_environment(Config* out) {
   read(read_int(&c.cross_rank, "UNISON_CROSS_RANK", "HOROVOD_CROSS_RANK"));
   read(read_int(&c.cross_size, "UNISON_CROSS_SIZE", "HOROVOD_CROSS_SIZE", 1));
   if (const char* v = lookup("UNISON_JOB_ID", nullptr)) c.job_id = v;
+  read(read_int(&c.elastic_round, "UNISON_ELASTIC_ROUND"));
   if (const char* v = lookup("UNISON_HOSTNAME", "HOROVOD_HOSTNAME")) c.hostname = v;
   const char* rendezvous_host = lookup("UNISON_RENDEZVOUS_ADDR", "HOROVOD_GLOO_RENDEZVOUS_ADDR");
   const char* rendezvous_port = lookup("UNISON_RENDEZVOUS_PORT", "HOROVOD_GLOO_RENDEZVOUS_PORT");

@@ -22,6 +22,11 @@ struct Config {
   int cross_rank = 0;
   int cross_size = 1;
   std::string job_id;
+  // The round of an elastic job (UNISON_ELASTIC_ROUND, set by unisonrun's
+  // driver), or -1. Ranks of one round have been through different numbers
+  // of inits (survivors and newcomers), so the round, not each process's
+  // own count, names the round's shared memory.
+  int elastic_round = -1;
 
   // Which launcher's variables gave the identity when unisonrun did not:
   // "Open MPI", "MPICH" (any PMI-based mpirun: MPICH, Intel MPI, MVAPICH)

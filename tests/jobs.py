@@ -60,3 +60,31 @@ if unison.rank() == 1:
     sys.exit(3)
 time.sleep(60)  # the others are busy elsewhere: the launcher must stop them
 """
+
+
+def elastic_job(tmp_path, options, script, env=None, timeout=240):
+    """Runs tests/elastic/<script> under the elastic launcher; returns the
+    launcher's process and every worker's events, by worker."""
+    import glob
+    import json
+
+    log = tmp_path / "events"
+    log.mkdir()
+    proc = unisonrun(options, [sys.executable, os.path.join(HERE, "elastic", script)],
+                     env=dict({"ELASTIC_LOG": str(log)}, **(env or {})), timeout=timeout)
+    events = {}
+    for path in glob.glob(str(log / "*.jsonl")):
+        with open(path) as f:
+            lines = [json.loads(line) for line in f]
+        events[lines[0]["worker"]] = lines
+    return proc, events
+
+
+def discovery_script(tmp_path, hosts):
+    """A --host-discovery-script printing a file the test (or a rank) edits."""
+    listing = tmp_path / "hosts.txt"
+    listing.write_text("".join(h + "\n" for h in hosts))
+    script = tmp_path / "discover.sh"
+    script.write_text("#!/bin/sh\ncat %s\n" % listing)
+    script.chmod(0o755)
+    return str(script), str(listing)

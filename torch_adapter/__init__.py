@@ -20,3 +20,4 @@ from unison.torch.ops import (  # noqa: F401
 from unison.torch.optimizer import DistributedOptimizer  # noqa: F401
 from unison.torch.sync_batch_norm import SyncBatchNorm  # noqa: F401
 from unison.torch.zero import ZeroRedundancyOptimizer  # noqa: F401
+from unison.torch import elastic  # noqa: F401,E402  (hvd.elastic.run, hvd.elastic.TorchState...)

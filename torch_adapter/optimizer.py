@@ -15,6 +15,7 @@ import torch
 
 from unison import basics
 from unison.arguments import gradient_scaling, split_into_groups
+from unison.exceptions import UnisonError
 from unison.handles import synchronize as _wait
 from unison import process_sets
 from unison.process_sets import global_process_set
@@ -120,7 +121,10 @@ class _DistributedOptimizer:
     def synchronize(self):
         """Waits for every gradient's allreduce (starting those whose hook did
         not fire) and writes the results into the .grad fields."""
-        if self._process_set.size() == 1:
+        if self._process_set.size() == 1 and not self._handles:
+            # Nothing to average. (Hooks made when the job was larger, before
+            # an elastic job shrank to one rank, still start allreduces: the
+            # loop below finishes those.)
             self._synchronized = True
             return
         for p in self._ordered:
@@ -171,10 +175,14 @@ class _DistributedOptimizer:
         return super().zero_grad(set_to_none)
 
     def load_state_dict(self, state_dict):
-        # Gradients in flight belong to the state being replaced.
+        # Gradients in flight belong to the state being replaced. An elastic
+        # restore comes here after they failed: their errors are already known.
         for handle, _ in self._handles.values():
             if handle is not None:
-                _wait(handle)
+                try:
+                    _wait(handle)
+                except UnisonError:
+                    pass
         self._handles.clear()
         self._allreduce_delay = {p: self.backward_passes_per_step for p in self._ordered}
         self._synchronized = False

@@ -27,6 +27,7 @@ struct alignas(64) RankArea {
   std::atomic<int32_t> pid;
   std::atomic<uint32_t> attached;
   std::atomic<uint32_t> message_bytes[2];  // length of the message in each mailbox half
+  std::atomic<uint32_t> left;              // set when this rank's backend is destroyed (shutdown)
   alignas(64) Doorbell bell;               // wakes this rank's engine thread
 };
 

@@ -45,6 +45,10 @@ class ShmBackend final : public Backend {
  public:
   explicit ShmBackend(const Config& config) : config_(config) {}
   ~ShmBackend() override {
+    // A rank that leaves (shutdown, often after a failure elsewhere) says so:
+    // its process lives on, and peers still waiting on it should hear now,
+    // not after the peer timeout.
+    if (me_ != nullptr) me_->left.store(1);
     for (int fd : pidfds_)
       if (fd >= 0) close(fd);
   }
@@ -154,6 +158,12 @@ class ShmBackend final : public Backend {
       if (exited[r]) dead += (dead.empty() ? "" : ", ") + describe(r);
     }
     if (!dead.empty()) return fail(dead + " exited");
+    for (int r = 0; r < size_; ++r)
+      if (r != rank_ && segment_.rank_area(r)->left.load()) {
+        broken_ = Status::Error(UNISON_ERR_SHUT_DOWN, "unison: " + describe(r) +
+                                                          " has shut down; no more collectives can run with it");
+        return broken_;
+      }
     const int64_t now = monotonic_nanoseconds();
     for (int r = 0; r < size_; ++r) {
       if (r == rank_) continue;

@@ -1,0 +1,100 @@
+"""A worker's side of an elastic job: how init() learns this process's rank
+for the next round, and how rank 0 asks whether the hosts changed.
+
+unisonrun's elastic driver (elastic_run.py) starts each worker with
+UNISON_ELASTIC_DRIVER (where it listens), UNISON_ELASTIC_WORKER (this
+worker's name, host:slot) and the job's secret, and no rank. Each init()
+then joins a round: the worker says where it could listen as rank 0, and
+waits until the driver has heard from every worker of the next round; the
+driver answers with the rank, size and rendezvous of the round, which
+init() puts in the environment the core reads. One connection per worker
+lasts for the worker's life, so the driver also learns at once when a
+worker's process is gone.
+
+The connection is multiprocessing's: it proves the job's secret with an
+HMAC challenge both ways before anything is unpickled.
+"""
+import os
+import socket
+import sys
+from multiprocessing.connection import Client
+
+DRIVER = "UNISON_ELASTIC_DRIVER"
+WORKER = "UNISON_ELASTIC_WORKER"
+
+_connection = None
+_round = None  # the driver's answer for the round this worker is in
+
+
+def in_elastic_job():
+    return bool(os.environ.get(DRIVER))
+
+
+def _driver():
+    global _connection
+    if _connection is None:
+        host, _, port = os.environ[DRIVER].rpartition(":")
+        try:
+            _connection = Client((host, int(port)), authkey=os.environ.get("UNISON_SECRET_KEY", "").encode())
+        except (OSError, EOFError) as e:
+            raise SystemExit("unison: cannot reach the elastic driver at %s=%s (%s); elastic workers are "
+                             "started by unisonrun" % (DRIVER, os.environ[DRIVER], e))
+    return _connection
+
+
+def _ask(request):
+    connection = _driver()
+    try:
+        connection.send(request)
+        return connection.recv()
+    except (OSError, EOFError):
+        # The launcher is gone: nothing can form another round.
+        raise SystemExit("unison: the elastic driver (unisonrun) is gone; worker %s stops" % os.environ.get(WORKER))
+
+
+def _listen_address():
+    """The address other hosts can reach this worker at, and a port free on it
+    now, for the driver to hand out should this worker become rank 0."""
+    from unison import tcp_run
+
+    interface = os.environ.get("UNISON_NETWORK_INTERFACE")
+    if interface and interface != "0.0.0.0":
+        address = tcp_run.interface_address(interface)
+    else:
+        address = tcp_run.route_source(os.environ[DRIVER].rpartition(":")[0])
+    probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        probe.bind((address, 0))
+        return address, probe.getsockname()[1]
+    finally:
+        probe.close()
+
+
+def join_round():
+    """Blocks until the driver places this worker in the next round, and sets
+    the environment init() reads. A worker the next round has no place for
+    (its host was removed or blacklisted) exits quietly with status 0; when
+    the driver ends the job, the worker exits with its reason."""
+    global _round
+    address, port = _listen_address()
+    answer = _ask({"op": "join", "worker": os.environ.get(WORKER), "address": address, "port": port,
+                   "round": _round["round"] if _round else -1})
+    if answer["kind"] == "dismiss":
+        print("unison: worker %s leaves the job: %s" % (os.environ.get(WORKER), answer["reason"]),
+              file=sys.stderr, flush=True)
+        raise SystemExit(0)
+    if answer["kind"] == "end":
+        raise SystemExit("unison: the job is ending: %s" % answer["reason"])
+    for key in [k for k in os.environ if k.startswith("UNISON_RENDEZVOUS_")]:
+        del os.environ[key]
+    os.environ.update(answer["env"])
+    _round = answer
+
+
+def hosts_changed():
+    """None while the hosts are those the current round began with; else
+    whether hosts were only removed (no newcomer needs the state)."""
+    if _round is None:
+        return None
+    answer = _ask({"op": "hosts", "since": _round["hosts_version"]})
+    return answer["removed_only"] if answer["changed"] else None

@@ -1,0 +1,55 @@
+"""What the elastic test jobs share: an event log per worker, and the
+faults and host changes a test asks for, in the environment:
+
+  ELASTIC_LOG      folder for each worker's events (one JSON line each)
+  ELASTIC_FAULT    worker@step:how (how: sigkill, sigstop or exit); the
+                   worker does it at that step, whichever round it is in;
+                   worker@step+:how does it at every step from then on
+  ELASTIC_ADD      step:file:line; rank 0 appends the line to the file (the
+                   discovery script's) once, when it reaches that step
+"""
+import json
+import os
+import signal
+import time
+
+WORKER = os.environ.get("UNISON_ELASTIC_WORKER", "plain")
+
+
+def log(**event):
+    folder = os.environ.get("ELASTIC_LOG")
+    if folder:
+        event.update(worker=WORKER, time=time.time())
+        with open(os.path.join(folder, WORKER.replace(":", "_") + ".jsonl"), "a") as f:
+            f.write(json.dumps(event) + "\n")
+
+
+def fault_at(step, rank):
+    spec = os.environ.get("ELASTIC_FAULT")
+    if not spec:
+        return
+    name, _, rest = spec.partition("@")
+    at, _, how = rest.partition(":")
+    me = WORKER if WORKER != "plain" else "rank%d" % rank
+    from_then_on = at.endswith("+")
+    at = int(at.rstrip("+"))
+    if name != me or step < at or (step > at and not from_then_on):
+        return
+    log(event="fault", how=how, step=step)
+    if how == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif how == "sigstop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    else:
+        os._exit(3)
+
+
+def maybe_add_host(step, rank):
+    spec = os.environ.get("ELASTIC_ADD")
+    if spec and rank == 0:
+        at, path, line = spec.split(":", 2)
+        if int(at) == step and not os.path.exists(path + ".added"):
+            open(path + ".added", "w").close()
+            with open(path, "a") as f:
+                f.write(line + "\n")
+            log(event="added", line=line, step=step)

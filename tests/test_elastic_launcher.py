@@ -1,0 +1,89 @@
+"""The elastic launcher with no framework (unison.elastic.ObjectState over
+numpy): a job that survives a failure ends with the exact sum of its
+committed steps; repeated failures past --reset-limit, and too few slots
+for longer than --elastic-timeout, end the job with the reason; bad
+elastic options are refused by name."""
+import pytest
+
+from jobs import discovery_script, elastic_job, unisonrun
+
+pytestmark = pytest.mark.timeout(300)
+STEPS = 20
+
+
+def done_events(events):
+    return [e for worker in events.values() for e in worker if e["event"] == "done"]
+
+
+@pytest.mark.parametrize("hosts,victim", [("localhost:1,127.0.0.1:1", "127.0.0.1:0"),
+                                          ("localhost:2,127.0.0.1:1", "127.0.0.1:0")], ids=["np2", "np3"])
+def test_object_state_survives_a_killed_worker(tmp_path, hosts, victim):
+    np_ = sum(int(h.split(":")[1]) for h in hosts.split(","))
+    proc, events = elastic_job(tmp_path, ["-np", str(np_), "--min-np", "1", "-H", hosts], "train_numpy.py",
+                               env={"ELASTIC_FAULT": "%s@7:sigkill" % victim, "ELASTIC_STEPS": str(STEPS)})
+    output = proc.stdout.decode(errors="replace")
+    assert proc.returncode == 0, output[-6000:]
+    done = done_events(events)
+    survivors = np_ - 1 if np_ == 2 else 2
+    assert len(done) == survivors, done
+    # Every step's Sum is step + 1: the total of the committed steps, exactly.
+    expected = sum(range(1, STEPS + 1))
+    for e in done:
+        assert e["step"] == STEPS and e["total"] == [expected] * 3, e
+
+
+def test_c_failures_past_the_reset_limit_end_the_job(tmp_path):
+    # The host comes back after its cooldown, and its new worker fails again.
+    proc, events = elastic_job(tmp_path, ["-np", "2", "--min-np", "1", "--reset-limit", "2",
+                                          "--blacklist-cooldown-range", "0.5", "1", "-H", "localhost:1,127.0.0.1:1"],
+                               "train_numpy.py", env={"ELASTIC_FAULT": "127.0.0.1:0@3+:exit", "ELASTIC_STEPS": "400"})
+    output = proc.stdout.decode(errors="replace")
+    assert proc.returncode != 0, output[-6000:]
+    assert "blacklisting host 127.0.0.1 for 0.5 s" in output and "blacklisting host 127.0.0.1 for 1 s" in output
+    assert "job failed: the job has re-formed 2 times (--reset-limit 2) and would have to again" in output, \
+        output[-3000:]
+    assert not done_events(events)
+
+
+def test_d_too_few_slots_for_longer_than_the_timeout_end_the_job(tmp_path):
+    script, _ = discovery_script(tmp_path, ["localhost:1", "127.0.0.1:1"])
+    proc, _ = elastic_job(tmp_path, ["-np", "2", "--elastic-timeout", "2", "--host-discovery-script", script],
+                          "train_numpy.py", env={"ELASTIC_FAULT": "127.0.0.1:0@3:sigkill", "ELASTIC_STEPS": "400"})
+    output = proc.stdout.decode(errors="replace")
+    assert proc.returncode != 0, output[-6000:]
+    assert "1 slots available, fewer than --min-np 2: waiting up to 2 s (--elastic-timeout)" in output
+    assert "job failed: only 1 slots were available, fewer than --min-np 2, for 2 s (--elastic-timeout)" in output
+
+
+def test_d_fixed_hosts_that_cannot_return_end_the_job_at_once(tmp_path):
+    proc, _ = elastic_job(tmp_path, ["-np", "2", "--min-np", "2", "-H", "localhost:1,127.0.0.1:1"],
+                          "train_numpy.py", env={"ELASTIC_FAULT": "127.0.0.1:0@3:sigkill", "ELASTIC_STEPS": "400"})
+    output = proc.stdout.decode(errors="replace")
+    assert proc.returncode != 0
+    assert "only 1 slots are left, fewer than --min-np 2, and the hosts are fixed" in output, output[-3000:]
+
+
+def test_a_failing_discovery_script_keeps_the_hosts_found_before(tmp_path):
+    script, listing = discovery_script(tmp_path, ["localhost:2"])
+    with open(script, "a") as f:
+        f.write("if test -e %s.added; then echo 'not a host line: x'; exit 1; fi\n" % listing)
+    proc, events = elastic_job(tmp_path, ["-np", "2", "--host-discovery-script", script], "train_numpy.py",
+                               env={"ELASTIC_ADD": "2:%s:#" % listing, "ELASTIC_STEPS": "100"})
+    output = proc.stdout.decode(errors="replace")
+    assert proc.returncode == 0, output[-4000:]
+    assert "--host-discovery-script %s failed (exited with status 1" % script in output, output[-3000:]
+    assert len(done_events(events)) == 2
+
+
+@pytest.mark.parametrize("options,message", [
+    (["--min-np", "3", "--max-np", "2"], "--min-np 3 is more than --max-np 2"),
+    (["--min-np", "0"], "--min-np 0: at least 1"),
+    (["--reset-limit", "-1", "--min-np", "1"], "--reset-limit -1: at least 0"),
+    (["--elastic-timeout", "0", "--min-np", "1"], "--elastic-timeout 0: more than 0"),
+    (["--blacklist-cooldown-range", "5", "1", "--min-np", "1"], "--blacklist-cooldown-range 5 1: 0 <= LOW <= HIGH"),
+    (["--min-np", "1", "--mpi"], "runs over TCP, not --mpi"),
+    (["--host-discovery-script", "true", "-H", "localhost:2"], "both name the hosts"),
+])
+def test_bad_elastic_options_are_refused_by_name(options, message):
+    proc = unisonrun(["-np", "2"] + options, ["true"], timeout=60)
+    assert proc.returncode == 2 and message in proc.stdout.decode(), proc.stdout.decode()
