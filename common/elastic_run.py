@@ -129,6 +129,8 @@ class ElasticDriver:
 
     def blacklist_host(self, host, why):
         until, times = self.blacklist.get(host, (0, 0))
+        if until > time.monotonic():
+            return  # already: its other workers fail with it
         times += 1
         if self.args.blacklist_cooldown_range:
             low, high = self.args.blacklist_cooldown_range

@@ -15,3 +15,4 @@ from unison.mxnet.ops import (  # noqa: F401
 from unison.mxnet.functions import (  # noqa: F401
     allgather_object, broadcast_object, broadcast_parameters)
 from unison.mxnet.optimizer import DistributedOptimizer, DistributedTrainer  # noqa: F401
+from unison.mxnet import elastic  # noqa: F401,E402  (hvd.elastic.run, hvd.elastic.MXNetState...)

@@ -110,13 +110,21 @@ class DistributedTrainer(mx.gluon.Trainer):
             params = [params[key] for key in sorted(params.keys())]
         else:
             params = sorted(params, key=lambda p: p.name)
-        super().__init__(params, optimizer, optimizer_params=optimizer_params, kvstore=None)
-        # Trainer.step() sets the optimizer's rescale_grad from _scale.
-        self._scale *= gradient_predivide_factor / process_set.size()
         self._gradient_predivide_factor = gradient_predivide_factor
+        self._process_set = process_set
+        super().__init__(params, optimizer, optimizer_params=optimizer_params, kvstore=None)
         self._prefix = prefix or ""
         self._num_groups = num_groups
-        self._process_set = process_set
+
+    # Trainer.step() sets the optimizer's rescale_grad from _scale. Read at
+    # each step, so that it follows the size of an elastic job.
+    @property
+    def _scale(self):
+        return self._unscaled * self._gradient_predivide_factor / self._process_set.size()
+
+    @_scale.setter
+    def _scale(self, value):
+        self._unscaled = value
 
     def _allreduce_grads(self):
         if self._process_set.size() == 1:

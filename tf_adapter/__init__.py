@@ -18,3 +18,4 @@ from unison.tensorflow.functions import (  # noqa: F401
     allgather_object, broadcast_global_variables, broadcast_object, broadcast_variables)
 from unison.tensorflow.gradient_tape import DistributedGradientTape, PartialDistributedGradientTape  # noqa: F401
 from unison.tensorflow.sync_batch_norm import SyncBatchNormalization  # noqa: F401
+from unison.tensorflow import elastic  # noqa: F401,E402  (hvd.elastic.run, hvd.elastic.TensorFlowKerasState...)

@@ -7,6 +7,7 @@ faults and host changes a test asks for, in the environment:
                    worker@step+:how does it at every step from then on
   ELASTIC_ADD      step:file:line; rank 0 appends the line to the file (the
                    discovery script's) once, when it reaches that step
+  ELASTIC_GROW_TO  the size the job waits for after that (wait_for_growth)
 """
 import json
 import os
@@ -53,3 +54,15 @@ def maybe_add_host(step, rank):
             with open(path, "a") as f:
                 f.write(line + "\n")
             log(event="added", line=line, step=step)
+
+
+def wait_for_growth(step, size, commit):
+    """With ELASTIC_GROW_TO=N, from the step after ELASTIC_ADD's on, every
+    rank commits and waits until the job has N ranks (the commit raises
+    HostsUpdatedInterrupt once the driver sees the new host), so that a
+    slow-starting newcomer cannot miss a short job."""
+    spec, target = os.environ.get("ELASTIC_ADD"), int(os.environ.get("ELASTIC_GROW_TO", "0"))
+    if spec and size < target and step > int(spec.split(":", 1)[0]):
+        while True:
+            time.sleep(0.05)
+            commit()

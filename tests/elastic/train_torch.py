@@ -15,8 +15,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from faults import fault_at, log, maybe_add_host  # noqa: E402
-from reference import BATCH, STEPS, batch_of, make_model, make_optimizer  # noqa: E402
+from faults import fault_at, log, maybe_add_host, wait_for_growth  # noqa: E402
+from reference import BATCH, STEPS, batch_of, make_torch_model, make_torch_optimizer  # noqa: E402
 
 import unison.torch as hvd  # noqa: E402
 
@@ -26,7 +26,7 @@ step_seconds = float(os.environ.get("ELASTIC_STEP_SECONDS", "0.02"))
 
 
 def one_step(model, optimizer, step):
-    inputs, targets = batch_of(step)
+    inputs, targets = (torch.from_numpy(a) for a in batch_of(step))
     mine = slice(hvd.rank(), None, hvd.size())
     optimizer.zero_grad()
     loss = ((model(inputs[mine]) - targets[mine]) ** 2).sum() / BATCH
@@ -38,8 +38,8 @@ def one_step(model, optimizer, step):
 
 def main():
     hvd.init()
-    model = make_model()
-    optimizer = hvd.DistributedOptimizer(make_optimizer(model), named_parameters=model.named_parameters(),
+    model = make_torch_model()
+    optimizer = hvd.DistributedOptimizer(make_torch_optimizer(model), named_parameters=model.named_parameters(),
                                          op=hvd.Sum)
     if os.environ.get("ELASTIC_PLAIN"):
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
@@ -56,6 +56,7 @@ def main():
             weight=state.model.weight.detach().flatten().tolist())
         while state.step < steps:
             maybe_add_host(state.step, hvd.rank())
+            wait_for_growth(state.step, hvd.size(), state.commit)
             one_step(state.model, state.optimizer, state.step)
             state.step += 1
             state.commit()

@@ -15,7 +15,7 @@ from unison.tensorflow.ops import (  # noqa: F401
     Adasum, Average, Max, Min, Product, Sum, allgather, allreduce, alltoall, barrier, broadcast,
     grouped_allgather, grouped_allreduce, grouped_reducescatter, join, reducescatter)
 from unison.tensorflow.sync_batch_norm import SyncBatchNormalization  # noqa: F401
-from unison.tensorflow.keras import callbacks  # noqa: F401
+from unison.tensorflow.keras import callbacks, elastic  # noqa: F401
 from unison.tensorflow.keras.optimizer import DistributedOptimizer, PartialDistributedOptimizer  # noqa: F401
 
 

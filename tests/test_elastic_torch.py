@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 from jobs import HERE, discovery_script, elastic_job  # noqa: E402
 
 sys.path.insert(0, os.path.join(HERE, "elastic"))
-from reference import STEPS, reference  # noqa: E402
+from reference import STEPS, torch_reference  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -24,7 +24,7 @@ def final_of(events):
 
 
 def assert_reference_parameters(final):
-    expected = reference(final["step"])
+    expected = torch_reference(final["step"])
     assert final["step"] == STEPS
     for name, values in expected.items():
         assert final["params"][name] == pytest.approx(values, rel=1e-5, abs=1e-6), name
@@ -71,7 +71,7 @@ def test_b_an_added_host_grows_the_job_from_the_committed_state(tmp_path, start,
     script, listing = discovery_script(tmp_path, [start])
     proc, events = elastic_job(tmp_path, ["-np", "2", "--max-np", "4", "--host-discovery-script", script],
                                "train_torch.py",
-                               env={"ELASTIC_ADD": "6:%s:%s" % (listing, added), "ELASTIC_STEP_SECONDS": "0.1"})
+                               env={"ELASTIC_ADD": "6:%s:%s" % (listing, added), "ELASTIC_GROW_TO": str(grown)})
     output = proc.stdout.decode(errors="replace")
     assert proc.returncode == 0, output[-6000:]
     final = final_of(events)

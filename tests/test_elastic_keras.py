@@ -1,0 +1,45 @@
+"""Elastic Keras (model.fit with KerasState and the elastic callbacks)
+under the elastic launcher with two simulated hosts: a worker dies inside
+fit() and the job finishes on the rest; a host appears and the job grows.
+The final weights are those of one process on the same committed steps."""
+import os
+import sys
+
+import pytest
+
+pytest.importorskip("tensorflow")
+keras = pytest.importorskip("keras")
+from jobs import HERE, discovery_script, elastic_job  # noqa: E402
+
+sys.path.insert(0, os.path.join(HERE, "elastic"))
+from reference import STEPS, keras_reference  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def check_final(events, size):
+    finals = [e for worker in events.values() for e in worker if e["event"] == "final"]
+    assert len(finals) == 1 and finals[0]["size"] == size and finals[0]["step"] == STEPS, finals
+    for name, values in keras_reference(STEPS).items():
+        assert finals[0]["params"][name] == pytest.approx(values, rel=1e-5, abs=1e-6), name
+
+
+def test_keras_job_survives_a_killed_worker(tmp_path):
+    proc, events = elastic_job(tmp_path, ["-np", "3", "--min-np", "1", "-H", "localhost:2,127.0.0.1:1"],
+                               "train_keras.py", env={"ELASTIC_FAULT": "127.0.0.1:0@9:sigkill"})
+    output = proc.stdout.decode(errors="replace")
+    assert proc.returncode == 0, output[-6000:]
+    check_final(events, 2)
+    resumed = [e for w in events.values() for e in w if e["event"] == "sync" and e["size"] == 2]
+    assert {e["step"] for e in resumed} == {9}, resumed
+
+
+def test_keras_job_grows_when_a_host_is_added(tmp_path):
+    script, listing = discovery_script(tmp_path, ["localhost:2"])
+    proc, events = elastic_job(tmp_path, ["-np", "2", "--max-np", "3", "--host-discovery-script", script],
+                               "train_keras.py", env={"ELASTIC_ADD": "5:%s:127.0.0.1:1" % listing, "ELASTIC_GROW_TO": "3"})
+    output = proc.stdout.decode(errors="replace")
+    assert proc.returncode == 0, output[-6000:]
+    check_final(events, 3)
+    newcomer = [e for e in events["127.0.0.1:0"] if e["event"] == "sync"]
+    assert len(newcomer) == 1 and newcomer[0]["step"] > 5
