@@ -31,6 +31,9 @@ EXAMPLES = [
     ("tensorflow/digits.py", ["--epochs", "8"], ("tensorflow", "sklearn"), r"test accuracy 0\.9\d+ on 2 ranks"),
     ("keras/digits.py", ["--epochs", "8", "--samples-per-second"], ("tensorflow", "sklearn"),
      r"epoch 8: loss \d\.\d+, accuracy 0\.9\d+(.|\n)*test accuracy 0\.9\d+ on 2 ranks(.|\n)*samples/s \d+"),
+    ("torch/elastic_digits.py", ["--epochs", "8"], ("torch", "sklearn"), r"test accuracy 0\.9\d+ on 2 ranks"),
+    ("keras/elastic_digits.py", ["--epochs", "8"], ("tensorflow", "sklearn"),
+     r"epoch 8: loss \d\.\d+, accuracy 0\.9\d+ on 2 ranks(.|\n)*test accuracy 0\.9\d+ on 2 ranks"),
 ]
 
 
@@ -38,7 +41,7 @@ EXAMPLES = [
 @pytest.mark.parametrize("script,args,needs,expected", EXAMPLES,
                          ids=["numpy-logistic-regression", "torch-digits", "torch-synthetic",
                               "torch-synthetic-syncbn-fp16", "torch-process-sets", "torch-parameter-server", "mxnet-digits", "tensorflow-digits",
-                              "keras-digits"])
+                              "keras-digits", "torch-elastic-digits", "keras-elastic-digits"])
 def test_example_runs_under_the_launcher(script, args, needs, expected):
     for module in needs:
         if importlib.util.find_spec(module) is None:
@@ -63,3 +66,21 @@ def test_parameter_server_example_with_two_data_parallel_trainers():
     output = proc.stdout.decode(errors="replace")
     assert proc.returncode == 0, output[-5000:]
     assert re.search(r"test accuracy 0\.9\d+ with the table on rank 0 and 2 trainer", output), output[-5000:]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("script,needs", [("torch/elastic_digits.py", ("torch", "sklearn")),
+                                          ("keras/elastic_digits.py", ("tensorflow", "sklearn"))],
+                         ids=["torch-elastic-digits-failure", "keras-elastic-digits-failure"])
+def test_elastic_example_finishes_after_a_failure(script, needs):
+    # Its documented elastic run: two hosts, the second lost in epoch 4.
+    for module in needs:
+        if importlib.util.find_spec(module) is None:
+            pytest.skip("%s is not installed here" % module)
+    command = [sys.executable, "-m", "unison.run", "-np", "4", "--min-np", "2", "-H", "localhost:2,127.0.0.1:2",
+               sys.executable, os.path.join(ROOT, "examples", script), "--epochs", "8", "--simulate-failure", "3"]
+    proc = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=280, cwd=ROOT)
+    output = proc.stdout.decode(errors="replace")
+    assert proc.returncode == 0, output[-5000:]
+    assert "blacklisting host 127.0.0.1" in output and "round 1: 2 workers (localhost:2)" in output, output[-5000:]
+    assert re.search(r"test accuracy 0\.9\d+ on 2 ranks", output), output[-5000:]

@@ -2,8 +2,9 @@
 faults and host changes a test asks for, in the environment:
 
   ELASTIC_LOG      folder for each worker's events (one JSON line each)
-  ELASTIC_FAULT    worker@step:how (how: sigkill, sigstop or exit); the
-                   worker does it at that step, whichever round it is in;
+  ELASTIC_FAULT    worker@step:how (how: sigkill, sigstop or exit; worker:
+                   host:slot, or rankN in a plain job); the worker does it
+                   at that step, whichever round it is in;
                    worker@step+:how does it at every step from then on
   ELASTIC_ADD      step:file:line; rank 0 appends the line to the file (the
                    discovery script's) once, when it reaches that step
@@ -14,7 +15,8 @@ import os
 import signal
 import time
 
-WORKER = os.environ.get("UNISON_ELASTIC_WORKER", "plain")
+# An elastic worker's name (host:slot), or rankN in a plain job.
+WORKER = os.environ.get("UNISON_ELASTIC_WORKER") or "rank" + os.environ.get("UNISON_RANK", "0")
 
 
 def log(**event):
@@ -25,16 +27,15 @@ def log(**event):
             f.write(json.dumps(event) + "\n")
 
 
-def fault_at(step, rank):
+def fault_at(step):
     spec = os.environ.get("ELASTIC_FAULT")
     if not spec:
         return
     name, _, rest = spec.partition("@")
     at, _, how = rest.partition(":")
-    me = WORKER if WORKER != "plain" else "rank%d" % rank
     from_then_on = at.endswith("+")
     at = int(at.rstrip("+"))
-    if name != me or step < at or (step > at and not from_then_on):
+    if name != WORKER or step < at or (step > at and not from_then_on):
         return
     log(event="fault", how=how, step=step)
     if how == "sigkill":

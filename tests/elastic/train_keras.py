@@ -22,7 +22,7 @@ class Faults(keras.callbacks.Callback):
         self.state = state
 
     def on_train_batch_begin(self, batch, logs=None):
-        fault_at(self.state.step, hvd.rank())  # the global step this batch is
+        fault_at(self.state.step)  # the global step this batch is
         maybe_add_host(self.state.step, hvd.rank())
         wait_for_growth(self.state.step, hvd.size(), self.state.commit)
 
