@@ -75,6 +75,17 @@ def test_a_failing_discovery_script_keeps_the_hosts_found_before(tmp_path):
     assert len(done_events(events)) == 2
 
 
+def test_a_plain_job_using_the_elastic_api_fails_at_once_when_a_rank_dies(tmp_path):
+    # No elastic launcher to form another round: the survivor raises the
+    # error instead of trying to re-initialise with a dead peer.
+    proc, events = elastic_job(tmp_path, ["-np", "2"], "train_numpy.py",
+                               env={"ELASTIC_FAULT": "rank1@5:sigkill", "ELASTIC_STEPS": "400"})
+    output = proc.stdout.decode(errors="replace")
+    assert proc.returncode != 0
+    assert "[0]<stderr>:unison.exceptions.RankFailedError: unison: rank 1 (pid" in output, output[-3000:]
+    assert [e["step"] for e in events["rank0"] if e["event"] == "detected"] == [5]
+
+
 @pytest.mark.parametrize("options,message", [
     (["--min-np", "3", "--max-np", "2"], "--min-np 3 is more than --max-np 2"),
     (["--min-np", "0"], "--min-np 0: at least 1"),

@@ -10,6 +10,7 @@ Layouts on this one machine:
   2 simulated hosts x 2      flat
   2 network namespaces x 2   hierarchical, with MPI's bytes crossing a veth pair
 """
+import importlib.util
 import os
 import re
 import shutil
@@ -342,3 +343,22 @@ def test_build_with_mpi_after_a_build_without_it_rebuilds_the_core(tmp_path):
 
     assert not build(UNISON_WITHOUT_MPI="1")
     assert build(UNISON_WITH_MPI="1")
+
+
+@needs_mpi
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("np_", [2, 3])
+def test_rpc_suite_under_plain_mpirun(np_):
+    """unison.torch.rpc in a job started by mpirun alone: init_rpc() needs no
+    MASTER_ADDR or port, since rank 0 picks them and unison tells the rest.
+    The `mpi` env installs torch for this; `openmpi` leaves it to `mpi`."""
+    if importlib.util.find_spec("torch") is None:
+        pytest.skip("torch is not installed here; the tox env 'mpi' runs this")
+    mpirun = mpi_run.find_mpirun()
+    extra = []
+    if mpi_run.mpirun_family(mpirun) == "openmpi":
+        extra = ["--oversubscribe"] + (["--allow-run-as-root"] if os.geteuid() == 0 else [])
+    proc = subprocess.run([mpirun, "-np", str(np_)] + extra + pytest_command("test_torch_rpc.py"),
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=580, cwd=HERE,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert_every_rank_passed(proc, np_)

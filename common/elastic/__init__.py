@@ -136,6 +136,8 @@ def run_fn(func, reset):
                 # rolling back would only meet it again.
                 raise
             except UnisonInternalError:
+                if not worker.in_elastic_job():
+                    raise  # a plain job: no launcher can form another round
                 # A rank died or stopped answering: go back to the last
                 # commit, which every survivor holds.
                 state.restore()
