@@ -56,8 +56,16 @@ def init(comm=None, process_sets=None):
     sets.register_at_init(process_sets)
 
 
+# Called by shutdown() while unison still runs, for what was started on top
+# of it and must end first (unison.torch.rpc's RPC, whose graceful end is a
+# unison barrier).
+before_shutdown = []
+
+
 def shutdown():
     """Stops unison here and tells the other ranks. init() may follow."""
+    for end in list(before_shutdown):
+        end()
     lib.unison_shutdown()
     from unison import process_sets as sets
     sets.forget_all()

@@ -87,6 +87,20 @@ def init_rpc(name=None, backend=None, rpc_backend_options=None):
         rpc_backend_options.init_method = endpoint
     torch_rpc.init_rpc(name or worker_name(rank), backend=backend, rank=rank, world_size=size,
                        rpc_backend_options=rpc_backend_options)
+    if _end_with_unison not in basics.before_shutdown:
+        basics.before_shutdown.append(_end_with_unison)
+
+
+def _end_with_unison():
+    """hvd.shutdown() ends the RPC that init_rpc() started, as Horovod users
+    expect shutdown() to end the job's communication. Gracefully when every
+    rank is there; at once when one is gone (the barrier fails fast)."""
+    if not is_initialized():
+        return
+    try:
+        shutdown()
+    except UnisonError:
+        torch_rpc.shutdown(graceful=False)
 
 
 def shutdown(graceful=True):

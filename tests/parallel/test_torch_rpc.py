@@ -25,7 +25,8 @@ def rpc_job():
     rpc.init_rpc()
     assert torch_rpc.get_worker_info().name == "worker%d" % hvd.rank()
     yield
-    rpc.shutdown()
+    if rpc.is_initialized():
+        rpc.shutdown()
 
 
 # ---- on the owner (rank 0): parameters and a way to read them ----------------------
@@ -164,3 +165,13 @@ def test_clear_errors(rpc_job):
     with pytest.raises(hvd.UnisonError, match="already called"):
         rpc.init_rpc()
     hvd.barrier()
+
+
+def test_hvd_shutdown_ends_rpc(rpc_job):
+    # The last test: it ends the RPC the module's fixture started.
+    assert rpc.is_initialized()
+    hvd.shutdown()
+    assert not rpc.is_initialized() and not hvd.is_initialized()
+    hvd.init()
+    rpc.init_rpc()  # and it can start again
+    assert torch_rpc.get_worker_info().name == "worker%d" % hvd.rank()
