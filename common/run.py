@@ -80,7 +80,7 @@ def _parse(argv):
                          help="a command printing the usable hosts, one `host:slots` (or `host`) per line; "
                               "re-run every second")
     elastic.add_argument("--slots", type=int, help="slots of a host the discovery script prints without any")
-    elastic.add_argument("--elastic-timeout", type=float, default=600.0,
+    elastic.add_argument("--elastic-timeout", type=float,
                          help="how long the job waits for --min-np slots, or for a new worker to start "
                               "(default 600 s)")
     elastic.add_argument("--reset-limit", type=int,
@@ -105,8 +105,17 @@ def _parse(argv):
         p.error("--min-np %d is more than --max-np %d" % (args.min_np, args.max_np))
     if args.reset_limit is not None and args.reset_limit < 0:
         p.error("--reset-limit %d: at least 0" % args.reset_limit)
-    if args.elastic_timeout <= 0:
+    if args.elastic_timeout is not None and args.elastic_timeout <= 0:
         p.error("--elastic-timeout %g: more than 0" % args.elastic_timeout)
+    only_elastic = [flag for flag, value in (("--slots", args.slots), ("--elastic-timeout", args.elastic_timeout),
+                                             ("--reset-limit", args.reset_limit),
+                                             ("--blacklist-cooldown-range", args.blacklist_cooldown_range))
+                    if value is not None]
+    if only_elastic and not _elastic(args):
+        p.error("%s only apply to an elastic job: add --min-np, --max-np or --host-discovery-script"
+                % ", ".join(only_elastic))
+    if args.elastic_timeout is None:
+        args.elastic_timeout = 600.0
     cooldown = args.blacklist_cooldown_range
     if cooldown is not None and not 0 <= cooldown[0] <= cooldown[1]:
         p.error("--blacklist-cooldown-range %g %g: 0 <= LOW <= HIGH" % tuple(cooldown))

@@ -94,6 +94,7 @@ def test_a_plain_job_using_the_elastic_api_fails_at_once_when_a_rank_dies(tmp_pa
     (["--blacklist-cooldown-range", "5", "1", "--min-np", "1"], "--blacklist-cooldown-range 5 1: 0 <= LOW <= HIGH"),
     (["--min-np", "1", "--mpi"], "runs over TCP, not --mpi"),
     (["--host-discovery-script", "true", "-H", "localhost:2"], "both name the hosts"),
+    (["--reset-limit", "2"], "--reset-limit only apply to an elastic job"),
 ])
 def test_bad_elastic_options_are_refused_by_name(options, message):
     proc = unisonrun(["-np", "2"] + options, ["true"], timeout=60)
