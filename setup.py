@@ -22,15 +22,15 @@ setup(
         "unison.tensorflow.keras": "tf_adapter/keras",
         "unison.mxnet": "mxnet_adapter",
     },
-    packages=["unison", "unison.keras", "unison.torch", "unison.tensorflow", "unison.tensorflow.keras",
-              "unison.mxnet"],
+    packages=["unison", "unison.elastic", "unison.keras", "unison.torch", "unison.tensorflow",
+              "unison.tensorflow.keras", "unison.mxnet"],
     cffi_modules=["native/build_ffi.py:ffibuilder"],
     setup_requires=["cffi>=1.15"],
     install_requires=["cffi>=1.15", "numpy"],
     extras_require={
         "examples": ["scikit-learn"],
         "test": ["pytest", "pytest-timeout"],
-        "bench": ["torch==2.13.0"],
+        "bench": ["torch==2.13.0", "matplotlib"],
         "torch": ["torch==2.13.0"],
         # MXNet 1.9.1 imports only with numpy up to 1.23.5.
         "mxnet": ["mxnet==1.9.1", "numpy==1.23.5"],

@@ -74,6 +74,21 @@ def shutdown():
 atexit.register(shutdown)
 
 
+def start_timeline(file_path, mark_cycles=False):
+    """Rank 0 writes a Chrome trace of every tensor's phases (queued,
+    negotiating, the collective and its parts) to file_path, until
+    stop_timeline() or shutdown(); open it in Perfetto or chrome://tracing,
+    or summarise it with `python -m unison.timeline file_path`. Every rank
+    calls it, as Horovod's does; only rank 0 writes. mark_cycles adds a
+    marker at each negotiation cycle."""
+    check(lib.unison_start_timeline(str(file_path).encode(), 1 if mark_cycles else 0))
+
+
+def stop_timeline():
+    """Ends the timeline file started by start_timeline() or UNISON_TIMELINE."""
+    check(lib.unison_stop_timeline())
+
+
 def is_initialized():
     return bool(lib.unison_is_initialized())
 

@@ -49,6 +49,11 @@ def _parse(argv):
                    help="seconds the ranks may take to start and meet (default 60)")
     p.add_argument("--failure-grace-seconds", type=float, default=3.0,
                    help="after a rank fails, how long the others may take to exit on their own (default 3)")
+    p.add_argument("--timeline-filename",
+                   help="rank 0 writes a Chrome trace of every tensor's phases here (python -m unison.timeline "
+                        "summarises it)")
+    p.add_argument("--timeline-mark-cycles", action="store_true",
+                   help="mark each negotiation cycle on the timeline")
     p.add_argument("--output-filename",
                    help="also write each rank's output to DIR/rank.N/stdout and stderr")
     p.add_argument("--verbose", action="store_true", help="print what the launcher does")
@@ -167,6 +172,10 @@ def _settings(args):
         env["UNISON_START_TIMEOUT"] = str(args.start_timeout)
     if args.verbose:
         env["UNISON_LOG_LEVEL"] = "1"
+    if args.timeline_filename:
+        env["UNISON_TIMELINE"] = os.path.abspath(args.timeline_filename)
+    if args.timeline_mark_cycles:
+        env["UNISON_TIMELINE_MARK_CYCLES"] = "1"
     if args.hierarchical is not None:
         env["UNISON_HIERARCHICAL_ALLREDUCE"] = "1" if args.hierarchical else "0"
     return env

@@ -71,6 +71,21 @@ int unison_shutdown(void) {
 
 int unison_is_initialized(void) { return engine != nullptr ? 1 : 0; }
 
+int unison_start_timeline(const char* path, int mark_cycles) {
+  std::lock_guard<std::mutex> lock(lifecycle_mutex);
+  if (engine == nullptr) return not_initialized();
+  if (path == nullptr || *path == '\0')
+    return report(Status::Error(UNISON_ERR_INVALID_ARGUMENT, "unison: start_timeline needs a file name"));
+  return report(engine->start_timeline(path, mark_cycles != 0));
+}
+
+int unison_stop_timeline(void) {
+  std::lock_guard<std::mutex> lock(lifecycle_mutex);
+  if (engine == nullptr) return not_initialized();
+  engine->stop_timeline();
+  return UNISON_OK;
+}
+
 int unison_rank(int* out) { return query(out, config.rank); }
 int unison_size(int* out) { return query(out, config.size); }
 int unison_local_rank(int* out) { return query(out, config.local_rank); }

@@ -234,6 +234,8 @@ Status Config::from_environment(Config* out) {
   read(read_size(&c.small_allreduce_bytes, "UNISON_SMALL_ALLREDUCE_BYTES"));
   read(read_double(&c.spin_microseconds, "UNISON_SPIN_MICROSECONDS"));
   read(read_int(&c.log_level, "UNISON_LOG_LEVEL", "HOROVOD_LOG_LEVEL"));
+  if (const char* v = lookup("UNISON_TIMELINE", "HOROVOD_TIMELINE")) c.timeline_path = trimmed(v);
+  read(read_flag(&c.timeline_mark_cycles, "UNISON_TIMELINE_MARK_CYCLES", "HOROVOD_TIMELINE_MARK_CYCLES"));
   if (read.status.ok()) *out = c;
   return read.status;
 }

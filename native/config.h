@@ -115,6 +115,9 @@ struct Config {
   double idle_spin_microseconds = -1.0;
 
   int log_level = 0;  // 0 warnings, 1 info, 2 debug
+  // UNISON_TIMELINE: rank 0 writes a Chrome trace here from init on (timeline.h).
+  std::string timeline_path;
+  bool timeline_mark_cycles = false;
 
   // Every value is either understood or rejected with an error naming the
   // variable and its value; nothing set is silently ignored.

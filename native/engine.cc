@@ -1,6 +1,7 @@
 #include "engine.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -88,7 +89,16 @@ Engine::Engine(const Config& config, std::unique_ptr<Backend> backend, HandleTab
   auto global = std::make_unique<ProcessSetState>(0, everyone, backend_->rank(), backend_.get(), nullptr, config_);
   global_ = global.get();
   sets_.emplace(0, std::move(global));
+  if (!config_.timeline_path.empty()) {
+    Status s = start_timeline(config_.timeline_path, config_.timeline_mark_cycles);
+    if (!s.ok()) std::fprintf(stderr, "%s (UNISON_TIMELINE); running without a timeline\n", s.message.c_str());
+  }
   thread_ = start_engine_thread([this] { loop(); });
+}
+
+Status Engine::start_timeline(const std::string& path, bool mark_cycles) {
+  if (backend_->rank() != 0) return Status::OK();
+  return timeline_.start(path, mark_cycles);
 }
 
 Engine::~Engine() { stop(); }
@@ -252,6 +262,7 @@ Status Engine::enqueue(const unison_op_options& o, int64_t* handle) {
   e.handle = handles_->create();
   *handle = e.handle;
   in_flight.insert(r.name);
+  timeline_.begin(r.name, "QUEUED");
   queue_.push_back(std::move(e));
   backend_->wake();
   return Status::OK();
@@ -264,6 +275,7 @@ void Engine::loop() {
     const uint32_t token = backend_->activity_token();
     if (cycles_done_ < backend_->requested_cycles()) {
       last_cycle_start_ = monotonic_seconds();
+      timeline_.cycle_marker();
       Status s = run_cycle();
       ++cycles_done_;
       if (!s.ok()) fail_everything(s);
@@ -332,6 +344,10 @@ void Engine::take_new_requests() {
     ProcessSetState& set = *found_set->second;
     set.fresh = true;
     const std::string name = e.request.name;
+    if (timeline_.active()) {
+      timeline_.end(name, "QUEUED");
+      timeline_.begin(name, "NEGOTIATE");
+    }
     int position = -1;
     ResponseCache::Lookup found = ResponseCache::Lookup::kMiss;
     if (e.request.op == UNISON_JOIN) joined_ = true;
@@ -454,6 +470,7 @@ Status Engine::negotiate(ProcessSetState& set, const std::vector<CycleMessage>& 
     }
   }
   set.anyone_joined = any_joined;
+  if (timeline_.active()) note_arrivals(set, all, anywhere);
   bool resend = false;
   for (auto& [name, e] : set.pending) {
     if (e.cache_position < 0) continue;
@@ -545,6 +562,21 @@ Status Engine::negotiate(ProcessSetState& set, const std::vector<CycleMessage>& 
   }
   set.another_cycle = more || decided.more_ready || resend;
   return Status::OK();
+}
+
+// For the timeline: which rank said which tensor was ready in which cycle,
+// by full request or by cache bit, so that NEGOTIATE can name the ranks it
+// waited for.
+void Engine::note_arrivals(const ProcessSetState& set, const std::vector<CycleMessage>& all,
+                           const std::vector<uint64_t>& anywhere) {
+  for (int r = 0; r < (int)all.size(); ++r)
+    for (const Request& request : all[r].requests) timeline_.arrived(request.name, set.ranks[r], cycles_done_);
+  for_each_set_bit(anywhere, [&](int p) {
+    if (p >= set.cache.capacity() || !set.cache.occupied(p)) return;
+    for (int r = 0; r < (int)all.size(); ++r)
+      if (test_bit(all[r].ready_bits, p))
+        timeline_.arrived(set.cache.response(p).tensors[0].name, set.ranks[r], cycles_done_);
+  });
 }
 
 double Engine::oldest_waiting_since(const ProcessSetState& set) const {
@@ -657,12 +689,64 @@ void Engine::publish_completions() {
   handles_->complete(&finished_);
 }
 
+namespace {
+
+std::string upper(std::string text) {
+  for (char& c : text) c = (char)std::toupper((unsigned char)c);
+  return text;
+}
+
+// The timeline's spans of one collective on rank 0: each of its tensors ends
+// NEGOTIATE (naming the ranks it waited for) and spends the collective in a
+// span named by the backend; the backend's own phases go on the group's row.
+class CollectiveSpans {
+ public:
+  template <typename IsLocal>
+  CollectiveSpans(Timeline& timeline, const ProcessSetState& set, const std::vector<const Response*>& group,
+                  IsLocal is_local)
+      : timeline_(timeline) {
+    if (!timeline.active()) return;
+    size_t bytes = 0;
+    for (const Response* response : group) {
+      const TensorPlan& t = response->tensors[0];
+      bytes += (size_t)element_count(t.shape) * dtype_size(response->dtype);
+      if (is_local(t.name)) names_.push_back(t.name);
+    }
+    if (names_.empty()) return;
+    phase_ = upper(set.backend->name()) + "_" + upper(op_name(group[0]->op));
+    row_ = "group " + names_[0] + (group.size() > 1 ? " (+" + std::to_string(group.size() - 1) + ")" : "");
+    const std::string args = "\"group\":" + json_string(row_) + ",\"tensors\":" + std::to_string(group.size()) +
+                             ",\"bytes\":" + std::to_string(bytes);
+    for (const std::string& name : names_) {
+      timeline.end(name, "NEGOTIATE", "\"waited_for\":" + timeline.waited_for(name));
+      timeline.begin(name, phase_, args);
+    }
+    timeline.begin(row_, phase_, args);
+    set_timeline_group(&timeline, &row_);
+  }
+
+  ~CollectiveSpans() {
+    if (names_.empty()) return;
+    set_timeline_group(nullptr, nullptr);
+    timeline_.end(row_, phase_);
+    for (const std::string& name : names_) timeline_.end(name, phase_);
+  }
+
+ private:
+  Timeline& timeline_;
+  std::vector<std::string> names_;  // the group's tensors this rank has
+  std::string phase_, row_;
+};
+
+}  // namespace
+
 void Engine::execute(ProcessSetState& set, const std::vector<const Response*>& group) {
   const Response& head = *group[0];
   const int size = set.size();
   const int rank = set.rank;
   Backend* const backend = set.backend;
   if (head.is_error()) {
+    timeline_.end(head.tensors[0].name, "NEGOTIATE", "\"error\":" + json_string(head.error));
     complete(set, head.tensors[0].name, Status::Error(head.error_code, head.error));
     return;
   }
@@ -670,6 +754,7 @@ void Engine::execute(ProcessSetState& set, const std::vector<const Response*>& g
     auto it = set.pending.find(name);
     return it == set.pending.end() ? nullptr : &it->second;
   };
+  CollectiveSpans spans(timeline_, set, group, [&](const std::string& name) { return local(name) != nullptr; });
   // A rank that has joined has no tensors of its own: it contributes zeros
   // (or nothing) from scratch memory and drops what it receives.
   std::vector<std::vector<char>> scratch;

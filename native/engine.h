@@ -38,6 +38,7 @@
 #include "message.h"
 #include "response_cache.h"
 #include "stall_inspector.h"
+#include "timeline.h"
 
 namespace unison {
 
@@ -55,6 +56,9 @@ class Engine {
   Status enqueue(const unison_op_options& options, int64_t* handle);
   // Tells every rank this one is leaving, then stops the thread.
   void stop();
+  // Rank 0 writes the timeline; on other ranks these do nothing.
+  Status start_timeline(const std::string& path, bool mark_cycles);
+  void stop_timeline() { timeline_.stop(); }
   const Backend& backend() const { return *backend_; }
 
  private:
@@ -89,8 +93,11 @@ class Engine {
   bool stall_check_due(const ProcessSetState& set, double now) const;
   std::vector<Waiting> stalled_candidates(const ProcessSetState& set);
   double oldest_waiting_since(const ProcessSetState& set) const;  // without building the candidates
+  void note_arrivals(const ProcessSetState& set, const std::vector<CycleMessage>& all,
+                     const std::vector<uint64_t>& anywhere);
 
   const Config config_;
+  Timeline timeline_;  // before backend_: stopped after the engine thread is gone
   std::unique_ptr<Backend> backend_;
   HandleTable* handles_;
 

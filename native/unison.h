@@ -117,6 +117,12 @@ int unison_init(void);
 int unison_shutdown(void);
 int unison_is_initialized(void);
 
+/* The timeline (timeline.h): rank 0 writes a Chrome trace of every
+   tensor's phases to `path` until stopped; on other ranks these do
+   nothing. Starting again ends the file before and begins a new one. */
+int unison_start_timeline(const char* path, int mark_cycles);
+int unison_stop_timeline(void);
+
 /* Queries; each fails with UNISON_ERR_NOT_INITIALIZED before init. */
 int unison_rank(int* out);
 int unison_size(int* out);

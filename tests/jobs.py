@@ -6,7 +6,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CORE_SUITES = ["test_core_grid.py", "test_core_ops.py", "test_core_errors.py", "test_core_training.py",
-               "test_core_process_sets.py", "test_core_lifecycle.py"]
+               "test_core_process_sets.py", "test_core_lifecycle.py", "test_core_timeline.py"]
 
 
 def unisonrun(options, command, env=None, timeout=300, base=None):

@@ -34,6 +34,7 @@
 #include "../backend.h"
 #include "../byte_stream.h"
 #include "../dtype.h"
+#include "../timeline.h"
 #include "segment.h"
 
 namespace unison {
@@ -334,9 +335,13 @@ class ShmBackend final : public Backend {
   // Every rank reduces the whole window from every slot: one barrier.
   Status reduce_everywhere(const ReduceSpec& spec, const ByteStream& in, const ByteStream& out,
                            size_t lo, size_t hi, int half) {
-    in.read(lo, hi, segment_.slot(rank_, half));
-    Status s = arrive_and_wait();
+    {
+      TimelinePhase phase("PACK");
+      in.read(lo, hi, segment_.slot(rank_, half));
+    }
+    Status s = waited();
     if (!s.ok()) return s;
+    TimelinePhase phase("REDUCE_INTO_OUTPUT");
     const size_t element = dtype_size(spec.dtype);
     std::vector<const void*> inputs(size_);
     out.for_each(lo, hi, [&](size_t at, char* p, size_t n) {
@@ -356,25 +361,39 @@ class ShmBackend final : public Backend {
     for (int r = 0; r <= size_; ++r) bounds[r] = lo + count * r / size_ * element;
     char* mine = segment_.slot(rank_, half);
     const size_t my_begin = bounds[rank_], my_end = bounds[rank_ + 1];
-    in.read(lo, my_begin, mine);
-    in.read(my_end, hi, mine + (my_end - lo));
-    Status s = arrive_and_wait();
+    {
+      TimelinePhase phase("PACK");
+      in.read(lo, my_begin, mine);
+      in.read(my_end, hi, mine + (my_end - lo));
+    }
+    Status s = waited();
     if (!s.ok()) return s;
     // The reduced chunk goes to this rank's slot for the peers and, in the
     // same pass, to its own output, so the gather skips it.
     std::vector<const void*> inputs(size_);
-    in.for_each(my_begin, my_end, [&](size_t at, char* p, size_t n) {
-      out.for_each(at, at + n, [&](size_t piece, char* q, size_t bytes) {
-        for (int r = 0; r < size_; ++r)
-          inputs[r] = r == rank_ ? p + (piece - at) : segment_.slot(r, half) + (piece - lo);
-        reduce(spec, inputs.data(), size_, mine + (piece - lo), bytes / element, q);
+    {
+      TimelinePhase phase("REDUCE");
+      in.for_each(my_begin, my_end, [&](size_t at, char* p, size_t n) {
+        out.for_each(at, at + n, [&](size_t piece, char* q, size_t bytes) {
+          for (int r = 0; r < size_; ++r)
+            inputs[r] = r == rank_ ? p + (piece - at) : segment_.slot(r, half) + (piece - lo);
+          reduce(spec, inputs.data(), size_, mine + (piece - lo), bytes / element, q);
+        });
       });
-    });
-    s = arrive_and_wait();
+    }
+    s = waited();
     if (!s.ok()) return s;
+    TimelinePhase phase("UNPACK");
     for (int r = 0; r < size_; ++r)
       if (r != rank_) out.write(bounds[r], bounds[r + 1], segment_.slot(r, half) + (bounds[r] - lo));
     return Status::OK();
+  }
+
+  // arrive_and_wait, shown on the timeline: time spent waiting for the
+  // slowest rank is not time spent moving bytes.
+  Status waited() {
+    TimelinePhase phase("WAIT_FOR_PEERS");
+    return arrive_and_wait();
   }
 
   void copy_own_part(const ByteStream& from, const ByteStream& to) {

@@ -1,0 +1,105 @@
+"""The timeline from one rank's point of view: started and stopped at run
+time, rank 0's file is a Chrome trace with a row per tensor and its
+phases (queued, negotiating with the ranks it waited for, the collective
+named by the backend, the backend's parts on the group's row), cycle
+markers when asked, nothing after the stop; python -m unison.timeline
+summarises it. Every rank checks rank 0's file."""
+import json
+import os
+import time
+
+import numpy as np
+
+import unison
+import unison.numpy as unp
+from unison import timeline
+
+unison.init()
+RANK, SIZE = unison.rank(), unison.size()
+# A file per test: rank 0 starts the next test's timeline while the others
+# may still read the last one.
+PATH = "/tmp/unison-timeline-test-%s-%%s.json" % os.environ.get("UNISON_JOB_ID", "solo")
+SLOW = 1 if SIZE > 1 else 0
+
+
+def rows_and_spans(events):
+    rows = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M"}
+    return rows, timeline.spans(events)
+
+
+def test_start_and_stop_at_run_time_give_every_phase_of_named_tensors():
+    path = PATH % "phases"
+    unison.start_timeline(path, mark_cycles=True)
+    for step in range(3):
+        handles = [unp.allreduce_async(np.full(1000 * (i + 1), RANK, np.float32), name="tl.grad.%d" % i)
+                   for i in range(3)]
+        for h in handles:
+            unp.synchronize(h)
+    unp.allgather(np.full((RANK + 1, 2), RANK, np.int32), name="tl.gather")
+    unp.broadcast(np.arange(4.0), 0, name="tl.bcast")
+    if RANK == SLOW:
+        time.sleep(0.3)  # every other rank waits for this one
+    unp.allreduce(np.ones(5), name="tl.slow")
+    unison.stop_timeline()
+    unp.allreduce(np.ones(5), name="tl.after_stop")
+    unp.barrier()
+    with open(path) as f:
+        events = json.load(f)  # stopped: the file is whole
+    rows, spans = rows_and_spans(events)
+    names = set(rows.values())
+    assert {"tl.grad.0", "tl.grad.1", "tl.grad.2", "tl.gather", "tl.bcast", "tl.slow", "cycles"} <= names
+    assert "tl.after_stop" not in names
+    backend = unison.backend_name().upper()
+    phases = {(row, phase) for row, phase, _, _, _ in spans}
+    for name, op in [("tl.grad.0", "ALLREDUCE"), ("tl.gather", "ALLGATHER"), ("tl.bcast", "BROADCAST")]:
+        assert {(name, "QUEUED"), (name, "NEGOTIATE"), (name, "%s_%s" % (backend, op))} <= phases, (name, phases)
+    # Each gradient's collective names the fused group it ran in (how many
+    # fuse depends on when they arrived); the groups hold all 9 exactly once.
+    collectives = [(args["group"], start, args["tensors"]) for row, phase, start, _, args in spans
+                   if row.startswith("tl.grad.") and phase.endswith("_ALLREDUCE")]
+    assert len(collectives) == 9, collectives
+    groups = {group for group, _, _ in collectives}
+    assert groups <= names
+    on_group_rows = [args["tensors"] for row, phase, _, _, args in spans
+                     if row in groups and phase.endswith("_ALLREDUCE")]
+    assert sum(on_group_rows) == 9, on_group_rows
+    assert all(d >= 0 for _, _, _, d, _ in spans)
+    if backend == "SHM":
+        parts = {phase for row, phase, _, _, _ in spans if row in groups}
+        assert {"PACK", "WAIT_FOR_PEERS"} <= parts, parts
+    slow = [args for row, phase, _, _, args in spans if row == "tl.slow" and phase == "NEGOTIATE"]
+    assert slow == [{"waited_for": [SLOW] if SIZE > 1 else []}]
+    assert any(e["name"] == "CYCLE_START" for e in events)
+    summary = timeline.summarize(events)
+    assert "tl.slow" in summary and "NEGOTIATE" in summary
+    if SIZE > 1:
+        assert "rank %d " % SLOW in summary
+
+
+def test_a_second_start_begins_a_new_file():
+    first, second = PATH % "first", PATH % "second"
+    unison.start_timeline(first)
+    unp.allreduce(np.ones(3), name="tl.first")
+    unison.start_timeline(second)
+    unp.allreduce(np.ones(3), name="tl.second")
+    unison.stop_timeline()
+    unison.stop_timeline()  # stopping twice is harmless
+    unp.barrier()
+    with open(first) as f:
+        rows = {e["args"]["name"] for e in json.load(f) if e["ph"] == "M"}
+    assert "tl.first" in rows and "tl.second" not in rows
+    with open(second) as f:
+        rows = {e["args"]["name"] for e in json.load(f) if e["ph"] == "M"}
+    assert "tl.second" in rows and "tl.first" not in rows
+
+
+def test_a_bad_path_is_a_clear_error_on_rank_0():
+    if RANK == 0:
+        try:
+            unison.start_timeline("/nonexistent-dir/t.json")
+        except unison.InvalidArgumentError as e:
+            assert "cannot write the timeline to '/nonexistent-dir/t.json'" in str(e)
+        else:
+            raise AssertionError("no error")
+    else:
+        unison.start_timeline("/nonexistent-dir/t.json")  # only rank 0 writes
