@@ -245,8 +245,11 @@ def remote_rank(argv):
     if code != 0:
         if "UNISON_JOB_ID" in env:
             remove_shared_memory(env["UNISON_JOB_ID"])
-        print("unisonrun: rank %s (host %s) %s" % (env.get("UNISON_RANK", "?"), env.get("UNISON_HOSTNAME", "?"),
-                                                   _describe(code)), file=sys.stderr, flush=True)
+        if env.get("UNISON_ELASTIC_WORKER"):  # an elastic worker's rank changes between rounds
+            who = "worker %s" % env["UNISON_ELASTIC_WORKER"]
+        else:
+            who = "rank %s (host %s)" % (env.get("UNISON_RANK", "?"), env.get("UNISON_HOSTNAME", "?"))
+        print("unisonrun: %s %s" % (who, _describe(code)), file=sys.stderr, flush=True)
     return code if code >= 0 else 128 - code
 
 

@@ -90,7 +90,17 @@ Engine::Engine(const Config& config, std::unique_ptr<Backend> backend, HandleTab
   global_ = global.get();
   sets_.emplace(0, std::move(global));
   if (!config_.timeline_path.empty()) {
-    Status s = start_timeline(config_.timeline_path, config_.timeline_mark_cycles);
+    // Each later round of an elastic job has a file of its own (t.round2.json),
+    // since its rank 0 may be another process than round 0's.
+    std::string path = config_.timeline_path;
+    if (config_.elastic_round > 0) {
+      const size_t dot = path.rfind('.');
+      const std::string suffix = ".round" + std::to_string(config_.elastic_round);
+      path = dot == std::string::npos || path.find('/', dot) != std::string::npos
+                 ? path + suffix
+                 : path.substr(0, dot) + suffix + path.substr(dot);
+    }
+    Status s = start_timeline(path, config_.timeline_mark_cycles);
     if (!s.ok()) std::fprintf(stderr, "%s (UNISON_TIMELINE); running without a timeline\n", s.message.c_str());
   }
   thread_ = start_engine_thread([this] { loop(); });

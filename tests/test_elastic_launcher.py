@@ -6,6 +6,7 @@ elastic options are refused by name."""
 import pytest
 
 from jobs import discovery_script, elastic_job, unisonrun
+from unison import timeline
 
 pytestmark = pytest.mark.timeout(300)
 STEPS = 20
@@ -19,10 +20,15 @@ def done_events(events):
                                           ("localhost:2,127.0.0.1:1", "127.0.0.1:0")], ids=["np2", "np3"])
 def test_object_state_survives_a_killed_worker(tmp_path, hosts, victim):
     np_ = sum(int(h.split(":")[1]) for h in hosts.split(","))
-    proc, events = elastic_job(tmp_path, ["-np", str(np_), "--min-np", "1", "-H", hosts], "train_numpy.py",
+    trace = tmp_path / "t.json"
+    proc, events = elastic_job(tmp_path, ["-np", str(np_), "--min-np", "1", "-H", hosts,
+                                          "--timeline-filename", str(trace)], "train_numpy.py",
                                env={"ELASTIC_FAULT": "%s@7:sigkill" % victim, "ELASTIC_STEPS": str(STEPS)})
     output = proc.stdout.decode(errors="replace")
     assert proc.returncode == 0, output[-6000:]
+    # A timeline per round: round 1's rank 0 does not overwrite round 0's.
+    for path in (trace, tmp_path / "t.round1.json"):
+        assert "share" in {row for row, *_ in timeline.spans(timeline.load(str(path)))}, path
     done = done_events(events)
     survivors = np_ - 1 if np_ == 2 else 2
     assert len(done) == survivors, done
@@ -73,6 +79,27 @@ def test_a_failing_discovery_script_keeps_the_hosts_found_before(tmp_path):
     assert proc.returncode == 0, output[-4000:]
     assert "--host-discovery-script %s failed (exited with status 1" % script in output, output[-3000:]
     assert len(done_events(events)) == 2
+
+
+def test_workers_on_a_host_reached_by_ssh(tmp_path):
+    # elsewhere.invalid is not this machine, so its workers start through
+    # "ssh" (a stand-in that runs the command here, as test_tcp.py's does),
+    # get the secret on its standard input, and reach the driver over lo.
+    ssh = tmp_path / "ssh"
+    ssh.write_text("#!/bin/bash\nwhile [ $# -gt 2 ]; do shift; done\nexec setsid -w bash -c \"$2\"\n")
+    ssh.chmod(0o755)
+    proc, events = elastic_job(tmp_path, ["-np", "3", "--min-np", "1", "-H", "localhost:1,elsewhere.invalid:2",
+                                          "--network-interface", "lo"], "train_numpy.py",
+                               env={"UNISON_SSH": str(ssh), "ELASTIC_FAULT": "elsewhere.invalid:1@7:sigkill",
+                                    "ELASTIC_STEPS": str(STEPS)})
+    output = proc.stdout.decode(errors="replace")
+    assert proc.returncode == 0, output[-6000:]
+    assert "round 0: 3 workers (localhost:1, elsewhere.invalid:2)" in output
+    assert "unisonrun: worker elsewhere.invalid:1 was killed by signal 9" in output, output[-3000:]
+    assert "blacklisting host elsewhere.invalid" in output and "round 1: 1 workers (localhost:1)" in output
+    done = done_events(events)
+    assert [e["worker"] for e in done] == ["localhost:0"]
+    assert done[0]["total"] == [sum(range(1, STEPS + 1))] * 3
 
 
 def test_a_plain_job_using_the_elastic_api_fails_at_once_when_a_rank_dies(tmp_path):
