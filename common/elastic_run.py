@@ -201,24 +201,12 @@ class ElasticDriver:
                 shlex.quote(sys.executable), " ".join(shlex.quote(c) for c in self.args.command))
             env, command, stdin_text = dict(self.base), tcp_run.ssh_command(self.args, host, remote), self.secret + "\n"
         self.log("starting worker %s: %s" % (name, " ".join(command)))
-        proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                stdin=subprocess.PIPE if stdin_text is not None else subprocess.DEVNULL,
-                                start_new_session=True, preexec_fn=run._die_with_parent)
-        if stdin_text is not None:
-            proc.stdin.write(stdin_text.encode())  # left open: see tcp_run's remote wrapper
-            proc.stdin.flush()
+        proc = run.start_process(command, env, stdin_text)
         worker = Worker(name, host, int(slot), proc)
         self.workers[name] = worker
-        for stream, kind, sink in ((proc.stdout, "stdout", sys.stdout), (proc.stderr, "stderr", sys.stderr)):
-            log_file = None
-            if self.args.output_filename:
-                folder = os.path.join(self.args.output_filename, "worker.%s" % name)
-                os.makedirs(folder, exist_ok=True)
-                log_file = open(os.path.join(folder, kind), "ab")
-                self.logs.append(log_file)
-            t = threading.Thread(target=run._forward, args=(stream, name, kind, sink, log_file), daemon=True)
-            t.start()
-            self.threads.append(t)
+        # Appended to: a worker restarted on a host that came back keeps its name.
+        folder = os.path.join(self.args.output_filename, "worker.%s" % name) if self.args.output_filename else None
+        run.forward_output(proc, name, folder, self.threads, self.logs, mode="ab")
         threading.Thread(target=self.await_exit, args=(worker,), daemon=True).start()
 
     def await_exit(self, worker):

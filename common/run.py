@@ -230,6 +230,36 @@ def _describe(code):
     return "exited with status %d" % code
 
 
+def start_process(command, env, stdin_text=None):
+    """A rank's process (or an elastic worker's): a session of its own, so
+    that signals reach it only through the launcher, and killed with the
+    launcher. stdin_text goes first on its standard input, which stays open:
+    a remote wrapper ends its rank when it closes (tcp_run.py)."""
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            stdin=subprocess.PIPE if stdin_text is not None else subprocess.DEVNULL,
+                            start_new_session=True, preexec_fn=_die_with_parent)
+    if stdin_text is not None:
+        proc.stdin.write(stdin_text.encode())
+        proc.stdin.flush()
+    return proc
+
+
+def forward_output(proc, label, folder, threads, logs, report=None, mode="wb"):
+    """Copies the process's output to ours, each line prefixed with label,
+    and to folder/stdout and folder/stderr when folder is given; `report`
+    collects a remote wrapper's account of how its rank ended (stderr)."""
+    for stream, kind, sink in ((proc.stdout, "stdout", sys.stdout), (proc.stderr, "stderr", sys.stderr)):
+        log_file = None
+        if folder:
+            os.makedirs(folder, exist_ok=True)
+            log_file = open(os.path.join(folder, kind), mode)
+            logs.append(log_file)
+        t = threading.Thread(target=_forward, args=(stream, label, kind, sink, log_file,
+                                                    report if kind == "stderr" else None), daemon=True)
+        t.start()
+        threads.append(t)
+
+
 class Launch:
     """How one rank starts: its command, its environment, and, for a rank on
     another host, the host (the command is then ssh) and what ssh's stdin
@@ -296,29 +326,13 @@ class Job:
             if launch.host is not None:
                 self.hosts[rank] = launch.host
             self.log("starting %s: %s" % (self.describe(rank), " ".join(launch.command)))
-            proc = subprocess.Popen(launch.command, env=launch.env, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE,
-                                    stdin=subprocess.PIPE if launch.stdin_text is not None else subprocess.DEVNULL,
-                                    start_new_session=True, preexec_fn=_die_with_parent)
-            if launch.stdin_text is not None:
-                # Left open: the rank's wrapper ends the rank when it closes.
-                proc.stdin.write(launch.stdin_text.encode())
-                proc.stdin.flush()
+            proc = start_process(launch.command, launch.env, launch.stdin_text)
             self.procs.append(proc)
             waiter = threading.Thread(target=self._await_exit, args=(rank, proc), daemon=True)
             waiter.start()
-            for stream, kind, sink in ((proc.stdout, "stdout", sys.stdout), (proc.stderr, "stderr", sys.stderr)):
-                log_file = None
-                if self.args.output_filename:
-                    folder = os.path.join(self.args.output_filename, "rank.%d" % rank)
-                    os.makedirs(folder, exist_ok=True)
-                    log_file = open(os.path.join(folder, kind), "wb")
-                    self.logs.append(log_file)
-                report = self.reported if launch.host is not None and kind == "stderr" else None
-                t = threading.Thread(target=_forward, args=(stream, rank, kind, sink, log_file, report),
-                                     daemon=True)
-                t.start()
-                self.threads.append(t)
+            folder = os.path.join(self.args.output_filename, "rank.%d" % rank) if self.args.output_filename else None
+            forward_output(proc, rank, folder, self.threads, self.logs,
+                           report=self.reported if launch.host is not None else None)
 
     def _await_exit(self, rank, proc):
         code = proc.wait()

@@ -108,21 +108,19 @@ int Timeline::row_of(const std::string& tensor) {
 }
 
 void Timeline::begin(const std::string& tensor, const std::string& phase, const std::string& args) {
-  if (!active()) return;
-  const int64_t ts = now_us();
-  std::lock_guard<std::mutex> lock(mutex_);
-  const int row = row_of(tensor);
-  append("{\"name\":" + json_string(phase) + ",\"ph\":\"B\",\"ts\":" + std::to_string(ts) + ",\"pid\":0,\"tid\":" +
-         std::to_string(row) + (args.empty() ? "" : ",\"args\":{" + args + "}") + "}");
+  if (active()) edge(tensor, phase, 'B', args);
 }
 
 void Timeline::end(const std::string& tensor, const std::string& phase, const std::string& args) {
-  if (!active()) return;
+  if (active()) edge(tensor, phase, 'E', args);
+}
+
+void Timeline::edge(const std::string& tensor, const std::string& phase, char kind, const std::string& args) {
   const int64_t ts = now_us();
   std::lock_guard<std::mutex> lock(mutex_);
   const int row = row_of(tensor);
-  append("{\"name\":" + json_string(phase) + ",\"ph\":\"E\",\"ts\":" + std::to_string(ts) + ",\"pid\":0,\"tid\":" +
-         std::to_string(row) + (args.empty() ? "" : ",\"args\":{" + args + "}") + "}");
+  append("{\"name\":" + json_string(phase) + ",\"ph\":\"" + kind + "\",\"ts\":" + std::to_string(ts) +
+         ",\"pid\":0,\"tid\":" + std::to_string(row) + (args.empty() ? "" : ",\"args\":{" + args + "}") + "}");
 }
 
 void Timeline::cycle_marker() {

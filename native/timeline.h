@@ -58,6 +58,7 @@ class Timeline {
   std::string waited_for(const std::string& tensor);
 
  private:
+  void edge(const std::string& tensor, const std::string& phase, char kind, const std::string& args);  // B or E
   void append(const std::string& event);
   int row_of(const std::string& tensor);  // under mutex_
   int64_t now_us() const;
