@@ -89,6 +89,16 @@ def stop_timeline():
     check(lib.unison_stop_timeline())
 
 
+def tuned_settings():
+    """The settings in force, the same on every rank: those configured, or
+    the autotuner's (--autotune). `settled` is True once it has chosen."""
+    fusion, cycle = ffi.new("int64_t*"), ffi.new("double*")
+    cache, hierarchical, settled = ffi.new("int*"), ffi.new("int*"), ffi.new("int*")
+    check(lib.unison_tuned_settings(fusion, cycle, cache, hierarchical, settled))
+    return {"fusion_threshold_bytes": fusion[0], "cycle_time_ms": cycle[0], "cache": bool(cache[0]),
+            "hierarchical": bool(hierarchical[0]), "settled": bool(settled[0])}
+
+
 def is_initialized():
     return bool(lib.unison_is_initialized())
 

@@ -54,6 +54,10 @@ def _parse(argv):
                         "summarises it)")
     p.add_argument("--timeline-mark-cycles", action="store_true",
                    help="mark each negotiation cycle on the timeline")
+    p.add_argument("--autotune", action="store_true",
+                   help="tune the fusion threshold, cycle time, cache and hierarchical allreduce during the first "
+                        "steps (the ones not set by an option or variable)")
+    p.add_argument("--autotune-log-file", help="with --autotune: each setting tried and its score, as CSV")
     p.add_argument("--output-filename",
                    help="also write each rank's output to DIR/rank.N/stdout and stderr")
     p.add_argument("--verbose", action="store_true", help="print what the launcher does")
@@ -124,6 +128,8 @@ def _parse(argv):
     cooldown = args.blacklist_cooldown_range
     if cooldown is not None and not 0 <= cooldown[0] <= cooldown[1]:
         p.error("--blacklist-cooldown-range %g %g: 0 <= LOW <= HIGH" % tuple(cooldown))
+    if args.autotune_log_file and not args.autotune:
+        p.error("--autotune-log-file %s needs --autotune" % args.autotune_log_file)
     if _elastic(args) and _through_mpirun(args):
         p.error("an elastic job (--min-np, --max-np, --host-discovery-script) runs over TCP, not --mpi")
     if args.host_discovery_script and (args.hosts or args.hostfile):
@@ -172,6 +178,10 @@ def _settings(args):
         env["UNISON_START_TIMEOUT"] = str(args.start_timeout)
     if args.verbose:
         env["UNISON_LOG_LEVEL"] = "1"
+    if args.autotune:
+        env["UNISON_AUTOTUNE"] = "1"
+    if args.autotune_log_file:
+        env["UNISON_AUTOTUNE_LOG"] = os.path.abspath(args.autotune_log_file)
     if args.timeline_filename:
         env["UNISON_TIMELINE"] = os.path.abspath(args.timeline_filename)
     if args.timeline_mark_cycles:

@@ -79,6 +79,21 @@ int unison_start_timeline(const char* path, int mark_cycles) {
   return report(engine->start_timeline(path, mark_cycles != 0));
 }
 
+int unison_tuned_settings(int64_t* fusion_threshold_bytes, double* cycle_time_ms, int* cache, int* hierarchical,
+                          int* settled) {
+  std::lock_guard<std::mutex> lock(lifecycle_mutex);
+  if (engine == nullptr) return not_initialized();
+  if (!fusion_threshold_bytes || !cycle_time_ms || !cache || !hierarchical || !settled)
+    return report(Status::Error(UNISON_ERR_INVALID_ARGUMENT, "unison: NULL output pointer"));
+  const TunedSettings s = engine->settings();
+  *fusion_threshold_bytes = (int64_t)s.fusion_threshold_bytes;
+  *cycle_time_ms = s.cycle_time_ms;
+  *cache = s.cache ? 1 : 0;
+  *hierarchical = s.hierarchical ? 1 : 0;
+  *settled = s.settled ? 1 : 0;
+  return UNISON_OK;
+}
+
 int unison_stop_timeline(void) {
   std::lock_guard<std::mutex> lock(lifecycle_mutex);
   if (engine == nullptr) return not_initialized();

@@ -100,6 +100,10 @@ class Backend {
   // OK while every peer is alive; else which one is not.
   virtual Status check_peers() = 0;
 
+  // For the autotuner: a backend that can run its allreduce both
+  // hierarchically and flat switches to `on`, and says it could.
+  virtual bool set_hierarchical(bool /*on*/) { return false; }
+
   // Process sets. Collective over every rank of this backend, called in
   // the same order everywhere: a backend among `members` (ascending ranks
   // of this one) that carries one process set's control messages and data.

@@ -235,6 +235,15 @@ Status Config::from_environment(Config* out) {
   read(read_double(&c.spin_microseconds, "UNISON_SPIN_MICROSECONDS"));
   read(read_int(&c.log_level, "UNISON_LOG_LEVEL", "HOROVOD_LOG_LEVEL"));
   if (const char* v = lookup("UNISON_TIMELINE", "HOROVOD_TIMELINE")) c.timeline_path = trimmed(v);
+  read(read_flag(&c.autotune, "UNISON_AUTOTUNE", "HOROVOD_AUTOTUNE"));
+  if (const char* v = lookup("UNISON_AUTOTUNE_LOG", "HOROVOD_AUTOTUNE_LOG")) c.autotune_log = trimmed(v);
+  read(read_int(&c.autotune_warmup_samples, "UNISON_AUTOTUNE_WARMUP_SAMPLES", "HOROVOD_AUTOTUNE_WARMUP_SAMPLES"));
+  read(read_int(&c.autotune_samples, "UNISON_AUTOTUNE_SAMPLES", nullptr, 1));
+  read(read_int(&c.autotune_steps_per_sample, "UNISON_AUTOTUNE_STEPS_PER_SAMPLE", "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE", 1));
+  c.fusion_threshold_fixed = lookup("UNISON_FUSION_THRESHOLD", "HOROVOD_FUSION_THRESHOLD") != nullptr;
+  c.cycle_time_fixed = lookup("UNISON_CYCLE_TIME", "HOROVOD_CYCLE_TIME") != nullptr;
+  c.cache_fixed = lookup("UNISON_CACHE_CAPACITY", "HOROVOD_CACHE_CAPACITY") != nullptr;
+  c.hierarchical_fixed = lookup("UNISON_HIERARCHICAL_ALLREDUCE", "HOROVOD_HIERARCHICAL_ALLREDUCE") != nullptr;
   read(read_flag(&c.timeline_mark_cycles, "UNISON_TIMELINE_MARK_CYCLES", "HOROVOD_TIMELINE_MARK_CYCLES"));
   if (read.status.ok()) *out = c;
   return read.status;

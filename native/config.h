@@ -115,6 +115,14 @@ struct Config {
   double idle_spin_microseconds = -1.0;
 
   int log_level = 0;  // 0 warnings, 1 info, 2 debug
+  // UNISON_AUTOTUNE: rank 0 searches the four settings below (autotune.h),
+  // except those the user set, which are *_fixed.
+  bool autotune = false;
+  std::string autotune_log;
+  int autotune_warmup_samples = 1;
+  int autotune_samples = 2;
+  int autotune_steps_per_sample = 5;
+  bool fusion_threshold_fixed = false, cycle_time_fixed = false, cache_fixed = false, hierarchical_fixed = false;
   // UNISON_TIMELINE: rank 0 writes a Chrome trace here from init on (timeline.h).
   std::string timeline_path;
   bool timeline_mark_cycles = false;

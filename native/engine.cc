@@ -89,6 +89,13 @@ Engine::Engine(const Config& config, std::unique_ptr<Backend> backend, HandleTab
   auto global = std::make_unique<ProcessSetState>(0, everyone, backend_->rank(), backend_.get(), nullptr, config_);
   global_ = global.get();
   sets_.emplace(0, std::move(global));
+  tuned_.fusion_threshold_bytes = config_.fusion_threshold_bytes;
+  tuned_.cycle_time_ms = config_.cycle_time_ms;
+  tuned_.cache = config_.cache_capacity > 0;
+  const bool switches = backend_->set_hierarchical(true);
+  tuned_.hierarchical = switches;
+  if (config_.autotune && backend_->rank() == 0)
+    tuner_ = std::make_unique<Autotuner>(config_, tuned_, switches);
   if (!config_.timeline_path.empty()) {
     // Each later round of an elastic job has a file of its own (t.round2.json),
     // since its rank 0 may be another process than round 0's.
@@ -104,6 +111,22 @@ Engine::Engine(const Config& config, std::unique_ptr<Backend> backend, HandleTab
     if (!s.ok()) std::fprintf(stderr, "%s (UNISON_TIMELINE); running without a timeline\n", s.message.c_str());
   }
   thread_ = start_engine_thread([this] { loop(); });
+}
+
+TunedSettings Engine::settings() const {
+  std::lock_guard<std::mutex> lock(tuned_mutex_);
+  return tuned_;
+}
+
+void Engine::apply_tuning(const CycleMessage& m) {
+  std::lock_guard<std::mutex> lock(tuned_mutex_);
+  if ((m.tuned_cache != 0) != tuned_.cache) cache_switched_ = true;
+  tuned_.fusion_threshold_bytes = m.tuned_fusion_threshold;
+  tuned_.cycle_time_ms = m.tuned_cycle_time_ms;
+  tuned_.cache = m.tuned_cache != 0;
+  tuned_.hierarchical = m.tuned_hierarchical != 0;
+  tuned_.settled = m.tuned_settled != 0;
+  backend_->set_hierarchical(tuned_.hierarchical);
 }
 
 Status Engine::start_timeline(const std::string& path, bool mark_cycles) {
@@ -292,8 +315,8 @@ void Engine::loop() {
       continue;
     }
     if (has_local_work()) {
-      if (config_.cycle_time_ms > 0) {
-        double wait = last_cycle_start_ + config_.cycle_time_ms * 1e-3 - monotonic_seconds();
+      if (tuned_.cycle_time_ms > 0) {
+        double wait = last_cycle_start_ + tuned_.cycle_time_ms * 1e-3 - monotonic_seconds();
         if (wait > 0) backend_->wait_for_activity(token, wait);
         if (cycles_done_ < backend_->requested_cycles()) continue;
       }
@@ -361,7 +384,7 @@ void Engine::take_new_requests() {
     int position = -1;
     ResponseCache::Lookup found = ResponseCache::Lookup::kMiss;
     if (e.request.op == UNISON_JOIN) joined_ = true;
-    if (!set.anyone_joined && set.cache.capacity() > 0 && e.request.op <= UNISON_REDUCESCATTER)
+    if (!set.anyone_joined && tuned_.cache && set.cache.capacity() > 0 && e.request.op <= UNISON_REDUCESCATTER)
       found = set.cache.lookup(e.request, set.size(), &position);
     if (found == ResponseCache::Lookup::kHit) {
       e.cache_position = position;
@@ -396,6 +419,15 @@ void Engine::build_message(ProcessSetState& set, CycleMessage* message, double n
   if (set.rank == 0 && (set.another_cycle || set.stall_check)) message->flags |= CycleMessage::kMoreQueued;
   set.fresh = false;
   if (&set != global_) return;
+  TunedSettings next;
+  if (tuner_ != nullptr && tuner_->next(&next)) {
+    message->flags |= CycleMessage::kTuning;
+    message->tuned_fusion_threshold = next.fusion_threshold_bytes;
+    message->tuned_cycle_time_ms = next.cycle_time_ms;
+    message->tuned_cache = next.cache ? 1 : 0;
+    message->tuned_hierarchical = next.hierarchical ? 1 : 0;
+    message->tuned_settled = next.settled ? 1 : 0;
+  }
   if (joined_) message->flags |= CycleMessage::kJoined;
   if (stop_requested_.load()) message->flags |= CycleMessage::kShutdown;
   for (const auto& [id, other] : sets_)
@@ -429,6 +461,8 @@ Status Engine::run_cycle() {
   Status s = exchange(*global_, mine, &all);
   if (!s.ok()) return s;
 
+  // Rank 0's autotuner switches every rank here, at the same cycle.
+  if (all[0].flags & CycleMessage::kTuning) apply_tuning(all[0]);
   std::set<int> busy;
   for (int r = 0; r < (int)all.size(); ++r) {
     if (all[r].flags & CycleMessage::kShutdown) {
@@ -453,7 +487,31 @@ Status Engine::run_cycle() {
     if (s.ok()) s = negotiate(set, set_all, now);
     if (!s.ok() || stopped_) return s;
   }
+  if (cache_switched_) switch_cache();
   return Status::OK();
+}
+
+// The autotuner turned the response cache on or off this cycle, on every
+// rank. A tensor must be negotiated the same way on every rank (all by
+// cache bit, or all in full), but ranks took their pending tensors at
+// different cycles, some before the switch and some after. So, at the end
+// of the switching cycle, every rank sends what waits as a bit in full, and
+// a cache turned back on starts empty: nothing can hit on one rank while
+// another sent it in full.
+void Engine::switch_cache() {
+  cache_switched_ = false;
+  for (auto& [id, set] : sets_) {
+    for (auto& [name, e] : set->pending) {
+      if (e.cache_position < 0) continue;
+      e.cache_position = -1;
+      set->to_send.push_back(name);
+      set->another_cycle = true;
+    }
+    set->partial_bits.clear();
+    if (tuned_.cache)
+      for (int p = 0; p < set->cache.capacity(); ++p)
+        if (set->cache.occupied(p)) set->cache.erase(p);
+  }
 }
 
 // Decides what runs in `set` this cycle from everyone's messages, runs it,
@@ -561,7 +619,7 @@ Status Engine::negotiate(ProcessSetState& set, const std::vector<CycleMessage>& 
   // caches stay identical. A put may evict a position some rank still waits
   // on; that rank then sends its request in full.
   for (const Response& r : decided.responses)
-    if (r.cacheable && !r.is_error() && r.op <= UNISON_REDUCESCATTER) cache.put(r);
+    if (tuned_.cache && r.cacheable && !r.is_error() && r.op <= UNISON_REDUCESCATTER) cache.put(r);
   for (auto& [name, e] : set.pending) {
     if (e.cache_position < 0) continue;
     if (!cache.occupied(e.cache_position) || cache.response(e.cache_position).tensors[0].name != name) {
@@ -664,7 +722,7 @@ std::vector<std::vector<const Response*>> Engine::fuse(const ProcessSetState& se
     Key key = r.op == UNISON_ALLGATHER ? Key(r.op, 0, 0, 0, 0, r.device)
                                        : Key(r.op, r.dtype, r.reduce_op, r.prescale, r.postscale, r.device);
     auto it = open.find(key);
-    if (it != open.end() && it->second.second + bytes <= config_.fusion_threshold_bytes) {
+    if (it != open.end() && it->second.second + bytes <= tuned_.fusion_threshold_bytes) {
       groups[it->second.first].push_back(&r);
       it->second.second += bytes;
     } else {
@@ -884,6 +942,11 @@ void Engine::execute(ProcessSetState& set, const std::vector<const Response*>& g
       break;
   }
 
+  if (tuner_ != nullptr && &set == global_ && head.op == UNISON_ALLREDUCE && status.ok()) {
+    const double now = monotonic_seconds();
+    for (const Response* r : group)
+      tuner_->executed(r->tensors[0].name, (size_t)element_count(r->tensors[0].shape) * dtype_size(r->dtype), now);
+  }
   for (size_t i = 0; i < group.size(); ++i) {
     const std::string& name = group[i]->tensors[0].name;
     if (local(name) == nullptr && results[i].core_allocated) {

@@ -31,6 +31,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "autotune.h"
 #include "backend.h"
 #include "config.h"
 #include "coordinator.h"
@@ -59,6 +60,9 @@ class Engine {
   // Rank 0 writes the timeline; on other ranks these do nothing.
   Status start_timeline(const std::string& path, bool mark_cycles);
   void stop_timeline() { timeline_.stop(); }
+  // The settings in force: the autotuner's (the same on every rank), or the
+  // configured ones.
+  TunedSettings settings() const;
   const Backend& backend() const { return *backend_; }
 
  private:
@@ -95,9 +99,17 @@ class Engine {
   double oldest_waiting_since(const ProcessSetState& set) const;  // without building the candidates
   void note_arrivals(const ProcessSetState& set, const std::vector<CycleMessage>& all,
                      const std::vector<uint64_t>& anywhere);
+  void apply_tuning(const CycleMessage& from_rank_0);
+  void switch_cache();
 
   const Config config_;
   Timeline timeline_;  // before backend_: stopped after the engine thread is gone
+  // Settings the autotuner may change, at one cycle on every rank; written by
+  // the engine thread, read by settings() under tuned_mutex_.
+  mutable std::mutex tuned_mutex_;
+  TunedSettings tuned_;
+  std::unique_ptr<Autotuner> tuner_;  // rank 0, with UNISON_AUTOTUNE
+  bool cache_switched_ = false;       // this cycle: switch_cache() at its end
   std::unique_ptr<Backend> backend_;
   HandleTable* handles_;
 

@@ -144,7 +144,13 @@ class HierarchicalBackend final : public Backend {
 
   // ---- data plane ----------------------------------------------------------
 
+  bool set_hierarchical(bool on) override {
+    flat_ = !on;
+    return true;
+  }
+
   Status allreduce(const AllreduceOptions& o) override {
+    if (flat_) return world_->allreduce(o);  // the autotuner found it faster here
     const int L = config_.local_size, me = config_.local_rank;
     const size_t element = dtype_size(o.reduce.dtype);
     // Scale factors and Average's division belong to the whole job: the
@@ -290,6 +296,7 @@ class HierarchicalBackend final : public Backend {
   // Declared first, destroyed last: the others' liveness may look at it.
   std::unique_ptr<Backend> local_;
   std::unique_ptr<Backend> world_;  // every rank, flat: alltoall, reducescatter, sets across hosts
+  bool flat_ = false;               // allreduce over world_ too (the autotuner's choice)
   std::unique_ptr<Backend> cross_;  // this local rank's group, one rank per host
   std::vector<char> chunk_, everything_;
 };

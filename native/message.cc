@@ -141,6 +141,13 @@ std::string encode(const CycleMessage& m) {
   w.put_vector(m.busy_sets);
   w.put<uint32_t>((uint32_t)m.requests.size());
   for (const Request& r : m.requests) put_request(w, r);
+  if (m.flags & CycleMessage::kTuning) {
+    w.put<uint64_t>(m.tuned_fusion_threshold);
+    w.put<double>(m.tuned_cycle_time_ms);
+    w.put<uint8_t>(m.tuned_cache);
+    w.put<uint8_t>(m.tuned_hierarchical);
+    w.put<uint8_t>(m.tuned_settled);
+  }
   return out;
 }
 
@@ -153,6 +160,10 @@ Status decode(const std::string& bytes, CycleMessage* m) {
   m->requests.resize(n);
   for (Request& r : m->requests)
     if (!get_request(rd, &r)) return corrupt("request");
+  if ((m->flags & CycleMessage::kTuning) &&
+      !(rd.get(&m->tuned_fusion_threshold) && rd.get(&m->tuned_cycle_time_ms) && rd.get(&m->tuned_cache) &&
+        rd.get(&m->tuned_hierarchical) && rd.get(&m->tuned_settled)))
+    return corrupt("tuning");
   return Status::OK();
 }
 

@@ -64,6 +64,7 @@ struct CycleMessage {
     kJoined = 1,        // this rank has called join and waits in it
     kShutdown = 2,      // this rank is shutting down
     kMoreQueued = 4,    // requests did not all fit; another cycle is needed
+    kTuning = 8,        // rank 0 only: every rank switches to `tuning` now
   };
   uint32_t flags = 0;
   std::vector<uint64_t> ready_bits;    // cache positions whose tensor is ready here
@@ -72,6 +73,10 @@ struct CycleMessage {
   // Global set only: the other process sets that have work on this rank.
   // Their members run a cycle of each such set right after this one.
   std::vector<int32_t> busy_sets;
+  // With kTuning: the autotuner's setting (autotune.h), as plain fields.
+  uint64_t tuned_fusion_threshold = 0;
+  double tuned_cycle_time_ms = 0;
+  uint8_t tuned_cache = 1, tuned_hierarchical = 1, tuned_settled = 0;
 };
 
 // The coordinator's answer to a cycle.

@@ -123,6 +123,11 @@ int unison_is_initialized(void);
 int unison_start_timeline(const char* path, int mark_cycles);
 int unison_stop_timeline(void);
 
+/* The settings in force, the same on every rank: the configured ones, or
+   the autotuner's (UNISON_AUTOTUNE); settled is 1 once it has chosen. */
+int unison_tuned_settings(int64_t* fusion_threshold_bytes, double* cycle_time_ms, int* cache, int* hierarchical,
+                          int* settled);
+
 /* Queries; each fails with UNISON_ERR_NOT_INITIALIZED before init. */
 int unison_rank(int* out);
 int unison_size(int* out);
