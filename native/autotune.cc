@@ -39,18 +39,25 @@ Autotuner::Autotuner(const Config& config, const TunedSettings& start, bool can_
       warmup_samples_(config.autotune_warmup_samples),
       scored_samples_(std::max(1, config.autotune_samples)),
       steps_per_sample_(std::max(1, config.autotune_steps_per_sample)) {
-  auto add = [&](const char* name, int kind, bool fixed, std::vector<double> values) {
+  // Most settings are measured starting with the value in force. The cache
+  // is measured off first, then on again: turning it back on empties it
+  // (Engine::switch_cache), so "on" must be scored as it is reached, not as
+  // it was before the search turned it off.
+  auto add = [&](const char* name, int kind, bool fixed, std::vector<double> values, bool now_last = false) {
     if (fixed) return;
     const double now = value_of(start, kind);
     values.erase(std::remove(values.begin(), values.end(), now), values.end());
-    values.insert(values.begin(), now);  // measured first: it is in force already
-    dimensions_.push_back(Dimension{name, kind, values});
+    if (now_last)
+      values.push_back(now);
+    else
+      values.insert(values.begin(), now);
+    dimensions_.push_back(Dimension{name, kind, values, !now_last});
   };
   std::vector<double> fusion;
   for (double mib : kFusionMiB) fusion.push_back(mib * (1 << 20));
   add("fusion threshold", kFusion, config.fusion_threshold_fixed, fusion);
   add("cycle time", kCycle, config.cycle_time_fixed, std::vector<double>(std::begin(kCycleMs), std::end(kCycleMs)));
-  add("cache", kCache, config.cache_fixed, {1, 0});
+  add("cache", kCache, config.cache_fixed || !config.autotune_cache, {1, 0}, /*now_last=*/true);
   add("hierarchical", kHierarchical, config.hierarchical_fixed || !can_tune_hierarchical, {1, 0});
   if (!config.autotune_log.empty()) {
     log_ = std::fopen(config.autotune_log.c_str(), "w");
@@ -66,6 +73,9 @@ Autotuner::Autotuner(const Config& config, const TunedSettings& start, bool can_
     current_.settled = true;
     changed_ = true;
     log(current_, 0, "chosen (every setting fixed)");
+  } else if (!dimensions_[0].first_in_force) {
+    current_ = with(best_, dimensions_[0].kind, dimensions_[0].values[0]);
+    changed_ = true;
   }
 }
 
@@ -127,17 +137,17 @@ void Autotuner::sample_done(double score) {
   candidate_scores_.clear();
   candidate_ = 0;
   if (++dimension_ < dimensions_.size()) {
-    // The next setting's first candidate is the value in force, just
-    // measured as this one's winner: its score carries over.
-    candidate_scores_.push_back(best_score);
-    candidate_ = 1;
     const Dimension& next = dimensions_[dimension_];
-    if (candidate_ < next.values.size()) {
-      current_ = with(best_, next.kind, next.values[candidate_]);
-      changed_ = true;
-      warmup_left_ = warmup_samples_;
-      return;
+    if (next.first_in_force) {
+      // Its first candidate is the value in force, just measured as this
+      // setting's winner: the score carries over.
+      candidate_scores_.push_back(best_score);
+      candidate_ = 1;
     }
+    current_ = with(best_, next.kind, next.values[candidate_]);
+    changed_ = true;
+    warmup_left_ = warmup_samples_;
+    return;
   }
   current_ = best_;
   current_.settled = true;

@@ -15,6 +15,13 @@
 // most, every one of them measured, and its choice can be read in the log.
 // benchmarks/README.md ("Autotune") compares it with the other settings.
 //
+// The cache is searched only with UNISON_AUTOTUNE_CACHE=1. Switching it
+// works (every rank switches at one cycle, and what waited as a cache bit is
+// sent in full), but in benchmarks/autotune.py about half the 2-rank torch
+// jobs whose search had switched the cache trained ~40% slower for the rest
+// of the job, whichever way it ended; jobs whose search left the cache alone
+// never did. Until that is understood, the default search leaves it alone.
+//
 // The engine puts each new setting in rank 0's next cycle message, and every
 // rank applies it after that exchange: the same setting at the same cycle.
 #pragma once
@@ -52,6 +59,7 @@ class Autotuner {
     const char* name;
     int kind;
     std::vector<double> values;  // tried in turn, each with the best of the others
+    bool first_in_force;         // values[0] is in force when the search gets here
   };
   void sample_done(double score);
   void log(const TunedSettings& s, double score, const char* note);

@@ -240,6 +240,7 @@ Status Config::from_environment(Config* out) {
   read(read_int(&c.autotune_warmup_samples, "UNISON_AUTOTUNE_WARMUP_SAMPLES", "HOROVOD_AUTOTUNE_WARMUP_SAMPLES"));
   read(read_int(&c.autotune_samples, "UNISON_AUTOTUNE_SAMPLES", nullptr, 1));
   read(read_int(&c.autotune_steps_per_sample, "UNISON_AUTOTUNE_STEPS_PER_SAMPLE", "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE", 1));
+  read(read_flag(&c.autotune_cache, "UNISON_AUTOTUNE_CACHE"));
   c.fusion_threshold_fixed = lookup("UNISON_FUSION_THRESHOLD", "HOROVOD_FUSION_THRESHOLD") != nullptr;
   c.cycle_time_fixed = lookup("UNISON_CYCLE_TIME", "HOROVOD_CYCLE_TIME") != nullptr;
   c.cache_fixed = lookup("UNISON_CACHE_CAPACITY", "HOROVOD_CACHE_CAPACITY") != nullptr;

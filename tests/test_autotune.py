@@ -12,7 +12,9 @@ import pytest
 from jobs import unisonrun
 
 pytestmark = pytest.mark.timeout(300)
-QUICK = {"UNISON_AUTOTUNE_STEPS_PER_SAMPLE": "2", "UNISON_AUTOTUNE_SAMPLES": "1"}
+# Short samples, and the cache searched too (it is not by default), so that
+# switching it is tested for every rank ending on the same setting.
+QUICK = {"UNISON_AUTOTUNE_STEPS_PER_SAMPLE": "2", "UNISON_AUTOTUNE_SAMPLES": "1", "UNISON_AUTOTUNE_CACHE": "1"}
 
 # Steps of 8 gradients until the autotuner settles; every rank prints what
 # it ended with and whether all ranks agree. Whether to stop is rank 0's
