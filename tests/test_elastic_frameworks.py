@@ -49,7 +49,9 @@ def test_a_job_survives_a_killed_worker(tmp_path, framework):
     assert proc.returncode == 0, output[-6000:]
     check_final(events, 2, expected)
     resumed = [e for w in events.values() for e in w if e["event"] == "sync" and e["size"] == 2]
-    assert {e["step"] for e in resumed} == {9}, resumed
+    # From the last commit (step 9's, or 10's when step 9 completed before
+    # the victim died), the same on every survivor.
+    assert len({e["step"] for e in resumed}) == 1 and resumed[0]["step"] in (9, 10), resumed
 
 
 @pytest.mark.parametrize("framework", sorted(FRAMEWORKS))

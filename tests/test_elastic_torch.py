@@ -46,9 +46,12 @@ def test_a_killed_worker_leaves_the_job_on_the_remaining_host(tmp_path, hosts, v
     final = final_of(events)
     assert final["size"] == survivors
     assert_reference_parameters(final)
-    # Every survivor resumed from the commit before the fault's step.
     resumed = [e for w in events.values() for e in w if e["event"] == "sync" and e["size"] == survivors]
-    assert len(resumed) == survivors and {e["step"] for e in resumed} == {9}, resumed
+    # From the last commit: step 9's, or step 10's when the victim had sent
+    # its gradients before dying, so that step 9 still completed; the same on
+    # every survivor.
+    assert len(resumed) == survivors and len({e["step"] for e in resumed}) == 1, resumed
+    assert resumed[0]["step"] in (9, 10), resumed
 
 
 def test_a_frozen_worker_is_killed_and_its_host_blacklisted(tmp_path):
