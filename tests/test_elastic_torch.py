@@ -56,7 +56,7 @@ def test_a_killed_worker_leaves_the_job_on_the_remaining_host(tmp_path, hosts, v
 
 def test_a_frozen_worker_is_killed_and_its_host_blacklisted(tmp_path):
     proc, events = elastic_job(tmp_path, ["-np", "3", "--min-np", "2", "-H", "localhost:2,127.0.0.1:1",
-                                          "--peer-timeout-seconds", "2"], "train_torch.py",
+                                          "--peer-timeout-seconds", "3"], "train_torch.py",
                                env={"ELASTIC_FAULT": "127.0.0.1:0@5:sigstop"})
     output = proc.stdout.decode(errors="replace")
     assert proc.returncode == 0, output[-6000:]

@@ -38,7 +38,7 @@ def test_start_and_stop_at_run_time_give_every_phase_of_named_tensors():
     unp.allgather(np.full((RANK + 1, 2), RANK, np.int32), name="tl.gather")
     unp.broadcast(np.arange(4.0), 0, name="tl.bcast")
     if RANK == SLOW:
-        time.sleep(0.3)  # every other rank waits for this one
+        time.sleep(0.5)  # every other rank waits for this one
     unp.allreduce(np.ones(5), name="tl.slow")
     unison.stop_timeline()
     unp.allreduce(np.ones(5), name="tl.after_stop")
