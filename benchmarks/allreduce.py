@@ -1,6 +1,7 @@
-"""Allreduce: unison against torch.distributed (gloo), side by side.
+"""Allreduce: unison against torch.distributed (gloo) and MPICH, side by side.
 
-    unisonrun -np 2 python benchmarks/allreduce.py
+    unisonrun -np 2 python benchmarks/allreduce.py      (unison and gloo)
+    mpirun -np 2 python benchmarks/allreduce.py         (and MPICH: MPICH's mpirun, mpi4py installed)
     unisonrun -np 4 --simulate-hosts 2 python benchmarks/allreduce.py --mpi-layouts
     sudo python benchmarks/two_hosts.py            (--tcp-and-mpi, in two network namespaces)
 
@@ -8,6 +9,12 @@ Every rank joins both a unison job and a gloo process group, and the two
 are timed in alternating blocks in the same processes, so both see the same
 machine noise; each figure is the median over blocks. Rank 0 prints the
 table, the ratios and whether the targets of the core's issue are met.
+
+Started by MPICH's mpirun (`pip install mpich mpi4py` puts both in the
+environment), the script adds an MPICH column: `MPI_Allreduce` through
+mpi4py, in place, in the same alternating blocks. unison is then told its
+identity in UNISON_* variables, so it runs the same shared-memory data
+plane as under unisonrun rather than starting through MPI.
 
 With --mpi-layouts (a job started through mpirun, e.g. on simulated hosts)
 the unison columns are the two MPI layouts, hierarchical (shared memory
@@ -25,6 +32,7 @@ import argparse
 import hashlib
 import os
 import statistics
+import sys
 import time
 
 import numpy as np
@@ -35,7 +43,22 @@ import unison
 import unison.numpy as unp
 from timing import agree, timed
 
-SIZES = [("4 KiB", 4 << 10), ("64 KiB", 64 << 10), ("1 MiB", 1 << 20), ("16 MiB", 16 << 20), ("64 MiB", 64 << 20)]
+SIZES = [("4 KiB", 4 << 10), ("64 KiB", 64 << 10), ("256 KiB", 256 << 10), ("1 MiB", 1 << 20), ("4 MiB", 4 << 20),
+         ("16 MiB", 16 << 20), ("64 MiB", 64 << 20)]
+
+
+def mpich_communicator():
+    """MPICH's COMM_WORLD when this job was started by MPICH's mpirun, with
+    unison's identity set from it (see the top of the file); else None."""
+    if "PMI_RANK" not in os.environ or "--mpi-layouts" in sys.argv or "--tcp-and-mpi" in sys.argv:
+        return None
+    from mpi4py import MPI  # initialises MPI, from the PMI variables
+
+    comm = MPI.COMM_WORLD
+    os.environ.update(UNISON_RANK=str(comm.Get_rank()), UNISON_SIZE=str(comm.Get_size()),
+                      UNISON_LOCAL_RANK=str(comm.Get_rank()), UNISON_LOCAL_SIZE=str(comm.Get_size()),
+                      UNISON_JOB_ID="bench-%d" % comm.bcast(os.getpid(), root=0))
+    return comm
 
 
 def setup_gloo():
@@ -48,20 +71,21 @@ def setup_gloo():
                             world_size=unison.size())
 
 
-def compare(unison_fn, gloo_fn, iterations, blocks):
-    unison_fn(), gloo_fn()  # warm-up: buffers, caches, negotiation cache
-    u, g = [], []
+def compare(fns, iterations, blocks):
+    """fns: (function, barrier) per library. Each library's median time a
+    call, timed in blocks that take turns."""
+    for fn, _ in fns:
+        fn()  # warm-up: buffers, caches, negotiation cache
+    times = [[] for _ in fns]
     for _ in range(blocks):
-        # One untimed call first in every block: the block before was the
-        # other library's, and the first call after it pays for caches it
-        # evicted and threads the host descheduled, whichever library it is.
-        unp.barrier()
-        unison_fn()
-        u.append(agree(timed(unison_fn, iterations)))
-        dist.barrier()
-        gloo_fn()
-        g.append(agree(timed(gloo_fn, iterations)))
-    return statistics.median(u), statistics.median(g)
+        for (fn, barrier), samples in zip(fns, times):
+            # One untimed call first in every block: the block before was
+            # another library's, and the first call after it pays for
+            # caches it evicted and threads the host descheduled.
+            barrier()
+            fn()
+            samples.append(agree(timed(fn, iterations)))
+    return [statistics.median(t) for t in times]
 
 
 def alternate(fns, iterations, blocks):
@@ -183,6 +207,29 @@ def layouts_against_gloo(args, planes):
     dist.destroy_process_group()
 
 
+def plot_latency(results, libraries, ranks, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = [nbytes for _, nbytes in SIZES]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, marker in zip(libraries, "osd"):
+        ax.plot(sizes, [results[label][name] * 1e6 for label, _ in SIZES], marker=marker, label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(sizes, [label for label, _ in SIZES])
+    ax.set_xlabel("allreduce size (float32, in place, Sum)")
+    ax.set_ylabel("latency per allreduce (us)")
+    ax.set_title("allreduce latency, %d ranks on one host" % ranks)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print("wrote", path, flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--blocks", type=int, default=7)
@@ -190,10 +237,12 @@ def main():
                         help="compare the hierarchical and flat MPI layouts with gloo (start through mpirun)")
     parser.add_argument("--tcp-and-mpi", action="store_true",
                         help="compare TCP, MPI and gloo across hosts (started by benchmarks/two_hosts.py)")
+    parser.add_argument("--plot", metavar="PNG", help="rank 0 renders latency against size to this file (matplotlib)")
     args = parser.parse_args()
     if args.mpi_layouts or args.tcp_and_mpi:
         return layouts_against_gloo(args, TCP_AND_MPI if args.tcp_and_mpi else MPI_LAYOUTS)
     torch.set_num_threads(1)
+    comm = mpich_communicator()
     unison.init()
     setup_gloo()
     rank, size = unison.rank(), unison.size()
@@ -209,19 +258,27 @@ def main():
     say("allreduce of float32, %d ranks, median of %d alternating blocks" % (size, args.blocks))
     say("single-core memcpy bandwidth (the ceiling): %.2f GB/s" % (copy_bw / 1e9))
     say()
-    say("| size | unison latency | gloo latency | unison algbw | gloo algbw | unison / gloo speed |")
-    say("| --- | --- | --- | --- | --- | --- |")
+    libraries = ["unison", "gloo"] + (["MPICH"] if comm is not None else [])
+    say("| size | " + " | ".join("%s latency" % name for name in libraries) + " | "
+        + " | ".join("%s algbw" % name for name in libraries) + " | unison / gloo speed"
+        + (" | unison / MPICH speed |" if comm else " |"))
+    say("|" + " --- |" * (2 + 2 * len(libraries)))
     results = {}
     for label, nbytes in SIZES:
         n = nbytes // 4
         x = np.ones(n, dtype=np.float32)
         t = torch.ones(n, dtype=torch.float32)
-        iterations = iterations_for(nbytes)
-        u, g = compare(lambda: unp.allreduce_(x, op=unison.Sum, name="bench.%d" % nbytes),
-                       lambda: dist.all_reduce(t), iterations, args.blocks)
-        results[label] = (u, g)
-        say("| %s | %.1f us | %.1f us | %.2f GB/s | %.2f GB/s | %.2fx |"
-            % (label, u * 1e6, g * 1e6, nbytes / u / 1e9, nbytes / g / 1e9, g / u))
+        m = np.ones(n, dtype=np.float32)
+        fns = [(lambda: unp.allreduce_(x, op=unison.Sum, name="bench.%d" % nbytes), unp.barrier),
+               (lambda: dist.all_reduce(t), dist.barrier)]
+        if comm is not None:
+            from mpi4py import MPI
+            fns.append((lambda: comm.Allreduce(MPI.IN_PLACE, m, op=MPI.SUM), comm.Barrier))
+        measured = compare(fns, iterations_for(nbytes), args.blocks)
+        results[label] = dict(zip(libraries, measured))
+        say("| %s | " % label + " | ".join("%.1f us" % (s * 1e6) for s in measured) + " | "
+            + " | ".join("%.2f GB/s" % (nbytes / s / 1e9) for s in measured)
+            + " | " + " | ".join("%.2fx" % (s / measured[0]) for s in measured[1:]) + " |")
 
     # 200 tensors of 40 KB allreduced asynchronously against one allreduce of
     # the same 8 MB: what fusion and negotiation cost per tensor.
@@ -248,17 +305,27 @@ def main():
         "200 small / one large = %.2fx" % (many * 1e3, gloo_many_t * 1e3, one * 1e3, many / one))
 
     say()
-    say("targets (2 ranks): 16 and 64 MiB >= 3x gloo bandwidth; 4 KiB <= 1/4 of gloo latency; "
-        "200 small within 1.5x of one large")
-    checks = [("16 MiB bandwidth", results["16 MiB"][1] / results["16 MiB"][0], 3.0, "x gloo"),
-              ("64 MiB bandwidth", results["64 MiB"][1] / results["64 MiB"][0], 3.0, "x gloo"),
-              ("4 KiB latency", results["4 KiB"][1] / results["4 KiB"][0], 4.0, "x faster than gloo")]
+    say("targets: 16 and 64 MiB >= 3x gloo bandwidth; 4 KiB <= 1/4 of gloo latency; 200 small within 1.5x "
+        "of one large" + ("; 4 and 64 KiB within 2x of MPICH's latency, 1-16 MiB at least level with MPICH, "
+                          "64 MiB at least 2x MPICH" if comm else ""))
+    speed = lambda label, other: results[label][other] / results[label]["unison"]  # noqa: E731
+    checks = [("16 MiB bandwidth", speed("16 MiB", "gloo"), 3.0, "x gloo"),
+              ("64 MiB bandwidth", speed("64 MiB", "gloo"), 3.0, "x gloo"),
+              ("4 KiB latency", speed("4 KiB", "gloo"), 4.0, "x faster than gloo")]
+    if comm is not None:
+        checks += [("4 KiB latency", speed("4 KiB", "MPICH"), 0.5, "x MPICH's speed"),
+                   ("64 KiB latency", speed("64 KiB", "MPICH"), 0.5, "x MPICH's speed")]
+        checks += [("%s bandwidth" % label, speed(label, "MPICH"), 1.0, "x MPICH")
+                   for label in ("1 MiB", "4 MiB", "16 MiB")]
+        checks += [("64 MiB bandwidth", speed("64 MiB", "MPICH"), 2.0, "x MPICH")]
     for what, value, target, unit in checks:
         verdict = "met" if value >= target else "MISSED by %.0f%%" % (100 * (1 - value / target))
         say("  %s: %.2f%s (target %.1f): %s" % (what, value, unit, target, verdict))
     ratio = many / one
     say("  200 small vs one large: %.2fx (target <= 1.5): %s"
         % (ratio, "met" if ratio <= 1.5 else "MISSED by %.0f%%" % (100 * (ratio / 1.5 - 1))))
+    if args.plot and rank == 0:
+        plot_latency(results, libraries, size, args.plot)
     dist.destroy_process_group()
     unison.shutdown()
 

@@ -1,4 +1,5 @@
 // api.cc: the C ABI of unison.h over one process-wide Engine.
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -13,7 +14,10 @@ namespace unison {
 namespace {
 
 std::mutex lifecycle_mutex;  // init and shutdown
-std::unique_ptr<Engine> engine;
+// Shared so that a caller waiting in unison_wait, which may be driving the
+// engine (engine_driver.cc), keeps it alive across a shutdown on another
+// thread; init and shutdown swap it atomically for that reader.
+std::shared_ptr<Engine> engine;
 Config config;
 HandleTable handles;
 int generation = 0;  // counts inits, so a re-init gets fresh shared memory
@@ -58,14 +62,14 @@ int unison_init(void) {
   if (!made.ok()) return report(made);
   ++generation;
   config = c;
-  engine = std::make_unique<Engine>(c, std::move(backend), &handles);
+  std::atomic_store(&engine, std::make_shared<Engine>(c, std::move(backend), &handles));
   return UNISON_OK;
 }
 
 int unison_shutdown(void) {
   std::lock_guard<std::mutex> lock(lifecycle_mutex);
-  if (engine != nullptr) engine->stop();
-  engine.reset();
+  std::shared_ptr<Engine> stopping = std::atomic_exchange(&engine, std::shared_ptr<Engine>());
+  if (stopping != nullptr) stopping->stop();
   return UNISON_OK;
 }
 
@@ -134,7 +138,7 @@ int run_process_set_op(unison_op_options* options, int* process_set_id) {
   unison_handle handle = 0;
   Status s = engine->enqueue(*options, &handle);
   if (!s.ok()) return report(s);
-  s = handles.wait(handle, -1.0);
+  s = engine->wait(handle, -1.0);
   if (s.ok() && process_set_id != nullptr)
     s = handles.with_result(handle, [&](const Status&, const OpResult& result) { *process_set_id = result.process_set_id; });
   handles.release(handle);
@@ -173,7 +177,9 @@ int unison_poll(unison_handle handle, int* done) {
 }
 
 int unison_wait(unison_handle handle, double timeout_seconds) {
-  return report(handles.wait(handle, timeout_seconds));
+  std::shared_ptr<Engine> current = std::atomic_load(&engine);
+  if (current == nullptr) return report(handles.wait(handle, timeout_seconds));
+  return report(current->wait(handle, timeout_seconds));
 }
 
 int unison_handle_error(unison_handle handle, char* buffer, int64_t capacity) {

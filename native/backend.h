@@ -89,6 +89,10 @@ class Backend {
   virtual uint32_t activity_token() const = 0;  // read before deciding to wait
   virtual void wait_for_activity(uint32_t token, double timeout_seconds) = 0;
   virtual void wake() = 0;  // from any thread of this process
+  // Whether wait_for_activity() may run on one thread while another calls
+  // the rest: then a caller waiting for its op may drive the engine while
+  // the engine's thread still sleeps in it (engine_driver.cc).
+  virtual bool callers_may_drive() const { return false; }
 
   // Data plane. Every rank calls these with matching options.
   virtual Status allreduce(const AllreduceOptions& options) = 0;

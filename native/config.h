@@ -114,6 +114,15 @@ struct Config {
   // something else while idle (MPI across hosts) does its own spinning.
   double idle_spin_microseconds = -1.0;
 
+  // UNISON_OVERLAP: whether an async op starts at once, on the engine's
+  // thread, overlapping the caller's compute (1), or waits for a caller to
+  // wait for it and runs on that caller's thread (0). Overlap needs a core
+  // for the engine's thread: with none to spare, that thread only takes
+  // time from the ranks' own compute, and the hand-offs cost more. -1
+  // (auto, the default) overlaps where this host's ranks leave a core free
+  // (engine_driver.cc).
+  int overlap = -1;
+
   int log_level = 0;  // 0 warnings, 1 info, 2 debug
   // UNISON_AUTOTUNE: rank 0 searches the four settings below (autotune.h),
   // except those the user set, which are *_fixed.

@@ -5,35 +5,17 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <functional>
 #include <map>
 #include <set>
 #include <tuple>
 
-#include <pthread.h>
 
 #include "adasum.h"
 #include "dtype.h"
 #include "futex.h"
-#include "signals.h"
 
 namespace unison {
 namespace {
-
-// How long an idle engine sleeps before it looks at its peers again.
-constexpr double kIdleWakeSeconds = 0.25;
-
-// Starts the background thread, named, with asynchronous signals blocked
-// (signals.h: they must reach Python's main thread).
-std::thread start_engine_thread(std::function<void()> body) {
-  std::thread thread;
-  {
-    AsyncSignalsBlocked blocked;
-    thread = std::thread(std::move(body));
-  }
-  pthread_setname_np(thread.native_handle(), "unison-engine");  // as top -H and gdb show it
-  return thread;
-}
 
 int64_t element_count(const std::vector<int64_t>& shape) {
   int64_t n = 1;
@@ -110,7 +92,8 @@ Engine::Engine(const Config& config, std::unique_ptr<Backend> backend, HandleTab
     Status s = start_timeline(path, config_.timeline_mark_cycles);
     if (!s.ok()) std::fprintf(stderr, "%s (UNISON_TIMELINE); running without a timeline\n", s.message.c_str());
   }
-  thread_ = start_engine_thread([this] { loop(); });
+  overlap_ = decide_overlap(config_, *backend_);
+  start_thread();
 }
 
 TunedSettings Engine::settings() const {
@@ -132,14 +115,6 @@ void Engine::apply_tuning(const CycleMessage& m) {
 Status Engine::start_timeline(const std::string& path, bool mark_cycles) {
   if (backend_->rank() != 0) return Status::OK();
   return timeline_.start(path, mark_cycles);
-}
-
-Engine::~Engine() { stop(); }
-
-void Engine::stop() {
-  stop_requested_.store(true);
-  backend_->wake();
-  if (thread_.joinable()) thread_.join();
 }
 
 // ---- the calling side ---------------------------------------------------------
@@ -296,60 +271,24 @@ Status Engine::enqueue(const unison_op_options& o, int64_t* handle) {
   *handle = e.handle;
   in_flight.insert(r.name);
   timeline_.begin(r.name, "QUEUED");
+  if (queue_.empty()) queued_since_ = monotonic_seconds();
   queue_.push_back(std::move(e));
-  backend_->wake();
+  wake_for(*handle);
   return Status::OK();
 }
 
-// ---- the engine thread ---------------------------------------------------------
+// ---- the engine thread (driving it: engine_driver.cc) ---------------------------
 
-void Engine::loop() {
-  while (!stopped_) {
-    const uint32_t token = backend_->activity_token();
-    if (cycles_done_ < backend_->requested_cycles()) {
-      last_cycle_start_ = monotonic_seconds();
-      timeline_.cycle_marker();
-      Status s = run_cycle();
-      ++cycles_done_;
-      if (!s.ok()) fail_everything(s);
-      continue;
-    }
-    if (has_local_work()) {
-      if (tuned_.cycle_time_ms > 0) {
-        double wait = last_cycle_start_ + tuned_.cycle_time_ms * 1e-3 - monotonic_seconds();
-        if (wait > 0) backend_->wait_for_activity(token, wait);
-        if (cycles_done_ < backend_->requested_cycles()) continue;
-      }
-      backend_->request_cycles(cycles_done_ + 1);
-      continue;
-    }
-    const double now = monotonic_seconds();
-    bool stall_due = false, anything_pending = false;
-    for (const auto& [id, set] : sets_) {
-      stall_due |= stall_check_due(*set, now);
-      anything_pending |= !set->pending.empty();
-    }
-    if (stall_due) {
-      backend_->request_cycles(cycles_done_ + 1);
-      continue;
-    }
-    if (anything_pending) {
-      Status s = backend_->check_peers();
-      if (!s.ok()) {
-        fail_everything(s);
-        continue;
-      }
-    }
-    backend_->wait_for_activity(token, kIdleWakeSeconds);
-  }
-}
-
-bool Engine::has_local_work() {
+bool Engine::has_local_work(double queue_age, double* claim_in) {
   if (stop_requested_.load()) return true;
   for (const auto& [id, set] : sets_)
     if (set->another_cycle || !set->to_send.empty()) return true;
   std::lock_guard<std::mutex> lock(queue_mutex_);
-  return !queue_.empty();
+  if (queue_.empty()) return false;
+  if (queue_age <= 0) return true;
+  const double wait = queued_since_ + queue_age - monotonic_seconds();
+  if (claim_in != nullptr) *claim_in = wait;
+  return wait <= 0;
 }
 
 bool Engine::stall_check_due(const ProcessSetState& set, double now) const {

@@ -15,6 +15,14 @@
 // Cycles are collective and start as soon as any rank has work, so a lone
 // op waits for no timer, and an idle rank sleeps in the kernel.
 //
+// Who drives the cycles (engine_driver.cc): the engine's thread, or a caller
+// waiting for its op. A lone op handed to the thread would pay for two
+// thread hand-offs (wake the engine, then wake the caller), which cost more
+// than the op itself, and on a busy machine the woken thread waits for a
+// core. So a caller that waits drives the engine itself, on its own core,
+// while the thread steps aside; the thread takes over again as soon as no
+// caller drives (see wait()).
+//
 // Process sets: steps 1-4 run per set, each set with its own cache and
 // coordinator and over its own backend (Backend::split). The global set's
 // exchange says which other sets have work anywhere; right after it, the
@@ -35,6 +43,7 @@
 #include "backend.h"
 #include "config.h"
 #include "coordinator.h"
+#include "futex.h"
 #include "handles.h"
 #include "message.h"
 #include "response_cache.h"
@@ -49,12 +58,19 @@ namespace unison {
 // its ops never wait on ranks outside it.
 struct ProcessSetState;
 
+// Whether async ops start at once on the engine's thread (Config::overlap).
+bool decide_overlap(const Config& config, const Backend& backend);
+
 class Engine {
  public:
   Engine(const Config& config, std::unique_ptr<Backend> backend, HandleTable* handles);
   ~Engine();
 
   Status enqueue(const unison_op_options& options, int64_t* handle);
+  // Waits for an op of this process, driving the engine from this thread
+  // while it waits where the backend allows it; UNISON_ERR_TIMEOUT after
+  // `timeout_seconds` (< 0: no limit).
+  Status wait(int64_t handle, double timeout_seconds);
   // Tells every rank this one is leaving, then stops the thread.
   void stop();
   // Rank 0 writes the timeline; on other ranks these do nothing.
@@ -77,8 +93,21 @@ class Engine {
   };
   friend struct ProcessSetState;
 
+  void start_thread();
   void loop();
-  bool has_local_work();
+  // One step of driving: runs a cycle that is due, asks for one when this
+  // rank has work, or looks after waiting ops. Returns 0 when it did
+  // something, else how long to wait for activity before the next step.
+  // Only the driver calls it (under drive_mutex_).
+  double step(bool by_caller);
+  // Whether the engine's thread should stay parked: a caller drives, or one
+  // did a moment ago and is likely to again.
+  bool callers_drive() const;
+  // After an enqueue: wakes whoever must take the op.
+  void wake_for(int64_t handle);
+  // Work of this rank's for a cycle. Queued ops count once they have waited
+  // `queue_age` seconds; *claim_in says how long until they would.
+  bool has_local_work(double queue_age = 0, double* claim_in = nullptr);
   Status run_cycle();
   void take_new_requests();
   void build_message(ProcessSetState& set, CycleMessage* message, double now);
@@ -116,6 +145,7 @@ class Engine {
   // Shared with calling threads, under queue_mutex_.
   std::mutex queue_mutex_;
   std::vector<Entry> queue_;
+  double queued_since_ = 0;  // when queue_ last became non-empty
   std::map<int, std::unordered_set<std::string>> in_flight_;  // names, by process set
   std::map<int, std::vector<int>> set_ranks_;  // every process set's ranks, member or not
   Status terminal_;  // set once the engine can no longer run ops
@@ -130,6 +160,13 @@ class Engine {
   std::vector<Completion> finished_;                // completed, not yet published
   std::vector<std::pair<int, std::string>> finished_names_;  // (process set, name)
   uint64_t cycles_done_ = 0;
+  // Driving (engine_driver.cc). The driver, thread or caller, holds
+  // drive_mutex_; the state above and the backend belong to it.
+  std::timed_mutex drive_mutex_;
+  std::atomic<int> callers_driving_{0};      // callers holding or waiting for drive_mutex_
+  std::atomic<double> caller_left_at_{-1.0};  // when the last one let go (monotonic seconds)
+  Doorbell park_bell_;  // the engine's thread sleeps on it while callers drive
+  bool overlap_ = true;  // async ops start at once (Config::overlap, decided)
   bool joined_ = false;         // this rank waits in join
   bool stopped_ = false;
   double last_cycle_start_ = 0;

@@ -135,6 +135,8 @@ class ShmBackend final : public Backend {
   }
 
   void wake() override { me_->bell.ring(); }
+  // wait_for_activity() reads the bell and writes the heartbeat, both atomic.
+  bool callers_may_drive() const override { return true; }
 
   // ---- liveness ------------------------------------------------------------
 

@@ -41,6 +41,7 @@ class SoloBackend final : public Backend {
     doorbell_.sleep(token, timeout_seconds);
   }
   void wake() override { doorbell_.ring(); }
+  bool callers_may_drive() const override { return true; }
 
   Status allreduce(const AllreduceOptions& o) override {
     const size_t element = dtype_size(o.reduce.dtype);

@@ -1,7 +1,11 @@
 """unison.numpy beyond the shared grid (shared_grid.py, test_core_grid.py):
 large and fused tensors across shared-memory rounds, names reused with
 other options, a thousand small ops, ranks enqueueing in different orders,
-join, and shutdown then init, with exact values."""
+join, shutdown then init, and waiting callers that drive the engine
+themselves (engine_driver.cc), with exact values."""
+import threading
+import time
+
 import numpy as np
 import pytest
 
@@ -169,6 +173,82 @@ def test_while_a_rank_has_joined_only_allreduce_runs():
     assert unp.allgather(np.array([last]), name="joined.last").tolist() == [last] * n
     assert last != 0
     np.testing.assert_array_equal(unp.broadcast(np.arange(3) + me, root_rank=0, name="joined.after"), np.arange(3))
+
+
+def test_sync_ops_on_one_thread_beside_async_ops_on_another():
+    # One thread runs a streak of synchronous ops (its waits drive the
+    # engine) while another enqueues batches of async ops and waits for them
+    # later: every op of both completes, with every rank's values.
+    n, rank = unison.size(), unison.rank()
+    failures = []
+
+    def sync_streak():
+        try:
+            for i in range(300):
+                out = unp.allreduce(np.full(3, rank + i, np.int64), op=unison.Sum, name="drive.sync.%d" % i)
+                assert out.tolist() == [n * (n - 1) // 2 + n * i] * 3, (i, out)
+        except Exception as e:  # noqa: BLE001 - reported below
+            failures.append(e)
+
+    worker = threading.Thread(target=sync_streak)
+    worker.start()
+    for batch in range(30):
+        arrays = [np.full(1000, rank * 10 + k, np.float64) for k in range(10)]
+        handles = [unp.allreduce_async_(a, op=unison.Sum, name="drive.async.%d.%d" % (batch, k))
+                   for k, a in enumerate(arrays)]
+        for k, h in enumerate(handles):
+            np.testing.assert_array_equal(unp.synchronize(h), np.full(1000, 10 * n * (n - 1) / 2 + n * k))
+    worker.join()
+    assert not failures, failures
+
+
+def test_async_op_after_a_sync_streak_completes_with_no_wait():
+    # After a streak of waited ops the engine's thread expects the next op
+    # to be waited for too; this one is only polled, so the thread must
+    # take it over by itself.
+    n, rank = unison.size(), unison.rank()
+    for i in range(50):
+        unp.allreduce(np.ones(2), op=unison.Sum, name="streak.%d" % i)
+    x = np.full(4, rank + 1.0)
+    handle = unp.allreduce_async_(x, op=unison.Sum, name="streak.unwaited")
+    while not unp.poll(handle):
+        time.sleep(0.001)
+    np.testing.assert_array_equal(unp.synchronize(handle), np.full(4, n * (n + 1) / 2))
+
+
+def test_waiting_caller_outlasts_a_late_peer():
+    # Rank r arrives r * 0.3 s late: rank 0's caller drives the engine
+    # through several of its 0.2 s wait slices before the op can run.
+    n, rank = unison.size(), unison.rank()
+    time.sleep(0.3 * rank)
+    out = unp.allreduce(np.full(5, float(rank)), op=unison.Max, name="late.peer")
+    np.testing.assert_array_equal(out, np.full(5, n - 1.0))
+
+
+def test_shutdown_while_another_thread_waits():
+    # A thread waits (driving the engine) on an op no other rank starts;
+    # shutdown() on the main thread ends it with ShutDownError, not a hang.
+    if unison.size() > 1:
+        outcome = []
+
+        def wait_alone():
+            try:
+                unp.allreduce(np.ones(1), name="only.rank.%d" % unison.rank())
+                outcome.append("completed")
+            except unison.ShutDownError as e:
+                outcome.append(e)
+
+        unp.barrier()
+        waiter = threading.Thread(target=wait_alone)
+        waiter.start()
+        time.sleep(0.3)
+        unp.barrier()
+        unison.shutdown()
+        waiter.join(timeout=30)
+        assert not waiter.is_alive()
+        assert len(outcome) == 1 and isinstance(outcome[0], unison.ShutDownError), outcome
+        unison.init()
+        unp.barrier()
 
 
 def test_shutdown_then_init_again():

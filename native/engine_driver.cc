@@ -1,0 +1,211 @@
+// engine_driver.cc: who drives the engine's cycles, and when.
+//
+// The engine's state is driven by one thread at a time, the holder of
+// drive_mutex_: the engine's own thread, or a caller waiting for its op.
+//
+// Why callers drive. A lone op handed to the engine's thread pays for two
+// thread hand-offs: the caller wakes the engine, the engine runs the cycle,
+// then wakes the caller. Each wake-up is a system call and a trip through
+// the scheduler, and on a machine whose cores are all busy (the usual case:
+// one rank per core) the woken thread also waits for a core, taken from the
+// rank's own caller. A 4 KiB allreduce then took 60-70 us where MPICH, whose
+// caller does the work itself, took 3 us. A caller that waits for its op has
+// nothing else to do, so it runs the cycles itself, on its own core, and
+// the engine's thread stays asleep: one runnable thread per rank.
+//
+// The hand-over:
+//   - a waiting caller announces itself (callers_driving_) and takes the
+//     mutex, then steps the engine until its op is done or its time is up;
+//   - the engine's thread parks on park_bell_ while callers drive, and for
+//     kCallerLinger after the last one let go: a caller in a loop of
+//     synchronous ops comes back within microseconds, and waking the thread
+//     in between would cost what driving saves;
+//   - with overlap (below), an enqueue that no caller is expected to wait
+//     for rings park_bell_, so async ops (gradients during backward) are
+//     taken at once; one that its thread will likely wait for (that thread
+//     waited for its previous op right after enqueueing it) leaves the
+//     thread parked. Guessed wrong, the op waits at most kCallerLinger;
+//   - a caller that leaves work behind (another thread's op, a cycle a peer
+//     asked for) rings park_bell_, so the thread takes over at once.
+// A peer's request for a cycle reaches whoever listens on the backend: a
+// driving caller, or the thread (parked at most kCallerLinger).
+//
+// Overlap (UNISON_OVERLAP). Starting an async op at once, on the engine's
+// thread, overlaps its bytes with the caller's compute (gradients during
+// backward) only if that thread has a core to run on. Where the host's ranks
+// already fill every core, it runs in their stead, and the training loses
+// more to the hand-offs than it gains: on the 2-core VM, 2 ranks trained an
+// MLP at 0.69-0.77x the speed of 2 independent processes with overlap, and
+// at 0.82-0.83x without (benchmarks/README.md). So by default async ops
+// start at once only where this host has more usable cores than ranks;
+// elsewhere they wait in the queue for a caller's wait, which drives them
+// all in one cycle (and fuses them), for a peer's cycle, or, for ops nobody
+// waits for, at most kUnclaimedSeconds.
+//
+// Only backends whose wait_for_activity() is safe beside the driver allow
+// this (Backend::callers_may_drive: shared memory and the single process);
+// elsewhere callers wait for the thread, as before.
+#include <pthread.h>
+
+#include <sched.h>
+
+#include <chrono>
+#include <functional>
+#include <mutex>
+
+#include "engine.h"
+#include "signals.h"
+
+namespace unison {
+namespace {
+
+// How long an idle engine sleeps before it looks at its peers again.
+constexpr double kIdleWakeSeconds = 0.25;
+// How long the engine's thread stays parked after a caller stopped driving.
+constexpr double kCallerLinger = 1e-3;
+// Without overlap: how long an async op waits for a caller before the
+// engine's thread takes it anyway.
+constexpr double kUnclaimedSeconds = 0.01;
+
+// The enqueuing thread's history, to guess whether it will wait for the op
+// it enqueues: it did if it waited for its previous op before enqueuing
+// another. Handles are unique in the process, engines or not.
+thread_local int64_t last_enqueued = 0;
+thread_local int64_t last_waited = -1;
+
+int usable_cores() {
+  cpu_set_t cpus;
+  if (sched_getaffinity(0, sizeof(cpus), &cpus) != 0) return 1;
+  return CPU_COUNT(&cpus);
+}
+
+}  // namespace
+
+bool decide_overlap(const Config& config, const Backend& backend) {
+  if (!backend.callers_may_drive()) return true;  // only the engine's thread drives
+  if (config.overlap >= 0) return config.overlap == 1;
+  return usable_cores() > config.local_size;
+}
+
+void Engine::start_thread() {
+  {
+    // Asynchronous signals must reach Python's main thread (signals.h).
+    AsyncSignalsBlocked blocked;
+    thread_ = std::thread([this] { loop(); });
+  }
+  pthread_setname_np(thread_.native_handle(), "unison-engine");  // as top -H and gdb show it
+}
+
+Engine::~Engine() { stop(); }
+
+void Engine::stop() {
+  stop_requested_.store(true);
+  backend_->wake();
+  park_bell_.ring();
+  if (thread_.joinable()) thread_.join();
+}
+
+bool Engine::callers_drive() const {
+  return callers_driving_.load() > 0 || monotonic_seconds() < caller_left_at_.load() + kCallerLinger;
+}
+
+void Engine::wake_for(int64_t handle) {
+  const bool caller_will_wait = last_enqueued != 0 && last_waited == last_enqueued;
+  last_enqueued = handle;
+  if (!overlap_) return;  // left for a wait, a peer's cycle, or kUnclaimedSeconds
+  backend_->wake();  // a driving caller listens here
+  if (!caller_will_wait) park_bell_.ring();
+}
+
+void Engine::loop() {
+  for (;;) {
+    const uint32_t parked = park_bell_.token();
+    if (!stop_requested_.load() && callers_drive()) {
+      park_bell_.sleep(parked, kCallerLinger);
+      continue;
+    }
+    std::unique_lock<std::timed_mutex> lock(drive_mutex_);
+    if (stopped_) return;
+    const uint32_t token = backend_->activity_token();
+    const double idle = step(false);
+    if (idle <= 0) continue;
+    lock.unlock();
+    backend_->wait_for_activity(token, idle);
+  }
+}
+
+double Engine::step(bool by_caller) {
+  if (cycles_done_ < backend_->requested_cycles()) {
+    last_cycle_start_ = monotonic_seconds();
+    timeline_.cycle_marker();
+    Status s = run_cycle();
+    ++cycles_done_;
+    if (!s.ok()) fail_everything(s);
+    return 0;
+  }
+  double claim_in = kIdleWakeSeconds;
+  if (has_local_work(by_caller || overlap_ ? 0 : kUnclaimedSeconds, &claim_in)) {
+    if (tuned_.cycle_time_ms > 0) {
+      const double wait = last_cycle_start_ + tuned_.cycle_time_ms * 1e-3 - monotonic_seconds();
+      if (wait > 0) return wait;
+    }
+    backend_->request_cycles(cycles_done_ + 1);
+    return 0;
+  }
+  const double now = monotonic_seconds();
+  bool stall_due = false, anything_pending = false;
+  for (const auto& [id, set] : sets_) {
+    stall_due |= stall_check_due(*set, now);
+    anything_pending |= !set->pending.empty();
+  }
+  if (stall_due) {
+    backend_->request_cycles(cycles_done_ + 1);
+    return 0;
+  }
+  if (anything_pending) {
+    Status s = backend_->check_peers();
+    if (!s.ok()) {
+      fail_everything(s);
+      return 0;
+    }
+  }
+  // Without overlap, an op enqueued after this step rang no one: look again
+  // within kUnclaimedSeconds.
+  return std::min(overlap_ ? kIdleWakeSeconds : kUnclaimedSeconds, std::max(claim_in, 1e-4));
+}
+
+Status Engine::wait(int64_t handle, double timeout_seconds) {
+  last_waited = handle;
+  bool done = false;
+  Status s = handles_->poll(handle, &done);
+  if (!s.ok() || done || !backend_->callers_may_drive()) return handles_->wait(handle, timeout_seconds);
+  const double deadline = timeout_seconds < 0 ? -1 : monotonic_seconds() + timeout_seconds;
+  auto remaining = [&] { return deadline < 0 ? kIdleWakeSeconds : deadline - monotonic_seconds(); };
+
+  callers_driving_.fetch_add(1);
+  std::unique_lock<std::timed_mutex> lock(drive_mutex_, std::defer_lock);
+  // Waits while the engine's thread (or another caller) finishes a cycle.
+  while (!lock.try_lock_for(std::chrono::duration<double>(std::max(remaining(), 0.0)))) {
+    if (deadline >= 0) break;
+  }
+  bool work_left = false;
+  if (lock.owns_lock()) {
+    while (!stopped_ && !stop_requested_.load()) {
+      if (handles_->poll(handle, &done).ok() && done) break;
+      const uint32_t token = backend_->activity_token();
+      const double idle = step(true);
+      if (idle <= 0) continue;
+      const double left = remaining();
+      if (left <= 0) break;
+      backend_->wait_for_activity(token, std::min(idle, left));
+    }
+    work_left = !stopped_ && (has_local_work() || cycles_done_ < backend_->requested_cycles());
+    lock.unlock();
+  }
+  caller_left_at_.store(monotonic_seconds());
+  callers_driving_.fetch_sub(1);
+  if (work_left || stop_requested_.load()) park_bell_.ring();
+  return handles_->wait(handle, deadline < 0 ? -1.0 : std::max(remaining(), 0.0));
+}
+
+}  // namespace unison
