@@ -1,7 +1,7 @@
 """Allreduce: unison against torch.distributed (gloo) and MPICH, side by side.
 
     unisonrun -np 2 python benchmarks/allreduce.py      (unison and gloo)
-    mpirun -np 2 python benchmarks/allreduce.py         (and MPICH: MPICH's mpirun, mpi4py installed)
+    mpirun -np 2 python benchmarks/allreduce.py         (and MPICH: `pip install mpich`, then `pip install mpi4py`)
     unisonrun -np 4 --simulate-hosts 2 python benchmarks/allreduce.py --mpi-layouts
     sudo python benchmarks/two_hosts.py            (--tcp-and-mpi, in two network namespaces)
 
