@@ -233,15 +233,14 @@ Status Config::from_environment(Config* out) {
   read(read_size(&c.control_message_bytes, "UNISON_CONTROL_MESSAGE_BYTES", nullptr, 4096));
   read(read_size(&c.small_allreduce_bytes, "UNISON_SMALL_ALLREDUCE_BYTES"));
   read(read_double(&c.spin_microseconds, "UNISON_SPIN_MICROSECONDS"));
-  if (const char* v = lookup("UNISON_OVERLAP", nullptr); v != nullptr && trimmed(v) == "auto") {
-    c.overlap = -1;
-  } else {
-    bool overlap = false;
-    const bool given = v != nullptr;
-    Status s = read_flag(&overlap, "UNISON_OVERLAP");
-    if (!s.ok()) s = bad_setting("UNISON_OVERLAP", v, "auto or a flag (1, 0, true, false, yes, no, on or off)");
-    read(s);
-    if (given && s.ok()) c.overlap = overlap ? 1 : 0;
+  if (const char* v = lookup("UNISON_OVERLAP", nullptr)) {
+    bool on = false;
+    if (trimmed(v) == "auto")
+      c.overlap = -1;
+    else if (read_flag(&on, "UNISON_OVERLAP").ok())
+      c.overlap = on ? 1 : 0;
+    else
+      read(bad_setting("UNISON_OVERLAP", v, "auto or a flag (1, 0, true, false, yes, no, on or off)"));
   }
   read(read_int(&c.log_level, "UNISON_LOG_LEVEL", "HOROVOD_LOG_LEVEL"));
   if (const char* v = lookup("UNISON_TIMELINE", "HOROVOD_TIMELINE")) c.timeline_path = trimmed(v);

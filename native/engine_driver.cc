@@ -50,7 +50,6 @@
 #include <sched.h>
 
 #include <chrono>
-#include <functional>
 #include <mutex>
 
 #include "engine.h"

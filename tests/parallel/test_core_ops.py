@@ -228,27 +228,26 @@ def test_waiting_caller_outlasts_a_late_peer():
 def test_shutdown_while_another_thread_waits():
     # A thread waits (driving the engine) on an op no other rank starts;
     # shutdown() on the main thread ends it with ShutDownError, not a hang.
-    if unison.size() > 1:
-        outcome = []
+    outcome = []
 
-        def wait_alone():
-            try:
-                unp.allreduce(np.ones(1), name="only.rank.%d" % unison.rank())
-                outcome.append("completed")
-            except unison.ShutDownError as e:
-                outcome.append(e)
+    def wait_alone():
+        try:
+            unp.allreduce(np.ones(1), name="only.rank.%d" % unison.rank())
+            outcome.append("completed")
+        except unison.ShutDownError as e:
+            outcome.append(e)
 
-        unp.barrier()
-        waiter = threading.Thread(target=wait_alone)
-        waiter.start()
-        time.sleep(0.3)
-        unp.barrier()
-        unison.shutdown()
-        waiter.join(timeout=30)
-        assert not waiter.is_alive()
-        assert len(outcome) == 1 and isinstance(outcome[0], unison.ShutDownError), outcome
-        unison.init()
-        unp.barrier()
+    unp.barrier()
+    waiter = threading.Thread(target=wait_alone)
+    waiter.start()
+    time.sleep(0.3)
+    unp.barrier()
+    unison.shutdown()
+    waiter.join(timeout=30)
+    assert not waiter.is_alive()
+    assert len(outcome) == 1 and isinstance(outcome[0], unison.ShutDownError), outcome
+    unison.init()
+    unp.barrier()
 
 
 def test_shutdown_then_init_again():
