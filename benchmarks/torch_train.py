@@ -62,6 +62,8 @@ def main():
     unison_model = make_model(args.width, args.depth)
     unison_opt = hvd.DistributedOptimizer(torch.optim.SGD(unison_model.parameters(), lr=0.01),
                                           named_parameters=unison_model.named_parameters())
+    zero_model = make_model(args.width, args.depth)
+    zero_opt = hvd.ZeroRedundancyOptimizer(zero_model.parameters(), torch.optim.SGD, lr=0.01)
     ddp_model = DistributedDataParallel(make_model(args.width, args.depth))
     ddp_opt = torch.optim.SGD(ddp_model.parameters(), lr=0.01)
     alone_model = make_model(args.width, args.depth)
@@ -77,7 +79,8 @@ def main():
 
     independent_model = make_model(args.width, args.depth)
     independent_opt = torch.optim.SGD(independent_model.parameters(), lr=0.01)
-    runs = {"unison": train(unison_model, unison_opt), "ddp": train(ddp_model, ddp_opt),
+    runs = {"unison": train(unison_model, unison_opt), "zero": train(zero_model, zero_opt),
+            "ddp": train(ddp_model, ddp_opt),
             "independent": train(independent_model, independent_opt)}
     for run in runs.values():
         run()  # warm-up
@@ -100,6 +103,7 @@ def main():
         tensors = len(list(unison_model.parameters()))
         samples = args.steps * args.batch_size
         u = size * samples / statistics.median(times["unison"])
+        z = size * samples / statistics.median(times["zero"])
         d = size * samples / statistics.median(times["ddp"])
         c = size * samples / statistics.median(times["independent"])
         a = samples / alone
@@ -108,11 +112,13 @@ def main():
         print("| trainer | samples/s | vs DDP | vs independent processes |")
         print("| --- | --- | --- | --- |")
         print("| unison DistributedOptimizer | %.0f | %.2fx | %.2fx |" % (u, u / d, u / c))
+        print("| unison ZeroRedundancyOptimizer | %.0f | %.2fx | %.2fx |" % (z, z / d, z / c))
         print("| DDP (gloo) | %.0f | 1.00x | %.2fx |" % (d, d / c))
         print("| %d independent processes (the ceiling) | %.0f | %.2fx | 1.00x |" % (size, c, c / d))
         print("| one process alone | %.0f | %.2fx | %.2fx |" % (a, a / d, a / c))
         for what, value, target in (("DDP's samples/s", u / d, 1.5),
-                                    ("the independent processes' samples/s", u / c, 0.9)):
+                                    ("the independent processes' samples/s", u / c, 0.9),
+                                    ("DistributedOptimizer's samples/s (ZeRO)", z / u, 0.9)):
             verdict = "met" if value >= target else "MISSED by %.0f%%" % (100 * (1 - value / target))
             print("target: unison >= %.1fx %s: %.2fx, %s" % (target, what, value, verdict))
     dist.destroy_process_group()

@@ -59,10 +59,10 @@ def check_has_rows(collective, shape, name):
                                    % (collective, label(name)))
 
 
-def split_counts(splits, name):
-    """alltoall's splits as a list of Python ints. Anything that is not an
-    integer (2.5, '3', a float tensor) is a ValueError here rather than a
-    truncated or overflowing count later."""
+def split_counts(splits, name, collective="alltoall"):
+    """alltoall's or reducescatter's splits as a list of Python ints.
+    Anything that is not an integer (2.5, '3', a float tensor) is a
+    ValueError here rather than a truncated or overflowing count later."""
     if splits is None:
         return None
     if hasattr(splits, "tolist"):   # numpy arrays, torch tensors, eager TF tensors via numpy()
@@ -72,8 +72,8 @@ def split_counts(splits, name):
     counts = []
     for s in splits:
         if isinstance(s, bool) or not isinstance(s, numbers.Integral):
-            raise InvalidArgumentError("unison: alltoall of %s: splits must be integers, got %r"
-                                       % (label(name), list(splits)))
+            raise InvalidArgumentError("unison: %s of %s: splits must be integers, got %r"
+                                       % (collective, label(name), list(splits)))
         counts.append(int(s))
     return counts
 

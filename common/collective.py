@@ -62,21 +62,23 @@ def _prepare(op, name, dtype, shape, reduce_op, prescale_factor, postscale_facto
 
 def enqueue(op, name, dtype=0, shape=(), input=NULL, output=NULL, reduce_op=0,
             prescale_factor=1.0, postscale_factor=1.0, root_rank=0, splits=None,
-            process_set=None, device=-1):
+            process_set=None, device=-1, output_bytes=0):
     """Starts one collective and returns the core's handle id.
 
-    input and output are cffi pointers (or NULL); `name` may be None for an
-    automatically numbered one; `shape` a tuple (or list) of ints."""
+    input and output are cffi pointers (or NULL); output_bytes is the
+    capacity of an allgather's, alltoall's or reducescatter's output where
+    the caller gives one; `name` may be None for an automatically numbered
+    one; `shape` a tuple (or list) of ints."""
     scratch = _scratch
     if not isinstance(shape, tuple):
         shape = tuple(shape)
     process_set = 0 if process_set is None else process_set_id(process_set)
-    # Ops with splits (alltoall) or no name (numbered by the core) rarely
-    # repeat exactly, so they are built per call.
+    # Ops with no name (numbered by the core) never repeat, so they are
+    # built per call.
     key = None
-    if splits is None and name:
+    if name:
         key = (op, name, dtype, shape, reduce_op, prescale_factor, postscale_factor, root_rank, process_set,
-               device)
+               device, None if splits is None else tuple(splits))
         prepared = scratch.prepared.get(key)
     else:
         prepared = None
@@ -88,6 +90,7 @@ def enqueue(op, name, dtype=0, shape=(), input=NULL, output=NULL, reduce_op=0,
     options = prepared[0]
     options.input = input
     options.output = output
+    options.output_bytes = output_bytes
     handle = scratch.handle
     code = lib.unison_enqueue(options, handle)
     if code:

@@ -25,6 +25,9 @@ CODES = {
     "bool": lib.UNISON_BOOL,
 }
 
+ITEM_BYTES = {"uint8": 1, "int8": 1, "uint16": 2, "int16": 2, "uint32": 4, "int32": 4, "uint64": 8, "int64": 8,
+              "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "bool": 1}
+
 FLOATING = frozenset(("float16", "bfloat16", "float32", "float64"))
 
 

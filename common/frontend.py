@@ -17,6 +17,7 @@ per-thread prepared options of collective.enqueue.
 from unison import arguments, collective, dtypes
 from unison import handles as _handles
 from unison.arguments import Adasum, Average
+from unison.exceptions import InvalidArgumentError
 from unison.handles import Handle, HandleGroup
 from unison.process_sets import size_of
 from unison._native import lib
@@ -67,6 +68,9 @@ class Tensors:
     def adopt(self, owned, nbytes, shape, like):
         """A tensor of `like`'s dtype over the core-allocated `owned` memory."""
         raise NotImplementedError
+
+
+_EMPTY_OUTPUT = collective.ffi.new("char[1]")   # where an empty output lives: nothing is written to it
 
 
 class Prepared:
@@ -153,11 +157,40 @@ class FrontEnd:
 
     # ---- allgather -----------------------------------------------------------------
 
-    def allgather_async(self, tensor, name=None, process_set=None):
+    def _output_of(self, output, like, name):
+        """(pointer, capacity in bytes) of a caller's output for an op whose
+        output size only negotiation fixes; (NULL, 0) to let the core
+        allocate it. The output must be contiguous memory of the input's
+        dtype: the core writes it directly."""
+        if output is None:
+            return collective.NULL, 0
+        t = self.tensors
+        dtype = t.dtype_name(output)
+        if dtype != t.dtype_name(like):
+            raise InvalidArgumentError("unison: the output for %s is %s, the tensor is %s"
+                                       % (dtypes.label(name), dtype, t.dtype_name(like)))
+        t.check(output, name)
+        if t.writable(output, name)[1] is not None:   # a copy would be written, not `output`
+            raise InvalidArgumentError("unison: the output for %s must be contiguous" % dtypes.label(name))
+        elements = 1
+        for d in t.shape(output):
+            elements *= d
+        if elements == 0:   # an empty tensor may have no address, and NULL would mean "allocate one"
+            return _EMPTY_OUTPUT, 0
+        return t.pointer(output), elements * dtypes.ITEM_BYTES[dtype]
+
+    def allgather_async(self, tensor, name=None, process_set=None, output=None):
+        """A new tensor of every rank's rows, or `output` filled with them
+        (sized by the caller, who knows every rank's rows; the input may be
+        this rank's own rows of it)."""
         prepared = self.prepare("allgather", tensor, name)
         source = self.tensors.readable(tensor)
+        target, capacity = self._output_of(output, tensor, name)
         handle_id = collective.enqueue(_ALLGATHER, name, prepared.code, prepared.shape,
-                                       self.tensors.pointer(source), process_set=process_set)
+                                       self.tensors.pointer(source), target, process_set=process_set,
+                                       output_bytes=capacity)
+        if output is not None:
+            return Handle(handle_id, name, (tensor, source, output), None, output)
         return Handle(handle_id, name, (tensor, source), self._core_result(tensor))
 
     def grouped_allgather_async(self, tensors, name=None, process_set=None):
@@ -205,13 +238,21 @@ class FrontEnd:
     # ---- reducescatter ----------------------------------------------------------------
 
     def reducescatter_async(self, tensor, name=None, op=Average, prescale_factor=1.0, postscale_factor=1.0,
-                            process_set=None):
+                            process_set=None, splits=None, output=None):
+        """This rank's rows of the reduction: an even share of the first
+        dimension (the lower ranks take one more where it does not divide),
+        or splits[rank] rows where `splits` gives every rank's count (the
+        same list on every rank); in a new tensor, or in `output`."""
         prepared = self.prepare("reducescatter", tensor, name, op, prescale_factor, postscale_factor)
+        counts = arguments.split_counts(splits, name, "reducescatter")
         source = self.tensors.readable(tensor)
+        target, capacity = self._output_of(output, tensor, name)
         handle_id = collective.enqueue(_REDUCESCATTER, name, prepared.code, prepared.shape,
-                                       self.tensors.pointer(source), reduce_op=op,
+                                       self.tensors.pointer(source), target, reduce_op=op,
                                        prescale_factor=prescale_factor, postscale_factor=postscale_factor,
-                                       process_set=process_set)
+                                       splits=counts, process_set=process_set, output_bytes=capacity)
+        if output is not None:
+            return Handle(handle_id, name, (tensor, source, output), None, output)
         return Handle(handle_id, name, (tensor, source), self._core_result(tensor))
 
     def grouped_reducescatter_async(self, tensors, name=None, op=Average, prescale_factor=1.0,

@@ -110,14 +110,16 @@ def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_facto
 
 # ---- allgather ----------------------------------------------------------------
 
-def allgather_async(tensor, name=None, process_set=None):
-    return front_end.allgather_async(_array(tensor), name, process_set)
+def allgather_async(tensor, name=None, process_set=None, output=None):
+    return front_end.allgather_async(_array(tensor), name, process_set, output)
 
 
-def allgather(tensor, name=None, process_set=None):
+def allgather(tensor, name=None, process_set=None, output=None):
     """Concatenates every rank's tensor along the first dimension, which may
-    differ between ranks."""
-    return synchronize(allgather_async(tensor, name, process_set))
+    differ between ranks, into a new array or into `output` (contiguous,
+    of the same dtype, with room for every rank's rows; `tensor` may be
+    this rank's own rows of it)."""
+    return synchronize(allgather_async(tensor, name, process_set, output))
 
 
 def grouped_allgather(tensors, name=None, process_set=None):
@@ -165,17 +167,21 @@ def alltoall(tensor, splits=None, name=None, process_set=None):
 # ---- reducescatter -------------------------------------------------------------
 
 def reducescatter_async(tensor, op=Average, name=None, prescale_factor=1.0, postscale_factor=1.0,
-                        process_set=None):
+                        process_set=None, splits=None, output=None):
     return front_end.reducescatter_async(_array(tensor), name, op, prescale_factor, postscale_factor,
-                                         process_set)
+                                         process_set, splits, output)
 
 
 def reducescatter(tensor, op=Average, name=None, prescale_factor=1.0, postscale_factor=1.0,
-                  process_set=None):
+                  process_set=None, splits=None, output=None):
     """Reduces `tensor` across ranks and returns this rank's rows of the
     result: the first dimension split as evenly as possible, the first ranks
-    taking one more row when it does not divide."""
-    return synchronize(reducescatter_async(tensor, op, name, prescale_factor, postscale_factor, process_set))
+    taking one more row when it does not divide, or splits[rank] rows when
+    `splits` (the same on every rank) gives each rank's count. With
+    `output` (contiguous, of the same dtype, with room for them) the rows
+    land there."""
+    return synchronize(reducescatter_async(tensor, op, name, prescale_factor, postscale_factor, process_set,
+                                           splits, output))
 
 
 def grouped_reducescatter(tensors, op=Average, name=None, prescale_factor=1.0, postscale_factor=1.0,

@@ -184,6 +184,11 @@ Response Coordinator::build(const Pending& p) const {
     if (differs([&](const Request& r) { return r.shape == first.shape; }))
       return fail("shape", shape_text);
   }
+  if (first.op == UNISON_REDUCESCATTER) {
+    if (differs([&](const Request& r) { return r.splits == first.splits; }))
+      return fail("splits (the rows each rank receives)", [](const Request& r) { return shape_string(r.splits); });
+    plan.splits = first.splits;
+  }
   response.tensors.push_back(plan);
   return response;
 }

@@ -46,13 +46,19 @@ Status invalid(const std::string& message) {
 }
 
 // Where an op's output goes: the caller's buffer, or one the core
-// allocates because only negotiation could tell its size.
-void* output_buffer(void* caller_output, size_t bytes, OpResult* result) {
+// allocates because only negotiation could tell its size. A caller's buffer
+// too small for what negotiation decided is not written past: the
+// collective still runs (the other ranks are in it) into a buffer of the
+// core's, and `overflow` says why this rank's op fails.
+void* output_buffer(void* caller_output, int64_t capacity, size_t bytes, OpResult* result,
+                    std::string* overflow = nullptr) {
   result->bytes = (int64_t)bytes;
-  if (caller_output != nullptr) {
+  if (caller_output != nullptr && (overflow == nullptr || bytes <= (size_t)std::max<int64_t>(capacity, 0))) {
     result->data = caller_output;
     return caller_output;
   }
+  if (caller_output != nullptr)
+    *overflow = "the output holds " + std::to_string(capacity) + " bytes, the result needs " + std::to_string(bytes);
   // 64-byte aligned, so frameworks can adopt the buffer without a copy
   // (TensorFlow takes only buffers aligned for its widest vector loads).
   constexpr size_t kAlign = 64;
@@ -134,6 +140,7 @@ Status Engine::enqueue(const unison_op_options& o, int64_t* handle) {
   e.process_set = o.process_set_id;
   e.input = o.input;
   e.output = o.output;
+  e.output_bytes = o.output_bytes;
 
   if (o.op < UNISON_ALLREDUCE || o.op > UNISON_REMOVE_PROCESS_SET) return invalid("unknown op " + std::to_string(o.op));
   // Built only for an error message: this function runs once per tensor.
@@ -218,6 +225,26 @@ Status Engine::enqueue(const unison_op_options& o, int64_t* handle) {
         return invalid(what() + ": first dimension " + std::to_string(rows) + " does not divide evenly among " +
                        std::to_string(size) + " ranks; pass splits");
       r.splits.assign(size, rows / size);
+    } else {
+      if (o.nsplits != size)
+        return invalid(what() + ": got " + std::to_string(o.nsplits) + " splits for " + std::to_string(size) + " ranks");
+      r.splits.assign(o.splits, o.splits + o.nsplits);
+      int64_t total = 0;
+      for (int64_t s : r.splits) {
+        if (s < 0) return invalid(what() + ": negative split in " + shape_string(r.splits));
+        total += s;
+      }
+      if (total != rows)
+        return invalid(what() + ": splits " + shape_string(r.splits) + " add up to " + std::to_string(total) +
+                       " rows, the tensor has " + std::to_string(rows));
+    }
+  }
+  if (o.op == UNISON_REDUCESCATTER) {
+    // Even splits are written out, so a rank that passes them explicitly
+    // agrees with one that does not.
+    const int64_t rows = r.shape[0];
+    if (o.splits == nullptr) {
+      for (int p = 0; p < size; ++p) r.splits.push_back(scatter_rows(rows, size, p));
     } else {
       if (o.nsplits != size)
         return invalid(what() + ": got " + std::to_string(o.nsplits) + " splits for " + std::to_string(size) + " ranks");
@@ -770,6 +797,7 @@ void Engine::execute(ProcessSetState& set, const std::vector<const Response*>& g
     return scratch.back().data();
   };
   std::vector<OpResult> results(group.size());
+  std::vector<std::string> overflow(group.size());  // why a caller's output was too small
   Status status;
 
   switch (head.op) {
@@ -809,7 +837,8 @@ void Engine::execute(ProcessSetState& set, const std::vector<const Response*>& g
           rows += t.first_dims[p];
         }
         part.input = e != nullptr ? e->input : nullptr;
-        part.output = output_buffer(e != nullptr ? e->output : nullptr, total, &results[i]);
+        part.output = e != nullptr ? output_buffer(e->output, e->output_bytes, total, &results[i], &overflow[i])
+                                   : output_buffer(nullptr, 0, total, &results[i]);
         results[i].shape = t.shape;
         results[i].shape[0] = rows;
         o.tensors.push_back(part);
@@ -821,7 +850,7 @@ void Engine::execute(ProcessSetState& set, const std::vector<const Response*>& g
       const TensorPlan& t = head.tensors[0];
       Entry* e = local(t.name);
       const size_t bytes = (size_t)element_count(t.shape) * dtype_size(head.dtype);
-      void* buffer = e != nullptr ? output_buffer(e->output, bytes, &results[0]) : zeros(bytes);
+      void* buffer = e != nullptr ? output_buffer(e->output, 0, bytes, &results[0]) : zeros(bytes);
       if (e != nullptr && rank == head.root && bytes > 0 && buffer != e->input) std::memcpy(buffer, e->input, bytes);
       results[0].shape = t.shape;
       status = backend->broadcast(BroadcastOptions{buffer, bytes, head.root});
@@ -841,7 +870,8 @@ void Engine::execute(ProcessSetState& set, const std::vector<const Response*>& g
         rows_in += results[0].received_splits[sender];
       }
       o.input = e != nullptr ? e->input : nullptr;
-      o.output = output_buffer(e != nullptr ? e->output : nullptr, (size_t)rows_in * row, &results[0]);
+      o.output = e != nullptr ? output_buffer(e->output, e->output_bytes, (size_t)rows_in * row, &results[0], &overflow[0])
+                              : output_buffer(nullptr, 0, (size_t)rows_in * row, &results[0]);
       results[0].shape = t.shape;
       results[0].shape[0] = rows_in;
       status = backend->alltoall(o);
@@ -855,12 +885,13 @@ void Engine::execute(ProcessSetState& set, const std::vector<const Response*>& g
         Entry* e = local(t.name);
         const size_t row = row_bytes(t.shape, head.dtype);
         ReducescatterOptions::Tensor part;
-        for (int p = 0; p < size; ++p) part.bytes_per_rank.push_back((size_t)scatter_rows(t.shape[0], size, p) * row);
+        for (int p = 0; p < size; ++p) part.bytes_per_rank.push_back((size_t)t.splits[p] * row);
         const size_t total = (size_t)element_count(t.shape) * dtype_size(head.dtype);
         part.input = e != nullptr ? e->input : zeros(total);
-        part.output = output_buffer(e != nullptr ? e->output : nullptr, part.bytes_per_rank[rank], &results[i]);
+        part.output = e != nullptr ? output_buffer(e->output, e->output_bytes, part.bytes_per_rank[rank], &results[i], &overflow[i])
+                                   : output_buffer(nullptr, 0, part.bytes_per_rank[rank], &results[i]);
         results[i].shape = t.shape;
-        results[i].shape[0] = scatter_rows(t.shape[0], size, rank);
+        results[i].shape[0] = t.splits[rank];
         o.tensors.push_back(part);
       }
       status = backend->reducescatter(o);
@@ -888,11 +919,15 @@ void Engine::execute(ProcessSetState& set, const std::vector<const Response*>& g
   }
   for (size_t i = 0; i < group.size(); ++i) {
     const std::string& name = group[i]->tensors[0].name;
-    if (local(name) == nullptr && results[i].core_allocated) {
+    if ((local(name) == nullptr || !overflow[i].empty()) && results[i].core_allocated) {
       std::free(results[i].data);
-      continue;
+      results[i] = OpResult();
     }
-    complete(set, name, status, std::move(results[i]));
+    if (local(name) == nullptr) continue;
+    if (status.ok() && !overflow[i].empty())
+      complete(set, name, invalid(std::string(op_name(head.op)) + " '" + name + "': " + overflow[i]));
+    else
+      complete(set, name, status, std::move(results[i]));
   }
   if (!status.ok()) fail_everything(status);
 }

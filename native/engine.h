@@ -88,6 +88,7 @@ class Engine {
     int process_set = 0;
     const void* input = nullptr;
     void* output = nullptr;
+    int64_t output_bytes = 0;  // ragged ops: capacity of the caller's output
     int64_t handle = 0;
     int cache_position = -1;  // >= 0 while it waits as a cache bit
   };

@@ -14,7 +14,8 @@ bool matches(const Response& cached, const Request& request, int size) {
     case UNISON_ALLREDUCE:
     case UNISON_REDUCESCATTER:
       return cached.reduce_op == request.reduce_op && cached.prescale == request.prescale &&
-             cached.postscale == request.postscale && plan.shape == request.shape;
+             cached.postscale == request.postscale && plan.shape == request.shape &&
+             (request.op == UNISON_ALLREDUCE || plan.splits == request.splits);
     case UNISON_BROADCAST:
       return cached.root == request.root && plan.shape == request.shape;
     case UNISON_ALLGATHER:

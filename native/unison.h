@@ -97,13 +97,19 @@ typedef struct {
   /* Output buffer. Allreduce and broadcast write here (it may equal input).
      Allgather, alltoall and reducescatter may pass NULL: their output size
      is known only after negotiation, and the core allocates it; read it
-     with unison_handle_result(). */
+     with unison_handle_result(). A caller that knows the size may pass a
+     buffer of output_bytes instead (an allgather's input may be its own
+     part of it: in place); a result that would not fit fails the op on
+     this rank, and the others go on. */
   void* output;
+  int64_t output_bytes;     /* allgather, alltoall, reducescatter: capacity of output */
   int reduce_op;            /* allreduce, reducescatter */
   double prescale_factor;   /* multiplies each input before reducing; 0 means 1 */
   double postscale_factor;  /* multiplies the result; 0 means 1 */
   int root_rank;            /* broadcast */
-  const int64_t* splits;    /* alltoall: rows sent to each rank, or NULL for even */
+  /* alltoall: rows sent to each rank; reducescatter: rows each rank
+     receives (every rank passes the same). NULL for an even split. */
+  const int64_t* splits;
   int nsplits;
   int process_set_id;       /* the set the op runs among; root_rank stays a global rank */
   int device;               /* UNISON_CPU_DEVICE for now */

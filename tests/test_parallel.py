@@ -48,7 +48,7 @@ def test_suite_under_launcher(suite, np_):
 # core to spare per rank (UNISON_OVERLAP=auto, engine_driver.cc); on a
 # machine without one (CI's 2 cores) the suites above run without overlap,
 # so these force it on.
-OVERLAP_SUITES = ["test_core_ops.py", "test_core_grid.py", "test_torch_optimizer.py"]
+OVERLAP_SUITES = ["test_core_ops.py", "test_core_grid.py", "test_torch_optimizer.py", "test_torch_zero.py"]
 
 
 @pytest.mark.timeout(600)

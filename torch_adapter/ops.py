@@ -268,10 +268,12 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
 
 # ---- allgather ----------------------------------------------------------------
 
-def allgather_async(tensor, name=None, process_set=global_process_set):
+def allgather_async(tensor, name=None, process_set=global_process_set, output=None):
     """Starts concatenating every rank's `tensor` along the first dimension
-    (which may differ between ranks); returns a handle."""
-    return _front.allgather_async(tensor, name, process_set)
+    (which may differ between ranks); returns a handle. With `output` (a
+    contiguous tensor of the same dtype with room for every rank's rows),
+    the rows land there; `tensor` may be this rank's own rows of it."""
+    return _front.allgather_async(tensor, name, process_set, output)
 
 
 def allgather(tensor, name=None, process_set=global_process_set):
@@ -335,11 +337,15 @@ def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
 # ---- reducescatter -------------------------------------------------------------
 
 def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set,
-                        prescale_factor=1.0, postscale_factor=1.0):
+                        prescale_factor=1.0, postscale_factor=1.0, splits=None, output=None):
     """Starts reducing `tensor` across ranks, this rank keeping its rows of
-    the result (the first dimension split as evenly as possible, the first
-    ranks taking one more row)."""
-    return _front.reducescatter_async(tensor, name, op, prescale_factor, postscale_factor, process_set)
+    the result: the first dimension split as evenly as possible, the first
+    ranks taking one more row, or splits[rank] rows where `splits` (the
+    same list on every rank) gives each rank's count. With `output` (a
+    contiguous tensor of the same dtype with room for them) the rows land
+    there instead of in a new tensor."""
+    return _front.reducescatter_async(tensor, name, op, prescale_factor, postscale_factor, process_set, splits,
+                                      output)
 
 
 def reducescatter(tensor, name=None, compression=Compression.none, op=Average,

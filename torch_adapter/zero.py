@@ -5,13 +5,18 @@ Every rank owns a subset of the parameters, chosen by a balanced partition
 by size, and keeps the wrapped optimizer's state for those only, so an Adam
 whose state is twice the model takes 2/N of the model per rank. One step:
 
-  1. gradients are averaged across ranks, but each rank receives only the
-     part it owns: one reducescatter per dtype over a flat buffer laid out
-     owner by owner (each owner's segment padded to the longest). Where the
-     padding would make that cost more than an allreduce of the unpadded
-     buffer (one parameter dominating the model), an allreduce is used.
+  1. each gradient is averaged onto its owner alone, by a reducescatter
+     whose splits give the owner every row and the other ranks none. It
+     starts from the gradient's post-accumulate hook, during backward, as
+     DistributedOptimizer's allreduces do, and the core fuses whatever is
+     ready together: the fusion threshold is the bucket size, and nothing
+     is copied into a bucket or padded to an even split.
   2. each rank steps its own parameters with its shard of the optimizer.
-  3. one allgather per dtype shares every owner's updated parameters.
+  3. one allgather per dtype, in place, shares every owner's updated
+     parameters. For that the parameters live as views of one flat buffer
+     per dtype, laid out owner by owner: this rank's part is its input, the
+     whole buffer the output, so nothing is gathered into a new tensor and
+     copied back.
 
 Parameters are assigned whole, never split: the wrapped optimizer sees
 ordinary parameters, so any torch.optim class works, including those whose
@@ -23,11 +28,17 @@ takes that format and keeps this rank's part. The format does not depend
 on the number of ranks, so a checkpoint resumes at another world size, or
 in a single process with the plain optimizer class.
 """
+import itertools
+import weakref
+
 import torch
 
+from unison.handles import synchronize
 from unison.process_sets import global_process_set
 from unison.torch.functions import allgather_object
-from unison.torch.ops import Average, allgather, allreduce, reducescatter
+from unison.torch.ops import Average, allgather_async, reducescatter_async
+
+_instances = itertools.count()   # names ops per optimizer; ranks build theirs in the same order
 
 
 def _partition(sizes, nranks, loads=None):
@@ -51,6 +62,12 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     gradients itself. After step(), only the gradients of this rank's own
     parameters hold the average; the others hold this rank's own.
 
+    The parameters become views of one flat buffer per dtype (their values
+    and identities stay), so every rank's update lands in place. A gradient
+    changed between backward and step() (gradient accumulation over several
+    backward passes, clipping in place) is noticed and averaged again as it
+    is at step(), at the cost of that step's overlap.
+
     `optim` is this rank's wrapped optimizer; `param_groups` are the global
     groups, and changes to their settings (a learning-rate scheduler's, say)
     reach `optim` at the next step.
@@ -61,6 +78,15 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._optimizer_class = optimizer_class
         self._owner = {}            # parameter -> owner's index in the process set
         self._loads = [0] * process_set.size()
+        self._prefix = "zero%d." % next(_instances)
+        self._layout = None         # (parameter, data_ptr, requires_grad) for each parameter, when laid out
+        self._flat = {}             # dtype -> the buffer every parameter of that dtype is a view of
+        self._chunk = {}            # dtype -> (start, length) of this rank's part of it
+        self._averaged = {}         # own parameter -> where its averaged gradient lands (kept across steps)
+        self._index = {}            # parameter -> its place among all parameters (names its op)
+        self._hooked = set()
+        self._in_flight = {}        # parameter -> (handle, the gradient sent, its version when sent)
+        self._stale = False         # a gradient changed after its reduction started
         self.optim = None
         self._consolidated = None
         super().__init__(params, defaults)   # calls add_param_group for each group
@@ -70,8 +96,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self.defaults = self.optim.defaults
         for group, local in zip(self.param_groups, self.optim.param_groups):
             group.update((k, v) for k, v in local.items() if k != "params")
+        if process_set.size() > 1:
+            self._lay_out()
 
-    # ---- partition ------------------------------------------------------------
+    # ---- partition and layout ----------------------------------------------------
 
     def _local_group(self, group):
         local = {k: v for k, v in group.items() if k != "params"}
@@ -86,72 +114,127 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._owner.update(zip(new, owners))
         if self.optim is not None:   # a group added after construction
             self.optim.add_param_group(self._local_group(group))
+            if self._process_set.size() > 1:
+                self._lay_out()
 
     def _params(self):
         return [p for group in self.param_groups for p in group["params"]]
 
-    def _segments(self, params):
-        """params split by owner: one list per rank of the process set, each
-        in the parameters' own order."""
-        segments = [[] for _ in range(self._process_set.size())]
+    def _lay_out(self):
+        """Makes every parameter a view of its dtype's flat buffer, laid out
+        owner by owner, and hooks the trainable ones."""
+        self._wait_in_flight()
+        params = self._params()
+        self._index = {p: i for i, p in enumerate(params)}
+        by_dtype = {}
         for p in params:
-            segments[self._owner[p]].append(p)
-        return segments
+            by_dtype.setdefault(p.dtype, []).append(p)
+        me = self._process_set.rank()
+        self._flat, self._chunk, self._averaged = {}, {}, {}
+        for dtype, members in by_dtype.items():
+            ordered = sorted(members, key=lambda p: self._owner[p])   # stable: parameter order within an owner
+            flat = torch.empty(sum(p.numel() for p in ordered), dtype=dtype)
+            offset = 0
+            with torch.no_grad():
+                for p in ordered:
+                    if self._owner[p] == me and dtype not in self._chunk:
+                        self._chunk[dtype] = (offset, 0)
+                    view = flat[offset:offset + p.numel()].view_as(p)
+                    view.copy_(p.detach())
+                    p.data = view
+                    offset += p.numel()
+            mine = [p for p in ordered if self._owner[p] == me]
+            length = sum(p.numel() for p in mine)
+            self._chunk[dtype] = (self._chunk.get(dtype, (0, 0))[0], length)
+            self._flat[dtype] = flat
+            # Averaged gradients land in one buffer kept from step to step:
+            # a new one each step would cost fresh pages from the kernel.
+            grads, offset = torch.empty(length, dtype=dtype), 0
+            for p in mine:
+                self._averaged[p] = grads[offset:offset + p.numel()]
+                offset += p.numel()
+        for p in params:
+            if p.requires_grad and p not in self._hooked:
+                p.register_post_accumulate_grad_hook(self._make_hook(p))
+                self._hooked.add(p)
+        self._layout = [(p, p.data_ptr(), p.requires_grad) for p in params]
 
-    def _by_dtype(self, params):
-        groups = {}
-        for p in params:
-            groups.setdefault(p.dtype, []).append(p)
-        return groups
+    def _layout_holds(self):
+        """Whether every parameter is still the view it was made (not moved
+        by .to(), nor given new .data) and trains as it did."""
+        return all(p.data_ptr() == ptr and p.requires_grad == trains for p, ptr, trains in self._layout)
 
     # ---- one step -------------------------------------------------------------
 
-    def gradient_reduction(self, lengths):
-        """'reducescatter' or 'allreduce': which moves fewer bytes for owner
-        segments of these lengths. A reducescatter of the padded buffer moves
-        about max(lengths) per rank and step of the ring; an allreduce moves
-        twice the unpadded total divided by the number of ranks."""
-        nranks = len(lengths)
-        return "reducescatter" if nranks * max(lengths) < 2 * sum(lengths) else "allreduce"
+    def _make_hook(self, p):
+        # A weak reference: a discarded optimizer's hooks must not keep it
+        # alive, nor start reductions for it.
+        optimizer = weakref.ref(self)
+
+        def hook(_):
+            self = optimizer()
+            if self is None or self._process_set.size() == 1:
+                return
+            if p in self._in_flight:   # a second backward before step(): accumulation
+                self._stale = True
+            elif not self._stale:
+                self._start_reduction(p)
+        return hook
+
+    def _start_reduction(self, p):
+        """Averages p's gradient onto its owner: a reducescatter whose splits
+        give the owner every element."""
+        grad = p.grad if p.grad is not None else torch.zeros_like(p)
+        flat = grad.reshape(-1)
+        splits = [0] * self._process_set.size()
+        splits[self._owner[p]] = flat.numel()
+        output = self._averaged.get(p)
+        if output is not None and output.data_ptr() == flat.data_ptr():
+            output = None   # last step's average, accumulated into in place (zero_grad(set_to_none=False))
+        handle = reducescatter_async(flat, name=self._prefix + "grad.%d" % self._index[p], op=Average,
+                                     process_set=self._process_set, splits=splits, output=output)
+        self._in_flight[p] = (handle, p.grad, p.grad._version if p.grad is not None else None)
+
+    def _wait_in_flight(self):
+        """Waits for every reduction started (a failure is raised once all
+        are done); gives {parameter: its averaged gradient, or an empty one}."""
+        results, failure = {}, None
+        in_flight, self._in_flight = self._in_flight, {}
+        for p, (handle, _, _) in in_flight.items():
+            try:
+                results[p] = synchronize(handle)
+            except Exception as e:  # noqa: BLE001 - raised below, once every op has finished
+                failure = failure or e
+        if failure is not None:
+            raise failure
+        return results
+
+    def _changed_since_sent(self):
+        return any(p.grad is not sent or (sent is not None and sent._version != version)
+                   for p, (_, sent, version) in self._in_flight.items())
 
     def _reduce_gradients(self):
         """Averages each owned parameter's gradient across ranks."""
+        if self._stale or self._changed_since_sent():
+            self._wait_in_flight()   # sent too early: send them again as they are now
+            self._stale = False
+        for p in self._params():
+            if p.requires_grad and p not in self._in_flight:
+                self._start_reduction(p)   # its hook did not fire: unused this step, or no backward
         me = self._process_set.rank()
-        trainable = [p for p in self._params() if p.requires_grad]
-        for dtype, params in self._by_dtype(trainable).items():
-            segments = self._segments(params)
-            lengths = [sum(p.numel() for p in segment) for segment in segments]
-            grads = [[(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in segment]
-                     for segment in segments]
-            if self.gradient_reduction(lengths) == "reducescatter":
-                padded, longest = [], max(lengths)
-                for segment_grads, length in zip(grads, lengths):
-                    padded += segment_grads
-                    if length < longest:
-                        padded.append(torch.zeros(longest - length, dtype=dtype))
-                mine = reducescatter(torch.cat(padded), op=Average, process_set=self._process_set)
-            else:
-                every = allreduce(torch.cat([g for segment_grads in grads for g in segment_grads]),
-                                  op=Average, process_set=self._process_set)
-                mine = every[sum(lengths[:me]):sum(lengths[:me + 1])]
-            offset = 0
-            for p in segments[me]:
-                p.grad = mine[offset:offset + p.numel()].view_as(p)
-                offset += p.numel()
+        for p, averaged in self._wait_in_flight().items():
+            if self._owner[p] == me:
+                p.grad = averaged.view_as(p)
 
     def _share_parameters(self):
-        """Every owner's updated parameters onto every rank."""
-        me = self._process_set.rank()
-        for dtype, params in self._by_dtype(self._params()).items():
-            segments = self._segments(params)
-            own = [p.detach().reshape(-1) for p in segments[me]]
-            every = allgather(torch.cat(own) if own else torch.zeros(0, dtype=dtype),
-                              process_set=self._process_set)
-            with torch.no_grad():
-                offset = 0
-                for p in (p for segment in segments for p in segment):
-                    p.copy_(every[offset:offset + p.numel()].view_as(p))
-                    offset += p.numel()
+        """Every owner's updated parameters onto every rank, in place."""
+        handles = []
+        for dtype, flat in self._flat.items():
+            start, length = self._chunk[dtype]
+            handles.append(allgather_async(flat[start:start + length], name=self._prefix + "params." + str(dtype),
+                                           process_set=self._process_set, output=flat))
+        for handle in handles:
+            synchronize(handle)
 
     def _push_settings(self):
         """Carries changes to the global groups' settings (a scheduler's lr)
@@ -171,11 +254,14 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self._process_set.size() > 1:
+        distributed = self._process_set.size() > 1
+        if distributed:
+            if self._layout is None or not self._layout_holds():
+                self._lay_out()
             self._reduce_gradients()
         self._push_settings()
         self.optim.step()
-        if self._process_set.size() > 1:
+        if distributed:
             self._share_parameters()
         self._consolidated = None
         return loss

@@ -297,37 +297,51 @@ class ShmBackend final : public Backend {
   }
 
   Status reducescatter(const ReducescatterOptions& o) override {
-    // The tensors form one stream; this rank owns one range of each.
-    struct Owned {
-      size_t begin, end;
-      char* output;
-    };
-    ByteStream in;
-    std::vector<Owned> owned;
+    // Each rank's input is cut into one stream per owner: the bytes that
+    // owner r reduces, tensor after tensor. A window takes the next equal
+    // share of every owner's stream, side by side in the slot, so every
+    // rank reduces its share of every window at once. (Cut in stream
+    // order instead, a large tensor's first half would be one rank's
+    // alone, and the others would wait through its windows.)
+    std::vector<ByteStream> by_owner(size_);
+    ByteStream mine;
     for (const auto& t : o.tensors) {
-      size_t start = in.size(), total = 0;
+      size_t offset = 0;
       for (int r = 0; r < size_; ++r) {
-        if (r == rank_) start += total;
-        total += t.bytes_per_rank[r];
+        by_owner[r].append(static_cast<const char*>(t.input) + offset, t.bytes_per_rank[r]);
+        offset += t.bytes_per_rank[r];
       }
-      owned.push_back({start, start + t.bytes_per_rank[rank_], static_cast<char*>(t.output)});
-      in.append(t.input, total);
+      mine.append(t.output, t.bytes_per_rank[rank_]);
     }
+    size_t longest = 0;
+    for (const ByteStream& b : by_owner) longest = std::max(longest, b.size());
     const size_t element = dtype_size(o.reduce.dtype);
-    const size_t window = round_down(half_bytes_, element);
+    const size_t share = std::max(element, round_down(half_bytes_ / size_, element));
     std::vector<const void*> inputs(size_);
-    for (size_t lo = 0; lo < in.size(); lo += window) {
-      const size_t hi = std::min(in.size(), lo + window);
+    for (size_t lo = 0; lo < longest; lo += share) {
+      const size_t hi = lo + share;
       const int half = next_slot_half();
-      in.read(lo, hi, segment_.slot(rank_, half));
+      char* slot = segment_.slot(rank_, half);
+      for (int r = 0; r < size_; ++r)
+        if (lo < by_owner[r].size()) by_owner[r].read(lo, std::min(hi, by_owner[r].size()), slot + r * share);
       Status s = arrive_and_wait();
       if (!s.ok()) return s;
-      for (const Owned& part : owned) {
-        const size_t begin = std::max(lo, part.begin), end = std::min(hi, part.end);
-        if (begin >= end) continue;
-        for (int r = 0; r < size_; ++r) inputs[r] = segment_.slot(r, half) + (begin - lo);
-        reduce(o.reduce, inputs.data(), size_, part.output + (begin - part.begin),
-               (end - begin) / element);
+      if (lo >= mine.size()) continue;
+      const size_t n = std::min(hi, mine.size()) - lo;
+      for (int r = 0; r < size_; ++r) inputs[r] = segment_.slot(r, half) + rank_ * share;
+      // The reduction lands in the slot's free tail when the output is
+      // split across tensors; else straight in the output.
+      bool contiguous = true;
+      char* direct = nullptr;
+      mine.for_each(lo, lo + n, [&](size_t at, char* p, size_t m) {
+        if (at == lo && m == n) direct = p; else contiguous = false;
+      });
+      if (contiguous && direct != nullptr) {
+        reduce(o.reduce, inputs.data(), size_, direct, n / element);
+      } else {
+        std::vector<char> staging(n);
+        reduce(o.reduce, inputs.data(), size_, staging.data(), n / element);
+        mine.write(lo, lo + n, staging.data());
       }
     }
     return Status::OK();

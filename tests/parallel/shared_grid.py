@@ -12,6 +12,9 @@ A front end joins with a file of a few lines, test_<framework>_grid.py:
 tests/test_parallel.py runs each such file at 1, 2 and 3 ranks, and
 tests/test_mpi.py runs the numpy one on every MPI layout.
 """
+import inspect
+import re
+
 import numpy as np
 import pytest
 
@@ -131,6 +134,27 @@ class Shim:
             forms["async"] = lambda x, op, name, p: api.synchronize(
                 api.reducescatter_async(x, op=op, name=name, process_set=ps(p)))
         return forms
+
+    def _takes(self, function, keyword):
+        return self._has(function) and keyword in inspect.signature(getattr(self.api, function)).parameters
+
+    def reducescatter_split(self, x, op, splits, name, process_set, output=None):
+        """reducescatter with each rank's rows given (into `output` where
+        one is given), or None where the front end has no such form."""
+        if not self._takes("reducescatter_async", "splits") or (
+                output is not None and not self._takes("reducescatter_async", "output")):
+            return None
+        extra = {} if output is None else {"output": output}
+        return self.api.synchronize(self.api.reducescatter_async(x, op=op, name=name, process_set=self.ps(process_set),
+                                                                 splits=splits, **extra))
+
+    def allgather_into(self, x, output, name, process_set):
+        """allgather into the caller's `output`, or None where the front end
+        has no such form."""
+        if not self._takes("allgather_async", "output"):
+            return None
+        return self.api.synchronize(self.api.allgather_async(x, name=name, process_set=self.ps(process_set),
+                                                             output=output))
 
     def grouped_reducescatter(self, xs, op, name, process_set):
         return self.api.grouped_reducescatter(xs, op=op, name=name, process_set=self.ps(process_set))
@@ -402,6 +426,80 @@ def test_grouped_reducescatter(fw):
     start = me * first + min(me, (2 * n + 1) % n)
     assert_exact(fw, outs[0], reduced("Sum", inputs[0], "float32", n)[start:start + first + (me < (2 * n + 1) % n)])
     assert_exact(fw, outs[1], reduced("Sum", inputs[1], "int32", n)[me:me + 1])
+
+
+def test_reducescatter_with_splits(fw, reduce_dtype):
+    n, me = unison.size(), unison.rank()
+    splits = [(2 * r + 1) % 4 for r in range(n)]   # uneven, a rank may get none: 1, 3, 1, 0, ...
+    if n > 3:
+        splits[3] = 0
+    inputs = [rank_values((sum(splits), 2), reduce_dtype, r) for r in range(n)]
+    start = sum(splits[:me])
+    out = fw.reducescatter_split(fw.tensor(inputs[me]), fw.api.Sum, splits, tag("rs.splits", reduce_dtype), None)
+    if out is None:
+        pytest.skip("%s offers no reducescatter splits" % fw.name)
+    expected = reduced("Sum", inputs, reduce_dtype, n)[start:start + splits[me]]
+    assert_exact(fw, out, expected)
+    # Into the caller's output, with a row to spare that stays as it was.
+    output = fw.tensor(np.full((splits[me] + 1, 2), 7, np_dtype(reduce_dtype)))
+    out = fw.reducescatter_split(fw.tensor(inputs[me]), fw.api.Sum, splits, tag("rs.into", reduce_dtype), None,
+                                 output)
+    if out is not None:
+        assert out is output
+        assert_exact(fw, output, np.concatenate([expected, np.full((1, 2), 7, np_dtype(reduce_dtype))]))
+
+
+def test_reducescatter_splits_that_differ_fail_on_every_rank(fw):
+    n, me = unison.size(), unison.rank()
+    if not fw._takes("reducescatter_async", "splits"):
+        pytest.skip("%s offers no reducescatter splits" % fw.name)
+    if n == 1:
+        with pytest.raises(Exception, match=r"splits \[2\] add up to 2 rows, the tensor has 3"):
+            fw.reducescatter_split(fw.tensor(np.ones((3,), np.float32)), fw.api.Sum, [2], "rs.bad", None)
+        return
+    splits = [1] * n
+    splits[0] += n - 1 if me == 0 else 0    # rank 0 asks for all the rest itself
+    splits[-1] += n - 1 if me != 0 else 0   # the others give it to the last rank
+    rank0 = "[%s]" % ", ".join(str(c) for c in [n] + [1] * (n - 1))
+    others = "[%s]" % ", ".join(str(c) for c in [1] * (n - 1) + [n])
+    message = ("reducescatter 'rs.differ': ranks disagree on splits (the rows each rank receives): rank 0 %s, %s"
+               % (rank0, ", ".join("rank %d %s" % (r, others) for r in range(1, n))))
+    with pytest.raises(Exception, match=re.escape(message)):
+        fw.reducescatter_split(fw.tensor(np.ones((2 * n - 1,), np.float32)), fw.api.Sum, splits, "rs.differ", None)
+    out = fw.reducescatter_split(fw.tensor(np.ones((n,), np.float32)), fw.api.Sum, [1] * n, "rs.after", None)
+    assert_exact(fw, out, np.full((1,), float(n), np.float32))   # still usable
+
+
+def test_allgather_into_the_callers_output_in_place(fw, dtype):
+    n, me = unison.size(), unison.rank()
+    rows = [r % 3 + 1 for r in range(n)]
+    start = sum(rows[:me])
+    expected = np.concatenate([rank_values((rows[r], 2), dtype, r) for r in range(n)])
+    output = fw.tensor(np.zeros_like(expected))
+    mine = output[start:start + rows[me]]            # this rank's rows of the output: in place
+    mine[...] = fw.tensor(rank_values((rows[me], 2), dtype, me))
+    out = fw.allgather_into(mine, output, tag("ag.into", dtype), None)
+    if out is None:
+        pytest.skip("%s offers no allgather output" % fw.name)
+    assert out is output
+    assert_exact(fw, output, expected)
+
+
+def test_allgather_into_an_output_too_small_fails_on_that_rank_only(fw):
+    n, me = unison.size(), unison.rank()
+    if not fw._takes("allgather_async", "output"):
+        pytest.skip("%s offers no allgather output" % fw.name)
+    output = fw.tensor(np.zeros((n - 1 if me == 0 else n, 3), np.float32))
+    x = fw.tensor(np.full((1, 3), me, np.float32))
+    if me == 0:
+        with pytest.raises(Exception, match=r"allgather 'ag.small': the output holds %d bytes, the result needs %d"
+                                            % (12 * (n - 1), 12 * n)):
+            fw.allgather_into(x, output, "ag.small", None)
+    else:
+        fw.allgather_into(x, output, "ag.small", None)
+        assert_exact(fw, output, np.repeat(np.arange(n, dtype=np.float32), 3).reshape(n, 3))
+    out = fw.allgather_into(x, fw.tensor(np.zeros((n, 3), np.float32)), "ag.after", None)
+    assert_exact(fw, out, np.repeat(np.arange(n, dtype=np.float32), 3).reshape(n, 3))
 
 
 # ---- every collective on a process set -----------------------------------------------

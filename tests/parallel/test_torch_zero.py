@@ -109,17 +109,65 @@ def test_state_is_sharded_and_balanced():
     assert int(sizes.max() - sizes.min()) <= 256                        # within one largest tensor
 
 
-def test_gradients_by_reducescatter_where_it_saves_traffic():
-    zero = hvd.ZeroRedundancyOptimizer(make_model(widths=(16,) * 7).parameters(), torch.optim.SGD, lr=0.1)
-    assert zero.gradient_reduction([272] * hvd.size()) == "reducescatter"
-    # one rank holding everything: padding every segment to it costs more than an allreduce
-    assert zero.gradient_reduction([1000] + [0] * (hvd.size() - 1)) == "allreduce"
-    # one tensor dominating: the padding pays off at 2 ranks, not at 3
-    expected = "reducescatter" if hvd.size() == 2 else "allreduce"
-    assert zero.gradient_reduction([1000] + [10] * (hvd.size() - 1)) == expected
+def test_exchange_starts_during_backward_and_lands_in_place():
+    model = make_model(widths=(16,) * 7)
+    zero = hvd.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    flat = {p.data_ptr() for p in model.parameters()}
+    x, y = data(0, model)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    # every gradient's reduction was started by its hook, before step()
+    assert set(zero._in_flight) == set(model.parameters())
+    zero.step()
+    assert not zero._in_flight
+    # the parameters are still the same views, updated in place by the allgather
+    assert {p.data_ptr() for p in model.parameters()} == flat
 
 
-def test_one_dominant_tensor_goes_by_allreduce_and_still_matches():
+def test_gradients_changed_after_backward_are_averaged_as_they_are_at_step():
+    """Accumulation over two backward passes, a gradient scaled in place
+    after backward, and a parameter this step did not use: each is
+    averaged as step() finds it, as one process would see it."""
+    reference, model = make_model(), make_model()
+    plain = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    zero = hvd.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9)
+    mine = slice(hvd.rank() * ROWS, (hvd.rank() + 1) * ROWS)
+    for step in range(3):
+        for net, optimizer, rows in ((reference, plain, slice(None)), (model, zero, mine)):
+            optimizer.zero_grad()
+            for micro in range(2):   # accumulation: the second backward adds to the first
+                x, y = data(10 * step + micro, net)
+                torch.nn.functional.mse_loss(net(x[rows]), y[rows]).backward()
+            with torch.no_grad():
+                net[0].weight.grad.mul_(0.5)   # changed in place after backward (as clipping does)
+            optimizer.step()
+        assert_same_params(model, reference)
+    for net, optimizer, rows in ((reference, plain, slice(None)), (model, zero, mine)):
+        optimizer.zero_grad()
+        x, y = data(99, net)
+        # the last layer alone: the others get no gradient at all this step
+        torch.nn.functional.mse_loss(net[-1](torch.tanh(net[:-1](x[rows]).detach())), y[rows]).backward()
+        if optimizer is plain:   # as in Horovod, a parameter no rank used takes part with a zero gradient
+            for p in net.parameters():
+                p.grad = torch.zeros_like(p) if p.grad is None else p.grad
+        optimizer.step()
+    assert_same_params(model, reference)
+
+
+def test_parameters_given_new_memory_are_laid_out_again():
+    reference, model = make_model(), make_model()
+    plain = torch.optim.Adam(reference.parameters(), lr=0.01)
+    zero = hvd.ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=0.01)
+    train(reference, plain, 1, shard=False)
+    train(model, zero, 1, shard=True)
+    with torch.no_grad():
+        for p in list(model.parameters()) + list(reference.parameters()):
+            p.data = p.data.clone() + 1.0   # what .to() or a user's reassignment does
+    train(reference, plain, 2, shard=False, first_step=1)
+    train(model, zero, 2, shard=True, first_step=1)
+    assert_same_params(model, reference)
+
+
+def test_one_dominant_tensor_still_matches():
     reference = make_model(widths=(40, 40, 1))
     plain = torch.optim.Adam(reference.parameters(), lr=0.01)
     train(reference, plain, 3, shard=False)
