@@ -205,7 +205,8 @@ def _reducescatter_async(tensor, name, op, prescale_factor, postscale_factor, pr
     def enqueue():
         return collective.enqueue(lib.UNISON_REDUCESCATTER, name, prepared.code, prepared.shape, _pointer(tensor),
                                   _pointer(output), reduce_op=op, prescale_factor=prescale_factor,
-                                  postscale_factor=postscale_factor, process_set=process_set)
+                                  postscale_factor=postscale_factor, process_set=process_set,
+                                  output_bytes=output.size * np.dtype(output.dtype).itemsize)
     return output, _push(name, [tensor], [output], enqueue, priority)
 
 

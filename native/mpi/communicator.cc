@@ -11,6 +11,7 @@
 #include "../dtype.h"
 #include "../futex.h"
 #include "../reduce.h"
+#include "../timeline.h"
 #include "world.h"
 
 namespace unison {
@@ -205,9 +206,13 @@ Status MpiCommunicator::allreduce(const AllreduceOptions& o) {
   for (size_t lo = 0; lo < in.size(); lo += window) {
     const size_t hi = std::min(in.size(), lo + window);
     send_.resize(hi - lo);
-    in.read(lo, hi, send_.data());
+    {
+      TimelinePhase phase("PACK");
+      in.read(lo, hi, send_.data());
+    }
     Status s = allreduce_window(o.reduce, hi - lo);
     if (!s.ok()) return s;
+    TimelinePhase phase("UNPACK");
     out.write(lo, hi, send_.data());
   }
   return Status::OK();
@@ -221,10 +226,15 @@ Status MpiCommunicator::allreduce_window(const ReduceSpec& spec, size_t bytes) {
   if (bytes <= config_.small_allreduce_bytes) {
     // Small: everyone gets everything and reduces all of it, one round.
     receive_.resize(bytes * size_);
-    int rc = MPI_Iallgather(send_.data(), (int)bytes, MPI_BYTE, receive_.data(), (int)bytes, MPI_BYTE, comm_, &request);
-    if (rc != MPI_SUCCESS) return mpi_error("MPI_Iallgather", rc);
-    Status s = wait(&request, "allreduce", bytes * size_);
+    Status s;
+    {
+      TimelinePhase phase("MPI_IALLGATHER");
+      int rc = MPI_Iallgather(send_.data(), (int)bytes, MPI_BYTE, receive_.data(), (int)bytes, MPI_BYTE, comm_, &request);
+      if (rc != MPI_SUCCESS) return mpi_error("MPI_Iallgather", rc);
+      s = wait(&request, "allreduce", bytes * size_);
+    }
     if (!s.ok()) return s;
+    TimelinePhase phase("REDUCE");
     for (int r = 0; r < size_; ++r) inputs[r] = receive_.data() + r * bytes;
     reduce(spec, inputs.data(), size_, send_.data(), bytes / element);
     return Status::OK();
@@ -243,16 +253,23 @@ Status MpiCommunicator::allreduce_window(const ReduceSpec& spec, size_t bytes) {
   // This rank's own chunk stays where it is.
   send_counts[rank_] = receive_counts[rank_] = 0;
   receive_.resize(mine * size_);
-  int rc = MPI_Ialltoallv(send_.data(), send_counts.data(), send_offsets.data(), MPI_BYTE, receive_.data(),
-                          receive_counts.data(), receive_offsets.data(), MPI_BYTE, comm_, &request);
-  if (rc != MPI_SUCCESS) return mpi_error("MPI_Ialltoallv", rc);
-  s = wait(&request, "allreduce", bytes);
+  {
+    TimelinePhase phase("MPI_IALLTOALLV");
+    int rc = MPI_Ialltoallv(send_.data(), send_counts.data(), send_offsets.data(), MPI_BYTE, receive_.data(),
+                            receive_counts.data(), receive_offsets.data(), MPI_BYTE, comm_, &request);
+    if (rc != MPI_SUCCESS) return mpi_error("MPI_Ialltoallv", rc);
+    s = wait(&request, "allreduce", bytes);
+  }
   if (!s.ok()) return s;
   char* my_chunk = send_.data() + send_offsets[rank_];
-  for (int r = 0; r < size_; ++r) inputs[r] = r == rank_ ? my_chunk : receive_.data() + r * mine;
-  reduce(spec, inputs.data(), size_, my_chunk, mine / element);
+  {
+    TimelinePhase phase("REDUCE");
+    for (int r = 0; r < size_; ++r) inputs[r] = r == rank_ ? my_chunk : receive_.data() + r * mine;
+    reduce(spec, inputs.data(), size_, my_chunk, mine / element);
+  }
+  TimelinePhase phase("MPI_IALLGATHERV");
   send_counts[rank_] = (int)mine;
-  rc = MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_BYTE, send_.data(), send_counts.data(), send_offsets.data(), MPI_BYTE,
+  int rc = MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_BYTE, send_.data(), send_counts.data(), send_offsets.data(), MPI_BYTE,
                        comm_, &request);
   if (rc != MPI_SUCCESS) return mpi_error("MPI_Iallgatherv", rc);
   return wait(&request, "allreduce", bytes);

@@ -29,6 +29,7 @@
 #include "../backend.h"
 #include "../dtype.h"
 #include "../hierarchical.h"
+#include "../timeline.h"
 #include "mesh.h"
 
 namespace unison {
@@ -131,14 +132,24 @@ class TcpBackend final : public Backend {
     in_spec.reduce_op = UNISON_SUM;
     const size_t element = dtype_size(o.reduce.dtype);
     size_t at = 0;
-    for (const Segment& s : o.segments) {
-      const void* source = s.input;
-      if (in_spec.prescale != 1.0) reduce(in_spec, &source, 1, work + at, s.bytes / element);
-      else if (work + at != s.input) std::memcpy(work + at, s.input, s.bytes);
-      at += s.bytes;
+    {
+      TimelinePhase phase("PACK");
+      for (const Segment& s : o.segments) {
+        const void* source = s.input;
+        if (in_spec.prescale != 1.0) reduce(in_spec, &source, 1, work + at, s.bytes / element);
+        else if (work + at != s.input) std::memcpy(work + at, s.input, s.bytes);
+        at += s.bytes;
+      }
     }
-    Status s = ring_allreduce(o.reduce, work, total);
+    Status s;
+    {
+      // Pieces pass round the ring reduced on arrival: the reduce-scatter
+      // and the allgather overlap, so they are one phase.
+      TimelinePhase phase("RING");
+      s = ring_allreduce(o.reduce, work, total);
+    }
     if (!s.ok() || o.segments.size() == 1) return s;
+    TimelinePhase phase("UNPACK");
     at = 0;
     for (const Segment& seg : o.segments) {
       std::memcpy(seg.output, work + at, seg.bytes);
@@ -265,8 +276,13 @@ class TcpBackend final : public Backend {
         at += s.bytes;
       }
     }
-    Status s = mesh_->run(&moves, channel_, "an allreduce");
+    Status s;
+    {
+      TimelinePhase phase("EXCHANGE");
+      s = mesh_->run(&moves, channel_, "an allreduce");
+    }
     if (!s.ok()) return s;
+    TimelinePhase phase("REDUCE");
     const size_t element = dtype_size(o.reduce.dtype);
     std::vector<const void*> inputs(n);
     size_t at = 0;

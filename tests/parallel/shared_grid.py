@@ -472,6 +472,8 @@ def test_reducescatter_splits_that_differ_fail_on_every_rank(fw):
 
 def test_allgather_into_the_callers_output_in_place(fw, dtype):
     n, me = unison.size(), unison.rank()
+    if not fw._takes("allgather_async", "output"):
+        pytest.skip("%s offers no allgather output" % fw.name)
     rows = [r % 3 + 1 for r in range(n)]
     start = sum(rows[:me])
     expected = np.concatenate([rank_values((rows[r], 2), dtype, r) for r in range(n)])
@@ -479,8 +481,6 @@ def test_allgather_into_the_callers_output_in_place(fw, dtype):
     mine = output[start:start + rows[me]]            # this rank's rows of the output: in place
     mine[...] = fw.tensor(rank_values((rows[me], 2), dtype, me))
     out = fw.allgather_into(mine, output, tag("ag.into", dtype), None)
-    if out is None:
-        pytest.skip("%s offers no allgather output" % fw.name)
     assert out is output
     assert_exact(fw, output, expected)
 
