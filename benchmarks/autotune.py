@@ -1,6 +1,7 @@
 """Autotune against the defaults and against a bad setting, on torch training.
 
     python benchmarks/autotune.py [--np 2] [--rounds 3]
+    python benchmarks/autotune.py --width 128 --depth 100 --rounds 5 --steps 100   # many small tensors
 
 Runs torch_train.py's MLP (unison's DistributedOptimizer) as separate
 jobs, since settings are a job's: with the defaults, with two

@@ -5,8 +5,9 @@ DistributedDataParallel (gloo), side by side in the same processes.
 
 The model is a 16-layer, 1024-wide MLP (32 parameter tensors, 15.8 M
 parameters, 63 MB of gradients a step), so fusion and overlap with backward
-matter; --depth 10 gives the 10-layer model of the issue (20 tensors). Every rank builds two identical copies: one
-trained with unison, one wrapped in DDP over a gloo process group. They are
+matter; --depth 10 gives the 10-layer model of the issue (20 tensors). Every rank builds identical copies: one
+trained with unison's DistributedOptimizer, one with its ZeroRedundancyOptimizer,
+one wrapped in DDP over a gloo process group. They are
 timed in alternating blocks, so both see the same machine noise; each
 figure is the median over blocks of the slowest rank. The ceiling is a
 third copy that every rank trains at the same time with a plain optimizer and

@@ -298,7 +298,8 @@ Status Engine::enqueue(const unison_op_options& o, int64_t* handle) {
   *handle = e.handle;
   in_flight.insert(r.name);
   timeline_.begin(r.name, "QUEUED");
-  if (queue_.empty()) queued_since_ = monotonic_seconds();
+  last_enqueued_at_ = monotonic_seconds();
+  if (queue_.empty()) queued_since_ = last_enqueued_at_;
   queue_.push_back(std::move(e));
   wake_for(*handle);
   return Status::OK();
@@ -313,7 +314,12 @@ bool Engine::has_local_work(double queue_age, double* claim_in) {
   std::lock_guard<std::mutex> lock(queue_mutex_);
   if (queue_.empty()) return false;
   if (queue_age <= 0) return true;
-  const double wait = queued_since_ + queue_age - monotonic_seconds();
+  // Unclaimed ops are taken once their producer has gone quiet for
+  // queue_age (backward enqueues a gradient every few milliseconds, and the
+  // step's wait claims them all right after), or at the latest once the
+  // oldest has waited kUnclaimedAtMostFactor times that.
+  const double wait = std::min(last_enqueued_at_ + queue_age, queued_since_ + kUnclaimedAtMostFactor * queue_age) -
+                      monotonic_seconds();
   if (claim_in != nullptr) *claim_in = wait;
   return wait <= 0;
 }

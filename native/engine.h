@@ -146,7 +146,9 @@ class Engine {
   // Shared with calling threads, under queue_mutex_.
   std::mutex queue_mutex_;
   std::vector<Entry> queue_;
-  double queued_since_ = 0;  // when queue_ last became non-empty
+  double queued_since_ = 0;      // when queue_ last became non-empty
+  double last_enqueued_at_ = 0;  // the latest op's enqueue
+  static constexpr double kUnclaimedAtMostFactor = 10;  // see has_local_work
   std::map<int, std::unordered_set<std::string>> in_flight_;  // names, by process set
   std::map<int, std::vector<int>> set_ranks_;  // every process set's ranks, member or not
   Status terminal_;  // set once the engine can no longer run ops

@@ -40,7 +40,8 @@
 // start at once only where this host has more usable cores than ranks;
 // elsewhere they wait in the queue for a caller's wait, which drives them
 // all in one cycle (and fuses them), for a peer's cycle, or, for ops nobody
-// waits for, at most kUnclaimedSeconds.
+// waits for, until their producer has been quiet for kUnclaimedSeconds
+// (Engine::has_local_work).
 //
 // Only backends whose wait_for_activity() is safe beside the driver allow
 // this (Backend::callers_may_drive: shared memory and the single process);

@@ -12,7 +12,8 @@
 //                     MPI_BROADCAST...), with the fused group it ran in
 // and a row per fused group, "group <first tensor> (+N)", holding the
 // backend's own phases where it has them (shared memory: PACK into the
-// shared slots, WAIT_FOR_PEERS, REDUCE, UNPACK into the outputs, per window)
+// shared slots, WAIT_FOR_PEERS, REDUCE, UNPACK into the outputs, per window;
+// TCP's and MPI's allreduces: PACK, the exchange or MPI call, REDUCE, UNPACK)
 // and, with mark_cycles, an instant on a "cycles" row at each negotiation
 // cycle.
 //
