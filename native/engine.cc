@@ -67,6 +67,24 @@ void* output_buffer(void* caller_output, int64_t capacity, size_t bytes, OpResul
   return result->data;
 }
 
+// Splits the caller gave (alltoall's rows sent, reducescatter's rows
+// received): one per rank, none negative, adding up to the tensor's rows.
+template <typename What>
+Status given_splits(const unison_op_options& o, int size, int64_t rows, const What& what, std::vector<int64_t>* out) {
+  if (o.nsplits != size)
+    return invalid(what() + ": got " + std::to_string(o.nsplits) + " splits for " + std::to_string(size) + " ranks");
+  out->assign(o.splits, o.splits + o.nsplits);
+  int64_t total = 0;
+  for (int64_t s : *out) {
+    if (s < 0) return invalid(what() + ": negative split in " + shape_string(*out));
+    total += s;
+  }
+  if (total != rows)
+    return invalid(what() + ": splits " + shape_string(*out) + " add up to " + std::to_string(total) +
+                   " rows, the tensor has " + std::to_string(rows));
+  return Status::OK();
+}
+
 }  // namespace
 
 Engine::Engine(const Config& config, std::unique_ptr<Backend> backend, HandleTable* handles)
@@ -226,17 +244,8 @@ Status Engine::enqueue(const unison_op_options& o, int64_t* handle) {
                        std::to_string(size) + " ranks; pass splits");
       r.splits.assign(size, rows / size);
     } else {
-      if (o.nsplits != size)
-        return invalid(what() + ": got " + std::to_string(o.nsplits) + " splits for " + std::to_string(size) + " ranks");
-      r.splits.assign(o.splits, o.splits + o.nsplits);
-      int64_t total = 0;
-      for (int64_t s : r.splits) {
-        if (s < 0) return invalid(what() + ": negative split in " + shape_string(r.splits));
-        total += s;
-      }
-      if (total != rows)
-        return invalid(what() + ": splits " + shape_string(r.splits) + " add up to " + std::to_string(total) +
-                       " rows, the tensor has " + std::to_string(rows));
+      Status s = given_splits(o, size, rows, what, &r.splits);
+      if (!s.ok()) return s;
     }
   }
   if (o.op == UNISON_REDUCESCATTER) {
@@ -246,17 +255,8 @@ Status Engine::enqueue(const unison_op_options& o, int64_t* handle) {
     if (o.splits == nullptr) {
       for (int p = 0; p < size; ++p) r.splits.push_back(scatter_rows(rows, size, p));
     } else {
-      if (o.nsplits != size)
-        return invalid(what() + ": got " + std::to_string(o.nsplits) + " splits for " + std::to_string(size) + " ranks");
-      r.splits.assign(o.splits, o.splits + o.nsplits);
-      int64_t total = 0;
-      for (int64_t s : r.splits) {
-        if (s < 0) return invalid(what() + ": negative split in " + shape_string(r.splits));
-        total += s;
-      }
-      if (total != rows)
-        return invalid(what() + ": splits " + shape_string(r.splits) + " add up to " + std::to_string(total) +
-                       " rows, the tensor has " + std::to_string(rows));
+      Status s = given_splits(o, size, rows, what, &r.splits);
+      if (!s.ok()) return s;
     }
   }
   if (o.op == UNISON_ADD_PROCESS_SET) {
