@@ -316,7 +316,11 @@ class ShmBackend final : public Backend {
     size_t longest = 0;
     for (const ByteStream& b : by_owner) longest = std::max(longest, b.size());
     const size_t element = dtype_size(o.reduce.dtype);
-    const size_t share = std::max(element, round_down(half_bytes_ / size_, element));
+    const size_t share = round_down(half_bytes_ / size_, element);
+    if (share == 0)  // a slot half holds at least 4 KiB: more than 512 ranks on one host
+      return Status::Error(UNISON_ERR_UNSUPPORTED, "unison: reducescatter: a shared-memory slot half of " +
+                                                       std::to_string(half_bytes_) + " bytes is too small for " +
+                                                       std::to_string(size_) + " ranks; raise UNISON_SHM_SLOT_BYTES");
     std::vector<const void*> inputs(size_);
     for (size_t lo = 0; lo < longest; lo += share) {
       const size_t hi = lo + share;
@@ -329,8 +333,8 @@ class ShmBackend final : public Backend {
       if (lo >= mine.size()) continue;
       const size_t n = std::min(hi, mine.size()) - lo;
       for (int r = 0; r < size_; ++r) inputs[r] = segment_.slot(r, half) + rank_ * share;
-      // The reduction lands in the slot's free tail when the output is
-      // split across tensors; else straight in the output.
+      // The reduction goes straight into the output where this share of it
+      // is one piece of memory; across a tensor boundary, through staging.
       bool contiguous = true;
       char* direct = nullptr;
       mine.for_each(lo, lo + n, [&](size_t at, char* p, size_t m) {
