@@ -137,15 +137,13 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             offset = 0
             with torch.no_grad():
                 for p in ordered:
-                    if self._owner[p] == me and dtype not in self._chunk:
-                        self._chunk[dtype] = (offset, 0)
                     view = flat[offset:offset + p.numel()].view_as(p)
                     view.copy_(p.detach())
                     p.data = view
                     offset += p.numel()
             mine = [p for p in ordered if self._owner[p] == me]
             length = sum(p.numel() for p in mine)
-            self._chunk[dtype] = (self._chunk.get(dtype, (0, 0))[0], length)
+            self._chunk[dtype] = (sum(p.numel() for p in ordered if self._owner[p] < me), length)
             self._flat[dtype] = flat
             # Averaged gradients land in one buffer kept from step to step:
             # a new one each step would cost fresh pages from the kernel.
