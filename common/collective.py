@@ -62,12 +62,13 @@ def _prepare(op, name, dtype, shape, reduce_op, prescale_factor, postscale_facto
 
 def enqueue(op, name, dtype=0, shape=(), input=NULL, output=NULL, reduce_op=0,
             prescale_factor=1.0, postscale_factor=1.0, root_rank=0, splits=None,
-            process_set=None, device=-1, output_bytes=0):
+            process_set=None, device=-1, output_bytes=0, input_ready=NULL):
     """Starts one collective and returns the core's handle id.
 
     input and output are cffi pointers (or NULL); output_bytes is the
     capacity of an allgather's, alltoall's or reducescatter's output where
-    the caller gives one; `name` may be None for an automatically numbered
+    the caller gives one; input_ready, an int32_t* that the input's producer
+    sets non-zero once it has finished (unison.h), or NULL: ready now; `name` may be None for an automatically numbered
     one; `shape` a tuple (or list) of ints."""
     scratch = _scratch
     if not isinstance(shape, tuple):
@@ -91,6 +92,7 @@ def enqueue(op, name, dtype=0, shape=(), input=NULL, output=NULL, reduce_op=0,
     options.input = input
     options.output = output
     options.output_bytes = output_bytes
+    options.input_ready = input_ready
     handle = scratch.handle
     code = lib.unison_enqueue(options, handle)
     if code:

@@ -159,6 +159,7 @@ Status Engine::enqueue(const unison_op_options& o, int64_t* handle) {
   e.input = o.input;
   e.output = o.output;
   e.output_bytes = o.output_bytes;
+  e.input_ready = o.input_ready;
 
   if (o.op < UNISON_ALLREDUCE || o.op > UNISON_REMOVE_PROCESS_SET) return invalid("unknown op " + std::to_string(o.op));
   // Built only for an error message: this function runs once per tensor.
@@ -311,6 +312,7 @@ bool Engine::has_local_work(double queue_age, double* claim_in) {
   if (stop_requested_.load()) return true;
   for (const auto& [id, set] : sets_)
     if (set->another_cycle || !set->to_send.empty()) return true;
+  if (data_became_ready()) return true;
   std::lock_guard<std::mutex> lock(queue_mutex_);
   if (queue_.empty()) return false;
   if (queue_age <= 0) return true;
@@ -328,11 +330,32 @@ bool Engine::stall_check_due(const ProcessSetState& set, double now) const {
   return set.rank == 0 && set.stall_inspector.due(oldest_waiting_since(set), now);
 }
 
+bool Engine::input_ready(const Entry& e) {
+  return e.input_ready == nullptr || __atomic_load_n(e.input_ready, __ATOMIC_ACQUIRE) != 0;
+}
+
+bool Engine::data_became_ready() const {
+  for (const Entry& e : waiting_for_data_)
+    if (input_ready(e)) return true;
+  return false;
+}
+
 void Engine::take_new_requests() {
+  // Ops whose data has come go first: they were enqueued before the queue's.
   std::vector<Entry> fresh;
+  if (!waiting_for_data_.empty()) {
+    std::vector<Entry> still_waiting;
+    for (Entry& e : waiting_for_data_) (input_ready(e) ? fresh : still_waiting).push_back(std::move(e));
+    waiting_for_data_.swap(still_waiting);
+  }
   {
     std::lock_guard<std::mutex> lock(queue_mutex_);
-    fresh.swap(queue_);
+    if (fresh.empty()) {
+      fresh.swap(queue_);
+    } else {
+      for (Entry& e : queue_) fresh.push_back(std::move(e));
+      queue_.clear();
+    }
   }
   for (Entry& e : fresh) {
     auto found_set = sets_.find(e.process_set);
@@ -346,11 +369,20 @@ void Engine::take_new_requests() {
                                                                           std::to_string(e.process_set) + " was removed"));
       continue;
     }
+    const std::string name = e.request.name;
+    if (!e.waited_for_data && !input_ready(e)) {
+      e.waited_for_data = true;
+      if (timeline_.active()) {
+        timeline_.end(name, "QUEUED");
+        timeline_.begin(name, "WAIT_FOR_DATA");
+      }
+      waiting_for_data_.push_back(std::move(e));
+      continue;
+    }
     ProcessSetState& set = *found_set->second;
     set.fresh = true;
-    const std::string name = e.request.name;
     if (timeline_.active()) {
-      timeline_.end(name, "QUEUED");
+      timeline_.end(name, e.waited_for_data ? "WAIT_FOR_DATA" : "QUEUED");
       timeline_.begin(name, "NEGOTIATE");
     }
     int position = -1;
@@ -661,6 +693,15 @@ void Engine::remove_process_set(int id) {
     for (auto& [name, e] : it->second->pending) handles_->complete(e.handle, removed);
     sets_.erase(it);
   }
+  for (auto e = waiting_for_data_.begin(); e != waiting_for_data_.end();) {
+    if (e->process_set != id) {
+      ++e;
+      continue;
+    }
+    handles_->complete(e->handle, Status::Error(UNISON_ERR_SHUT_DOWN, "unison: process set " + std::to_string(id) +
+                                                                         " was removed while this op waited for its data"));
+    e = waiting_for_data_.erase(e);
+  }
   std::lock_guard<std::mutex> lock(queue_mutex_);
   set_ranks_.erase(id);
   in_flight_.erase(id);
@@ -948,6 +989,8 @@ void Engine::fail_everything(const Status& status) {
     in_flight_.clear();
   }
   for (Entry& e : queued) handles_->complete(e.handle, status);
+  for (Entry& e : waiting_for_data_) handles_->complete(e.handle, status);
+  waiting_for_data_.clear();
   for (auto& [id, set] : sets_) {
     for (auto& [name, e] : set->pending) handles_->complete(e.handle, status);
     set->pending.clear();

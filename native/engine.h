@@ -91,6 +91,8 @@ class Engine {
     int64_t output_bytes = 0;  // ragged ops: capacity of the caller's output
     int64_t handle = 0;
     int cache_position = -1;  // >= 0 while it waits as a cache bit
+    const int32_t* input_ready = nullptr;  // unison_op_options::input_ready
+    bool waited_for_data = false;          // it spent time in waiting_for_data_
   };
   friend struct ProcessSetState;
 
@@ -110,7 +112,11 @@ class Engine {
   // `queue_age` seconds; *claim_in says how long until they would.
   bool has_local_work(double queue_age = 0, double* claim_in = nullptr);
   Status run_cycle();
+  // Moves the queue, and the ops whose input has become ready, into their
+  // sets; ops whose input is not ready yet go to waiting_for_data_.
   void take_new_requests();
+  static bool input_ready(const Entry& e);
+  bool data_became_ready() const;
   void build_message(ProcessSetState& set, CycleMessage* message, double now);
   Status exchange(ProcessSetState& set, const CycleMessage& mine, std::vector<CycleMessage>* all);
   Status negotiate(ProcessSetState& set, const std::vector<CycleMessage>& all, double now);
@@ -160,6 +166,11 @@ class Engine {
   std::map<int, std::unique_ptr<ProcessSetState>> sets_;  // the sets this rank is in, by id
   ProcessSetState* global_ = nullptr;                     // sets_[0]
   int next_set_id_ = 1;  // every rank adds sets in the same order, so ids agree
+  // Taken from the queue while their input was not ready (input_ready): the
+  // producer (a device stream) has not got there. They join negotiation
+  // once it has; the driver looks at least every kDataPollSeconds.
+  std::vector<Entry> waiting_for_data_;
+  static constexpr double kDataPollSeconds = 1e-4;
   std::vector<Completion> finished_;                // completed, not yet published
   std::vector<std::pair<int, std::string>> finished_names_;  // (process set, name)
   uint64_t cycles_done_ = 0;

@@ -170,8 +170,9 @@ double Engine::step(bool by_caller) {
     }
   }
   // Without overlap, an op enqueued after this step rang no one: look again
-  // within kUnclaimedSeconds.
-  return std::min(overlap_ ? kIdleWakeSeconds : kUnclaimedSeconds, std::max(claim_in, 1e-4));
+  // within kUnclaimedSeconds. No one rings when an op's data comes either.
+  const double look_again = std::min(overlap_ ? kIdleWakeSeconds : kUnclaimedSeconds, std::max(claim_in, 1e-4));
+  return waiting_for_data_.empty() ? look_again : std::min(look_again, kDataPollSeconds);
 }
 
 Status Engine::wait(int64_t handle, double timeout_seconds) {

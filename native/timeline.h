@@ -5,6 +5,8 @@
 // Each tensor name gets a row; on it, a span per phase the tensor goes
 // through on rank 0:
 //   QUEUED            enqueued by the caller, not yet taken by the engine
+//   WAIT_FOR_DATA     taken, but its producer has not finished writing the
+//                     input (unison_op_options::input_ready, a device stream)
 //   NEGOTIATE         taken, until every rank is ready; its end names the
 //                     ranks that were last to say so (the ones it waited for)
 //   <BACKEND>_<OP>    the collective, named by the backend that ran it

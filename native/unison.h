@@ -114,6 +114,12 @@ typedef struct {
   int process_set_id;       /* the set the op runs among; root_rank stays a global rank */
   int device;               /* UNISON_CPU_DEVICE for now */
   void* stream;             /* reserved for GPU streams */
+  /* NULL: the input is ready now. Otherwise the input is ready once
+     *input_ready is non-zero, for producers that finish after the enqueue
+     (a device stream writes it when it gets there). Until then the op is
+     not offered for negotiation; the timeline shows the wait as
+     WAIT_FOR_DATA. The int must outlive the op. */
+  const int32_t* input_ready;
 } unison_op_options;
 
 /* Lifecycle. Rank, size and the job id come from the environment the

@@ -1,18 +1,21 @@
 """The timeline from one rank's point of view: started and stopped at run
 time, rank 0's file is a Chrome trace with a row per tensor and its
-phases (queued, negotiating with the ranks it waited for, the collective
-named by the backend, the backend's parts on the group's row), cycle
+phases (queued, waiting for its data, negotiating with the ranks it waited
+for, the collective named by the backend, the backend's parts on the
+group's row), cycle
 markers when asked, nothing after the stop; python -m unison.timeline
 summarises it. Every rank checks rank 0's file."""
 import json
 import os
+import threading
 import time
 
 import numpy as np
 
 import unison
 import unison.numpy as unp
-from unison import timeline
+from unison import collective, handles, timeline
+from unison._native import ffi, lib
 
 unison.init()
 RANK, SIZE = unison.rank(), unison.size()
@@ -108,3 +111,40 @@ def test_a_bad_path_is_a_clear_error_on_rank_0():
             raise AssertionError("no error")
     else:
         unison.start_timeline("/nonexistent-dir/t.json")  # only rank 0 writes
+
+
+def test_an_input_whose_producer_has_not_finished_waits_for_its_data_outside_negotiation():
+    # A producer that finishes after the enqueue (a device stream) sets the
+    # op's input_ready flag when it gets there. Here a thread plays that
+    # producer on rank 0, the rank that writes the timeline: it writes the
+    # input, then the flag. An input read before the flag would be -1000s.
+    path = PATH % "data"
+    unison.start_timeline(path)
+    values = np.full(6, -1000.0 if RANK == 0 else RANK + 1, np.float32)
+    flag = np.zeros(1, np.int32)
+    pointer = ffi.cast("void*", values.ctypes.data)
+    handle_id = collective.enqueue(lib.UNISON_ALLREDUCE, "tl.data", lib.UNISON_FLOAT32, values.shape, pointer,
+                                   pointer, reduce_op=lib.UNISON_SUM,
+                                   input_ready=ffi.cast("int32_t*", flag.ctypes.data) if RANK == 0 else ffi.NULL)
+
+    def produce():
+        values[:] = 1.0
+        flag[0] = 1
+
+    producer = threading.Timer(0.3, produce) if RANK == 0 else None
+    if producer is not None:
+        producer.start()
+    started = time.monotonic()
+    handles.synchronize(handles.Handle(handle_id, "tl.data", (), lambda _: None))
+    if RANK == 0:
+        assert time.monotonic() - started >= 0.25
+    assert values.tolist() == [SIZE * (SIZE + 1) / 2] * 6  # every rank's r + 1
+    unp.allreduce(np.ones(2), name="tl.after_data")  # and the engine goes on
+    unison.stop_timeline()
+    unp.barrier()
+    with open(path) as f:
+        _, spans = rows_and_spans(json.load(f))
+    data = {phase: duration for row, phase, _, duration, _ in spans if row == "tl.data"}
+    assert {"QUEUED", "WAIT_FOR_DATA", "NEGOTIATE"} <= set(data), data
+    assert data["WAIT_FOR_DATA"] >= 0.25e6, data  # microseconds
+    assert "WAIT_FOR_DATA" not in {phase for row, phase, _, _, _ in spans if row == "tl.after_data"}
