@@ -55,9 +55,9 @@ def _parse(argv):
     p.add_argument("--timeline-mark-cycles", action="store_true",
                    help="mark each negotiation cycle on the timeline")
     p.add_argument("--autotune", action="store_true",
-                   help="tune the fusion threshold, the cycle time and, across hosts, hierarchical allreduce "
-                        "during the first steps (not those set by an option or variable; the cache too with "
-                        "UNISON_AUTOTUNE_CACHE=1)")
+                   help="tune the fusion threshold, the cycle time, the response cache and, across hosts, "
+                        "hierarchical allreduce during the first steps (not those set by an option or variable; "
+                        "UNISON_AUTOTUNE_CACHE=0 leaves the cache out)")
     p.add_argument("--autotune-log-file", help="with --autotune: each setting tried and its score, as CSV")
     p.add_argument("--output-filename",
                    help="also write each rank's output to DIR/rank.N/stdout and stderr")

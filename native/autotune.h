@@ -15,12 +15,14 @@
 // most, every one of them measured, and its choice can be read in the log.
 // benchmarks/README.md ("Autotune") compares it with the other settings.
 //
-// The cache is searched only with UNISON_AUTOTUNE_CACHE=1. Switching it
-// works (every rank switches at one cycle, and what waited as a cache bit is
-// sent in full), but in benchmarks/autotune.py about half the 2-rank torch
-// jobs whose search had switched the cache trained ~40% slower for the rest
-// of the job, whichever way it ended; jobs whose search left the cache alone
-// never did. Until that is understood, the default search leaves it alone.
+// The cache is searched unless UNISON_AUTOTUNE_CACHE=0. Switching it works:
+// every rank switches at one cycle, and what waited as a cache bit is sent
+// in full. For a while it was left out by default: before waiting callers
+// drove the engine, about half the 2-rank torch jobs whose search had
+// switched it trained ~40% slower afterwards. Since then, 10 of 10 such jobs
+// showed nothing of the kind (benchmarks/README.md, "Autotune"), so it is
+// searched as the other settings are, and the variable is there to leave it
+// out should a job ever show it again.
 //
 // The engine puts each new setting in rank 0's next cycle message, and every
 // rank applies it after that exchange: the same setting at the same cycle.

@@ -131,7 +131,7 @@ struct Config {
   int autotune_warmup_samples = 1;
   int autotune_samples = 2;
   int autotune_steps_per_sample = 5;
-  bool autotune_cache = false;  // UNISON_AUTOTUNE_CACHE: search the cache too (autotune.h says why not by default)
+  bool autotune_cache = true;  // UNISON_AUTOTUNE_CACHE=0: leave the cache out of the search (autotune.h)
   bool fusion_threshold_fixed = false, cycle_time_fixed = false, cache_fixed = false, hierarchical_fixed = false;
   // UNISON_TIMELINE: rank 0 writes a Chrome trace here from init on (timeline.h).
   std::string timeline_path;

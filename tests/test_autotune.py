@@ -12,9 +12,9 @@ import pytest
 from jobs import unisonrun
 
 pytestmark = pytest.mark.timeout(300)
-# Short samples, and the cache searched too (it is not by default), so that
-# switching it is tested for every rank ending on the same setting.
-QUICK = {"UNISON_AUTOTUNE_STEPS_PER_SAMPLE": "2", "UNISON_AUTOTUNE_SAMPLES": "1", "UNISON_AUTOTUNE_CACHE": "1"}
+# Short samples. The cache is searched too, so switching it is tested for
+# every rank ending on the same setting.
+QUICK = {"UNISON_AUTOTUNE_STEPS_PER_SAMPLE": "2", "UNISON_AUTOTUNE_SAMPLES": "1"}
 
 # Steps of 8 gradients until the autotuner settles; every rank prints what
 # it ended with and whether all ranks agree. Whether to stop is rank 0's
@@ -110,6 +110,11 @@ def test_a_setting_the_user_fixed_is_not_searched(tmp_path):
     assert {int(r["fusion_threshold_bytes"]) for r in rows} == {8 << 20}
     assert len({float(r["cycle_time_ms"]) for r in samples}) == 4
     assert all("[[8388608.0," in line for line in reports), reports
+
+
+def test_the_cache_can_be_left_out_of_the_search(tmp_path):
+    rows, _ = run(tmp_path, 2, NUMPY_STEPS, env={"UNISON_AUTOTUNE_CACHE": "0"})
+    assert {r["cache"] for r in check_log(rows)} == {"1"}
 
 
 @pytest.mark.parametrize("np_", [2, 3])

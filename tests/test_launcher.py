@@ -187,3 +187,47 @@ def test_stall_inspector_warns_then_fails_naming_the_missing_rank(tmp_path):
     assert out.count("submitted by ranks [0], missing from ranks [1]") == 2, out
     assert "some ranks have waited more than 1 s" in err
     assert "still usable 0" in out and "still usable 1" in out
+
+
+def test_data_that_never_comes_is_a_stall_naming_the_rank_and_fails_at_shutdown(tmp_path):
+    # Rank 1's input for 'late' is never marked ready (a device stream that
+    # never gets there): rank 0's stall inspector names rank 1 and fails the
+    # op there; rank 1's op waits outside negotiation until its shutdown
+    # fails it. Nobody hangs.
+    proc = run(tmp_path, """
+        import time
+        import numpy as np
+        import unison, unison.numpy as unp
+        from unison import collective, handles
+        from unison._native import ffi, lib
+        unison.init()
+        values, flag = np.ones(2, np.float32), np.zeros(1, np.int32)
+        pointer = ffi.cast("void*", values.ctypes.data)
+        ready = ffi.cast("int32_t*", flag.ctypes.data) if unison.rank() == 1 else ffi.NULL
+        handle_id = collective.enqueue(lib.UNISON_ALLREDUCE, "late", lib.UNISON_FLOAT32, values.shape, pointer,
+                                       pointer, reduce_op=lib.UNISON_SUM, input_ready=ready)
+        handle = handles.Handle(handle_id, "late", (values, flag), lambda _: None)
+        if unison.rank() == 0:
+            try:
+                handles.synchronize(handle)
+            except unison.StalledError as e:
+                print("stalled:", e, flush=True)
+        else:
+            time.sleep(1.5)  # past the warning; rank 0 fails 'late' at 2 s, then meets this barrier
+            print("still waiting", unison.rank(), not handles.poll(handle), flush=True)
+        unp.barrier()
+        print("still usable", unison.rank(), flush=True)
+        rank = unison.rank()
+        unison.shutdown()
+        if rank == 1:
+            try:
+                handles.synchronize(handle)
+            except unison.ShutDownError as e:
+                print("at shutdown:", e, flush=True)
+    """, extra=("--stall-check-warning-time-seconds", "1", "--stall-check-shutdown-time-seconds", "2"))
+    out, err = proc.stdout.decode(), proc.stderr.decode()
+    assert proc.returncode == 0, out + err
+    assert "allreduce 'late' waited" in out and "submitted by ranks [0], missing from ranks [1]" in out, out
+    assert "still waiting 1 True" in out, out
+    assert "still usable 0" in out and "still usable 1" in out, out
+    assert "at shutdown:" in out, out
