@@ -26,8 +26,10 @@ from unison import timeline
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from torch_train import make_model, slowest  # noqa: E402
 
-COLOURS = {"QUEUED": "#c7c7c7", "NEGOTIATE": "#f2a65a", "PACK": "#7fb3d5", "WAIT_FOR_PEERS": "#e06666",
-           "REDUCE": "#6aa84f", "REDUCE_INTO_OUTPUT": "#6aa84f", "UNPACK": "#8e7cc3"}
+COLOURS = {"QUEUED": "#c7c7c7", "WAIT_FOR_DATA": "#ffd966", "NEGOTIATE": "#f2a65a", "PACK": "#7fb3d5",
+           "WAIT_FOR_PEERS": "#e06666", "REDUCE": "#6aa84f", "REDUCE_INTO_OUTPUT": "#6aa84f",
+           "UNPACK": "#8e7cc3"}
+COLLECTIVE_COLOUR = "#3d85c6"  # a tensor's collective (SHM_ALLREDUCE, ...), drawn narrow
 
 
 def train_block(model, optimizer, x, y, steps):
@@ -57,7 +59,7 @@ def render(trace, png, title):
     # The collectives first (narrow), their parts over them (full height).
     for row, phase, start, duration, _ in sorted(shown, key=lambda s: s[1] in COLOURS):
         y = rows.index(row)
-        colour = COLOURS.get(phase, "#3d85c6")  # the collective itself
+        colour = COLOURS.get(phase, COLLECTIVE_COLOUR)
         height = 0.8 if phase in COLOURS else 0.4
         axes.barh(y, duration / 1e3, left=(start - begin) / 1e3, height=height, color=colour, edgecolor="none")
     axes.set_yticks(range(len(rows)))
@@ -65,8 +67,9 @@ def render(trace, png, title):
     axes.invert_yaxis()
     axes.set_xlabel("ms since the step's first gradient was queued")
     axes.set_title(title, fontsize=9)
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in list(COLOURS.values())[:-2] + ["#8e7cc3", "#3d85c6"]]
-    labels = ["QUEUED", "NEGOTIATE", "PACK", "WAIT_FOR_PEERS", "REDUCE", "UNPACK", "the collective"]
+    present = {phase for _, phase, _, _, _ in shown}
+    labels = [p for p in COLOURS if p in present and p != "REDUCE_INTO_OUTPUT"] + ["the collective"]
+    handles = [plt.Rectangle((0, 0), 1, 1, color=COLOURS.get(p, COLLECTIVE_COLOUR)) for p in labels]
     axes.legend(handles, labels, fontsize=7, loc="lower right")
     figure.tight_layout()
     figure.savefig(png, dpi=110)

@@ -88,6 +88,12 @@ void reduce_typed(const ReduceSpec& spec, const void* const* inputs, int n_input
   const bool prescale = spec.prescale != 1.0;
   const bool postscale = spec.postscale != 1.0;
   const bool average = spec.reduce_op == UNISON_AVERAGE && spec.ranks > 1;
+  // A float divided by a power of two and multiplied by its reciprocal are
+  // the same number rounded once, so the same bits; the multiply costs a
+  // fraction of the division (an Average of 2 MiB on 2 ranks took 1.6x a
+  // Sum's time with the division, in L3, on this project's VM).
+  const bool by_reciprocal = std::is_floating_point_v<C> && (spec.ranks & (spec.ranks - 1)) == 0;
+  const C reciprocal = (C)1 / (C)spec.ranks;
   C acc[kBlock];
   for (size_t base = 0; base < count; base += kBlock) {
     const size_t m = std::min(kBlock, count - base);
@@ -103,7 +109,9 @@ void reduce_typed(const ReduceSpec& spec, const void* const* inputs, int n_input
         for (size_t j = 0; j < m; ++j) acc[j] = Combine::apply(acc[j], Codec::load(in[j]));
       }
     }
-    if (average) {
+    if (average && by_reciprocal) {
+      for (size_t j = 0; j < m; ++j) acc[j] = acc[j] * reciprocal;
+    } else if (average) {
       const C ranks = (C)spec.ranks;
       for (size_t j = 0; j < m; ++j) acc[j] = acc[j] / ranks;
     }
