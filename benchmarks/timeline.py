@@ -47,10 +47,16 @@ def render(trace, png, title):
     import matplotlib.pyplot as plt
 
     spans = timeline.spans(timeline.load(trace))
-    # The last complete step: from the last gradient's last QUEUED start.
-    steps = sorted(start for row, phase, start, _, _ in spans if phase == "QUEUED" and row.endswith("0.weight"))
-    begin = steps[-2] if len(steps) > 1 else steps[-1]
-    shown = [s for s in spans if s[2] >= begin]
+    queued = [(start, row) for row, phase, start, _, _ in spans if phase == "QUEUED"]
+    # Backward queues the first layer's weight last: one such start per step.
+    last_of_step = sorted(start for start, row in queued if row.endswith(".0.weight"))
+    # The second-to-last step: the gradients queued after the step before's
+    # last one, up to its own last; shown until the next step's first.
+    after = last_of_step[-3] if len(last_of_step) > 2 else float("-inf")
+    upto = last_of_step[-2] if len(last_of_step) > 1 else last_of_step[-1]
+    begin = min(start for start, _ in queued if after < start <= upto)
+    until = min([start for start, _ in queued if start > upto], default=float("inf"))
+    shown = [s for s in spans if begin <= s[2] < until]
     rows = []
     for row, *_ in sorted(shown, key=lambda s: s[2]):
         if row not in rows:
@@ -70,7 +76,7 @@ def render(trace, png, title):
     present = {phase for _, phase, _, _, _ in shown}
     labels = [p for p in COLOURS if p in present and p != "REDUCE_INTO_OUTPUT"] + ["the collective"]
     handles = [plt.Rectangle((0, 0), 1, 1, color=COLOURS.get(p, COLLECTIVE_COLOUR)) for p in labels]
-    axes.legend(handles, labels, fontsize=7, loc="lower right")
+    axes.legend(handles, labels, fontsize=7, loc="lower left")
     figure.tight_layout()
     figure.savefig(png, dpi=110)
 
