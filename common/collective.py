@@ -68,8 +68,9 @@ def enqueue(op, name, dtype=0, shape=(), input=NULL, output=NULL, reduce_op=0,
     input and output are cffi pointers (or NULL); output_bytes is the
     capacity of an allgather's, alltoall's or reducescatter's output where
     the caller gives one; input_ready, an int32_t* that the input's producer
-    sets non-zero once it has finished (unison.h), or NULL: ready now; `name` may be None for an automatically numbered
-    one; `shape` a tuple (or list) of ints."""
+    sets non-zero once it has finished (unison.h), or NULL: ready now;
+    `name` may be None for an automatically numbered one; `shape` a tuple
+    (or list) of ints."""
     scratch = _scratch
     if not isinstance(shape, tuple):
         shape = tuple(shape)

@@ -59,7 +59,8 @@ def summarize(events, top=20):
     by_tensor = collections.defaultdict(lambda: collections.defaultdict(float))
     for row, phase, _, duration, _ in tensors:
         by_tensor[row][phase] += duration
-    phases = sorted({phase for _, phase, _, _, _ in tensors}, key=lambda p: (p not in ("QUEUED", "WAIT_FOR_DATA", "NEGOTIATE"), p))
+    first = ("QUEUED", "WAIT_FOR_DATA", "NEGOTIATE")
+    phases = sorted({phase for _, phase, _, _, _ in tensors}, key=lambda p: (p not in first, p))
     lines.append("Time per tensor and phase, ms (summed over its steps; the %d busiest):" % min(top, len(by_tensor)))
     header = ["tensor"] + phases + ["total"]
     rows = sorted(by_tensor.items(), key=lambda kv: -sum(kv[1].values()))[:top]
