@@ -340,6 +340,20 @@ bool Engine::data_became_ready() const {
   return false;
 }
 
+void Engine::warn_of_late_data(double now) {
+  if (!config_.stall_check_enabled) return;
+  for (Entry& e : waiting_for_data_) {
+    const double waited = now - e.data_wait_since;
+    if (e.data_wait_reported || waited < config_.stall_warning_seconds) continue;
+    e.data_wait_reported = true;
+    std::fprintf(stderr,
+                 "unison: warning: rank %d: %s '%s' has waited %d s for its input: its producer has not set "
+                 "input_ready, and the other ranks wait for this rank in negotiation\n",
+                 backend_->rank(), op_name(e.request.op), e.request.name.c_str(), (int)waited);
+    std::fflush(stderr);
+  }
+}
+
 void Engine::take_new_requests() {
   // Ops whose data has come go first: they were enqueued before the queue's.
   std::vector<Entry> fresh;
@@ -372,6 +386,7 @@ void Engine::take_new_requests() {
     const std::string name = e.request.name;
     if (!e.waited_for_data && !input_ready(e)) {
       e.waited_for_data = true;
+      e.data_wait_since = monotonic_seconds();
       if (timeline_.active()) {
         timeline_.end(name, "QUEUED");
         timeline_.begin(name, "WAIT_FOR_DATA");
@@ -420,7 +435,7 @@ void Engine::build_message(ProcessSetState& set, CycleMessage* message, double n
   // The set's rank 0 owes the others a response list when its coordinator
   // holds responses back or the stall inspector has something to fail.
   set.stall_check = stall_check_due(set, now);
-  if (set.rank == 0 && (set.another_cycle || set.stall_check)) message->flags |= CycleMessage::kMoreQueued;
+  if (set.rank == 0 && (set.responses_held_back || set.stall_check)) message->flags |= CycleMessage::kMoreQueued;
   set.fresh = false;
   if (&set != global_) return;
   TunedSettings next;
@@ -580,6 +595,7 @@ Status Engine::negotiate(ProcessSetState& set, const std::vector<CycleMessage>& 
 
   // Full negotiation, only when some rank needed it.
   ResponseList decided;
+  set.responses_held_back = false;
   if (any_requests || more) {
     std::string encoded;
     if (rank == 0) {
@@ -602,6 +618,7 @@ Status Engine::negotiate(ProcessSetState& set, const std::vector<CycleMessage>& 
       std::vector<Response> ready = set.coordinator.take_ready(set.backend->max_message_bytes() / 2, &held_back);
       for (Response& r : ready) decided.responses.push_back(std::move(r));
       decided.more_ready = held_back;
+      set.responses_held_back = held_back;
       encoded = encode(decided);
     }
     Status s = set.backend->broadcast_message(&encoded, 0);

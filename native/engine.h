@@ -93,6 +93,8 @@ class Engine {
     int cache_position = -1;  // >= 0 while it waits as a cache bit
     const int32_t* input_ready = nullptr;  // unison_op_options::input_ready
     bool waited_for_data = false;          // it spent time in waiting_for_data_
+    double data_wait_since = 0;            // when it began to
+    bool data_wait_reported = false;       // warned of (warn_of_late_data)
   };
   friend struct ProcessSetState;
 
@@ -117,6 +119,9 @@ class Engine {
   void take_new_requests();
   static bool input_ready(const Entry& e);
   bool data_became_ready() const;
+  // The stall inspector's counterpart on the waiting rank: the others see
+  // it as missing, and only this rank knows it waits for its own data.
+  void warn_of_late_data(double now);
   void build_message(ProcessSetState& set, CycleMessage* message, double now);
   Status exchange(ProcessSetState& set, const CycleMessage& mine, std::vector<CycleMessage>* all);
   Status negotiate(ProcessSetState& set, const std::vector<CycleMessage>& all, double now);
@@ -211,6 +216,11 @@ struct ProcessSetState {
   std::map<int, Waiting> partial_bits;  // set rank 0: cache bits set on some ranks only
   bool fresh = false;         // requests arrived since its last cycle
   bool another_cycle = false;  // its last cycle left work for the next
+  // Set rank 0: its coordinator kept ready responses for the next cycle
+  // (they did not fit in one message). Its own reason to ask for another
+  // cycle: another_cycle also counts the others' asking, and echoing that
+  // back kept every rank cycling for good once anyone had asked.
+  bool responses_held_back = false;
   bool anyone_joined = false;  // as of its last cycle (global set only)
   bool stall_check = false;    // set rank 0: this cycle inspects stalled tensors
 };

@@ -153,6 +153,7 @@ double Engine::step(bool by_caller) {
     return 0;
   }
   const double now = monotonic_seconds();
+  if (!waiting_for_data_.empty()) warn_of_late_data(now);
   bool stall_due = false, anything_pending = false;
   for (const auto& [id, set] : sets_) {
     stall_due |= stall_check_due(*set, now);

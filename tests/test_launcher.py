@@ -8,6 +8,8 @@ import time
 
 import pytest
 
+import jobs
+
 pytestmark = pytest.mark.timeout(120)
 
 
@@ -189,6 +191,38 @@ def test_stall_inspector_warns_then_fails_naming_the_missing_rank(tmp_path):
     assert "still usable 0" in out and "still usable 1" in out
 
 
+@pytest.mark.parametrize("np_", [2, 3])
+def test_requests_and_responses_that_overflow_one_control_message(np_):
+    # 4 KiB control messages: a thousand requests go out over several cycles,
+    # and rank 0 holds back the responses that do not fit, cycle after cycle.
+    proc = jobs.unisonrun(["-np", str(np_)], jobs.pytest_command("test_core_ops.py"),
+                          env={"UNISON_CONTROL_MESSAGE_BYTES": "4096"}, timeout=110)
+    jobs.assert_every_rank_passed(proc, np_)
+
+
+def test_after_a_stall_warning_idle_engines_sleep(tmp_path):
+    # Rank 0's request for the cycle that reports a stall once set it asking
+    # for another cycle every cycle after: both engines span a core each for
+    # the rest of the job. An idle second afterwards now costs next to no CPU.
+    proc = run(tmp_path, """
+        import time
+        import numpy as np
+        import unison, unison.numpy as unp
+        unison.init()
+        if unison.rank() == 1:
+            time.sleep(1.5)
+        unp.allreduce(np.ones(2), name="x")
+        started = time.process_time()
+        time.sleep(1)
+        print("cpu %.2f" % (time.process_time() - started), flush=True)
+    """, extra=("--stall-check-warning-time-seconds", "1"))
+    out, err = proc.stdout.decode(), proc.stderr.decode()
+    assert proc.returncode == 0, out + err
+    assert "allreduce 'x' waited 1 s" in err, err
+    cpu = [float(line.split("cpu ")[1]) for line in out.splitlines() if "cpu " in line]
+    assert len(cpu) == 2 and max(cpu) < 0.5, out  # spinning: about 1.0
+
+
 def test_data_that_never_comes_is_a_stall_naming_the_rank_and_fails_at_shutdown(tmp_path):
     # Rank 1's input for 'late' is never marked ready (a device stream that
     # never gets there): rank 0's stall inspector names rank 1 and fails the
@@ -229,5 +263,6 @@ def test_data_that_never_comes_is_a_stall_naming_the_rank_and_fails_at_shutdown(
     assert proc.returncode == 0, out + err
     assert "allreduce 'late' waited" in out and "submitted by ranks [0], missing from ranks [1]" in out, out
     assert "still waiting 1 True" in out, out
+    assert "rank 1: allreduce 'late' has waited 1 s for its input" in err, out + err
     assert "still usable 0" in out and "still usable 1" in out, out
     assert "at shutdown:" in out, out
