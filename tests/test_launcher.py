@@ -202,7 +202,7 @@ def test_requests_and_responses_that_overflow_one_control_message(np_):
 
 def test_after_a_stall_warning_idle_engines_sleep(tmp_path):
     # Rank 0's request for the cycle that reports a stall once set it asking
-    # for another cycle every cycle after: both engines span a core each for
+    # for another cycle every cycle after: both engines spun a core each for
     # the rest of the job. An idle second afterwards now costs next to no CPU.
     proc = run(tmp_path, """
         import time

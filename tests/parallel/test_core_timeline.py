@@ -2,9 +2,8 @@
 time, rank 0's file is a Chrome trace with a row per tensor and its
 phases (queued, waiting for its data, negotiating with the ranks it waited
 for, the collective named by the backend, the backend's parts on the
-group's row), cycle
-markers when asked, nothing after the stop; python -m unison.timeline
-summarises it. Every rank checks rank 0's file."""
+group's row), cycle markers when asked, nothing after the stop; python -m
+unison.timeline summarises it. Every rank checks rank 0's file."""
 import json
 import os
 import threading
