@@ -384,8 +384,8 @@ void Engine::take_new_requests() {
       continue;
     }
     const std::string name = e.request.name;
-    if (!e.waited_for_data && !input_ready(e)) {
-      e.waited_for_data = true;
+    const bool waited_for_data = e.data_wait_since >= 0;
+    if (!waited_for_data && !input_ready(e)) {
       e.data_wait_since = monotonic_seconds();
       if (timeline_.active()) {
         timeline_.end(name, "QUEUED");
@@ -397,7 +397,7 @@ void Engine::take_new_requests() {
     ProcessSetState& set = *found_set->second;
     set.fresh = true;
     if (timeline_.active()) {
-      timeline_.end(name, e.waited_for_data ? "WAIT_FOR_DATA" : "QUEUED");
+      timeline_.end(name, waited_for_data ? "WAIT_FOR_DATA" : "QUEUED");
       timeline_.begin(name, "NEGOTIATE");
     }
     int position = -1;

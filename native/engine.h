@@ -92,8 +92,7 @@ class Engine {
     int64_t handle = 0;
     int cache_position = -1;  // >= 0 while it waits as a cache bit
     const int32_t* input_ready = nullptr;  // unison_op_options::input_ready
-    bool waited_for_data = false;          // it spent time in waiting_for_data_
-    double data_wait_since = 0;            // when it began to
+    double data_wait_since = -1;           // when it went to waiting_for_data_; < 0: never
     bool data_wait_reported = false;       // warned of (warn_of_late_data)
   };
   friend struct ProcessSetState;
