@@ -152,8 +152,16 @@ def gloo_built():
     return False
 
 
+def device_support():
+    """Where GPU tensors can go, in words: the CUDA runtime and devices
+    found, and NCCL. The core loads both at run time, so this is a fact
+    about this machine and process, not about how unison was built."""
+    return ffi.string(lib.unison_device_support()).decode()
+
+
 def nccl_built():
-    return False
+    """Whether NCCL can be loaded: GPU collectives then go through it."""
+    return "NCCL: not found" not in device_support()
 
 
 def ddl_built():
@@ -165,7 +173,8 @@ def ccl_built():
 
 
 def cuda_built():
-    return False
+    """Whether the CUDA runtime and a GPU were found: GPU tensors are taken."""
+    return "CUDA: not found" not in device_support()
 
 
 def rocm_built():

@@ -10,6 +10,7 @@ from unison.exceptions import InvalidArgumentError
 from unison._native import ffi, lib
 
 NULL = ffi.NULL
+HOST = (lib.UNISON_CPU_DEVICE, NULL)   # the placement of tensors in host memory
 
 
 class _Scratch(threading.local):
@@ -62,7 +63,7 @@ def _prepare(op, name, dtype, shape, reduce_op, prescale_factor, postscale_facto
 
 def enqueue(op, name, dtype=0, shape=(), input=NULL, output=NULL, reduce_op=0,
             prescale_factor=1.0, postscale_factor=1.0, root_rank=0, splits=None,
-            process_set=None, device=-1, output_bytes=0, input_ready=NULL):
+            process_set=None, placement=HOST, output_bytes=0, input_ready=NULL):
     """Starts one collective and returns the core's handle id.
 
     input and output are cffi pointers (or NULL); output_bytes is the
@@ -70,8 +71,11 @@ def enqueue(op, name, dtype=0, shape=(), input=NULL, output=NULL, reduce_op=0,
     the caller gives one; input_ready, an int32_t* that the input's producer
     sets non-zero once it has finished (unison.h), or NULL: ready now;
     `name` may be None for an automatically numbered one; `shape` a tuple
-    (or list) of ints."""
+    (or list) of ints; placement, (CUDA device, cffi pointer to the stream
+    that produces the input and uses the output) for GPU tensors, HOST for
+    host memory."""
     scratch = _scratch
+    device = placement[0]
     if not isinstance(shape, tuple):
         shape = tuple(shape)
     process_set = 0 if process_set is None else process_set_id(process_set)
@@ -94,6 +98,7 @@ def enqueue(op, name, dtype=0, shape=(), input=NULL, output=NULL, reduce_op=0,
     options.output = output
     options.output_bytes = output_bytes
     options.input_ready = input_ready
+    options.stream = placement[1]
     handle = scratch.handle
     code = lib.unison_enqueue(options, handle)
     if code:

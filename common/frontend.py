@@ -44,6 +44,13 @@ class Tensors:
     def check(self, tensor, name):
         """Raises for a tensor the core cannot take (wrong type, device, layout)."""
 
+    def placement(self, tensor):
+        """Where the tensor's memory is: collective.HOST, or (CUDA device
+        index, cffi pointer to the framework's current stream on it) for a
+        GPU tensor: the core orders the collective after the work queued on
+        that stream and the stream's later work after the collective."""
+        return collective.HOST
+
     def readable(self, tensor):
         """The tensor's values in contiguous memory (the tensor itself when it is)."""
         raise NotImplementedError
@@ -128,7 +135,8 @@ class FrontEnd:
         target = t.empty_like(source) if output is None else output
         pointer = t.pointer
         handle_id = collective.enqueue(_ALLREDUCE, name, code, t.shape(source), pointer(source), pointer(target),
-                                       op, prescale_factor, postscale_factor, 0, None, process_set)
+                                       op, prescale_factor, postscale_factor, 0, None, process_set,
+                                       t.placement(source))
         return Handle(handle_id, name, (tensor, source, target), None, target)
 
     def allreduce_async_(self, tensor, name=None, op=Average, prescale_factor=1.0, postscale_factor=1.0,
@@ -141,7 +149,8 @@ class FrontEnd:
         buffer, finish = t.writable(tensor, name)
         pointer = t.pointer(buffer)
         handle_id = collective.enqueue(_ALLREDUCE, name, code, t.shape(buffer), pointer, pointer,
-                                       op, prescale_factor, postscale_factor, 0, None, process_set)
+                                       op, prescale_factor, postscale_factor, 0, None, process_set,
+                                       t.placement(buffer))
         if finish is None:
             return Handle(handle_id, name, (tensor, buffer), None, tensor)
         return Handle(handle_id, name, (tensor, buffer), finish)
@@ -188,7 +197,7 @@ class FrontEnd:
         target, capacity = self._output_of(output, tensor, name)
         handle_id = collective.enqueue(_ALLGATHER, name, prepared.code, prepared.shape,
                                        self.tensors.pointer(source), target, process_set=process_set,
-                                       output_bytes=capacity)
+                                       placement=self.tensors.placement(source), output_bytes=capacity)
         if output is not None:
             return Handle(handle_id, name, (tensor, source, output), None, output)
         return Handle(handle_id, name, (tensor, source), self._core_result(tensor))
@@ -205,7 +214,8 @@ class FrontEnd:
         source = t.readable(tensor)
         target = t.empty_like(source) if output is None else output
         handle_id = collective.enqueue(_BROADCAST, name, code, t.shape(source), t.pointer(source),
-                                       t.pointer(target), root_rank=root_rank, process_set=process_set)
+                                       t.pointer(target), root_rank=root_rank, process_set=process_set,
+                                       placement=t.placement(source))
         return Handle(handle_id, name, (tensor, source, target), None, target)
 
     def broadcast_async_(self, tensor, root_rank, name=None, process_set=None):
@@ -214,7 +224,7 @@ class FrontEnd:
         buffer, finish = t.writable(tensor, name)
         pointer = t.pointer(buffer)
         handle_id = collective.enqueue(_BROADCAST, name, code, t.shape(buffer), pointer, pointer,
-                                       root_rank=root_rank, process_set=process_set)
+                                       root_rank=root_rank, process_set=process_set, placement=t.placement(buffer))
         if finish is None:
             return Handle(handle_id, name, (tensor, buffer), None, tensor)
         return Handle(handle_id, name, (tensor, buffer), finish)
@@ -227,7 +237,8 @@ class FrontEnd:
         counts = arguments.split_counts(splits, name)
         source = self.tensors.readable(tensor)
         handle_id = collective.enqueue(_ALLTOALL, name, prepared.code, prepared.shape,
-                                       self.tensors.pointer(source), splits=counts, process_set=process_set)
+                                       self.tensors.pointer(source), splits=counts, process_set=process_set,
+                                       placement=self.tensors.placement(source))
         gather = self._core_result(tensor)
         ranks = size_of(process_set)
 
@@ -250,7 +261,8 @@ class FrontEnd:
         handle_id = collective.enqueue(_REDUCESCATTER, name, prepared.code, prepared.shape,
                                        self.tensors.pointer(source), target, reduce_op=op,
                                        prescale_factor=prescale_factor, postscale_factor=postscale_factor,
-                                       splits=counts, process_set=process_set, output_bytes=capacity)
+                                       splits=counts, process_set=process_set,
+                                       placement=self.tensors.placement(source), output_bytes=capacity)
         if output is not None:
             return Handle(handle_id, name, (tensor, source, output), None, output)
         return Handle(handle_id, name, (tensor, source), self._core_result(tensor))

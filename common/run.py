@@ -153,7 +153,9 @@ def check_build():
               "    %s Shared memory (one host)" % mark("shm" in built),
               "    %s TCP (several hosts, no MPI)" % mark("tcp" in built),
               "    %s MPI (several hosts)" % mark("mpi" in built),
-              "    %s NCCL (GPUs)" % mark("nccl" in built)]
+              "    %s NCCL (GPUs)" % mark(basics.nccl_built()),
+              "    %s Host staging (GPUs without NCCL)" % mark(basics.cuda_built()),
+              "", "GPU support (found at run time): " + basics.device_support()]
     print("\n".join(lines))
     return 0
 

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda/device_plane.h"
 #include "engine.h"
 #include "unison.h"
 
@@ -119,6 +120,11 @@ const char* unison_built_backends(void) {
   return names.c_str();
 }
 
+const char* unison_device_support(void) {
+  static const std::string report = unison::device_support_report();
+  return report.c_str();
+}
+
 int unison_enqueue(const unison_op_options* options, unison_handle* out) {
   if (engine == nullptr) return not_initialized();
   if (options == nullptr || out == nullptr)
@@ -218,7 +224,7 @@ int unison_handle_join_rank(unison_handle handle, int* last_rank) {
 
 int unison_release(unison_handle handle) { return report(handles.release(handle)); }
 
-void unison_free(void* data) { std::free(data); }
+void unison_free(void* data) { unison::free_result_memory(data); }
 
 const char* unison_last_error(void) { return last_error.c_str(); }
 

@@ -242,6 +242,13 @@ Status Config::from_environment(Config* out) {
     else
       read(bad_setting("UNISON_OVERLAP", v, "auto or a flag (1, 0, true, false, yes, no, on or off)"));
   }
+  if (const char* v = lookup("UNISON_GPU_DATA_PLANE", nullptr)) {
+    const std::string plane = trimmed(v);
+    if (plane == "auto" || plane == "nccl" || plane == "staging")
+      c.gpu_data_plane = plane;
+    else
+      read(bad_setting("UNISON_GPU_DATA_PLANE", v, "auto, nccl or staging"));
+  }
   read(read_int(&c.log_level, "UNISON_LOG_LEVEL", "HOROVOD_LOG_LEVEL"));
   if (const char* v = lookup("UNISON_TIMELINE", "HOROVOD_TIMELINE")) c.timeline_path = trimmed(v);
   read(read_flag(&c.autotune, "UNISON_AUTOTUNE", "HOROVOD_AUTOTUNE"));

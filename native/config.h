@@ -123,6 +123,12 @@ struct Config {
   // (engine_driver.cc).
   int overlap = -1;
 
+  // UNISON_GPU_DATA_PLANE: how GPU tensors move. "auto" (the default) uses
+  // NCCL where every rank of a process set has its own GPU and NCCL loads,
+  // and otherwise stages through pinned host memory and the CPU backend;
+  // "nccl" makes a set that cannot use NCCL an error instead of slower;
+  // "staging" never uses NCCL (for comparing the two, or around an NCCL bug).
+  std::string gpu_data_plane = "auto";
   int log_level = 0;  // 0 warnings, 1 info, 2 debug
   // UNISON_AUTOTUNE: rank 0 searches the four settings below (autotune.h),
   // except those the user set, which are *_fixed.

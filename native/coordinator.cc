@@ -150,7 +150,7 @@ Response Coordinator::build(const Pending& p) const {
   if (differs([&](const Request& r) { return r.dtype == first.dtype; }))
     return fail("dtype", [](const Request& r) { return std::string(dtype_name(r.dtype)); });
   if (differs([&](const Request& r) { return r.device == first.device; }))
-    return fail("device", [](const Request& r) { return std::to_string(r.device); });
+    return fail("device", [](const Request& r) { return std::string(r.device == UNISON_CPU_DEVICE ? "CPU" : "GPU"); });
   const bool reduces = first.op == UNISON_ALLREDUCE || first.op == UNISON_REDUCESCATTER;
   if (reduces) {
     if (differs([&](const Request& r) { return r.reduce_op == first.reduce_op; }))

@@ -43,6 +43,7 @@
 #include "backend.h"
 #include "config.h"
 #include "coordinator.h"
+#include "cuda/device_plane.h"
 #include "futex.h"
 #include "handles.h"
 #include "message.h"
@@ -94,6 +95,12 @@ class Engine {
     const int32_t* input_ready = nullptr;  // unison_op_options::input_ready
     double data_wait_since = -1;           // when it went to waiting_for_data_; < 0: never
     bool data_wait_reported = false;       // warned of (warn_of_late_data)
+    // GPU tensors: the device, the caller's stream, and an event recorded
+    // on that stream at enqueue; the collective starts after it. The event
+    // goes back to its pool when the last copy of the entry is gone.
+    int device = UNISON_CPU_DEVICE;
+    void* stream = nullptr;
+    std::shared_ptr<void> ready;
   };
   friend struct ProcessSetState;
 
@@ -127,6 +134,10 @@ class Engine {
   std::vector<std::vector<const Response*>> fuse(const ProcessSetState& set,
                                                  const std::vector<const Response*>& responses) const;
   void execute(ProcessSetState& set, const std::vector<const Response*>& group);
+  // Checks a GPU op's device and pointers and records its input's event.
+  Status accept_device_op(const unison_op_options& options, const std::string& what, Entry* entry);
+  // The set's plane for `device`, made collectively at its first op.
+  Status device_plane(ProcessSetState& set, int device, DevicePlane** out);
   Status add_process_set(const std::vector<int>& ranks, OpResult* result);
   void remove_process_set(int id);
   // Finishes this rank's op `name`; its handle completes at the next
@@ -206,6 +217,9 @@ struct ProcessSetState {
   const int rank;                   // this rank's place among them
   Backend* const backend;           // its control and data planes
   std::unique_ptr<Backend> owned;   // the backend split for it (null for the global set)
+  // Its GPU data planes, by device: made at the set's first op on each, and
+  // gone before the backend they stage through.
+  std::map<int, std::unique_ptr<DevicePlane>> device_planes;
   ResponseCache cache;
   Coordinator coordinator;          // used on the set's rank 0
   StallInspector stall_inspector;

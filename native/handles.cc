@@ -4,7 +4,13 @@
 #include <cstdlib>
 #include <string>
 
+#include "cuda/runtime.h"
+
 namespace unison {
+
+void free_result_memory(void* data) {
+  if (!free_device_result(data)) std::free(data);
+}
 
 Status HandleTable::unknown(int64_t handle) {
   return Status::Error(UNISON_ERR_INVALID_ARGUMENT,
@@ -26,7 +32,7 @@ void HandleTable::complete(std::vector<Completion>* batch) {
     for (Completion& c : *batch) {
       auto it = states_.find(c.handle);
       if (it == states_.end()) {
-        if (c.result.core_allocated) std::free(c.result.data);
+        if (c.result.core_allocated) free_result_memory(c.result.data);
         continue;
       }
       it->second.done = true;
@@ -76,7 +82,7 @@ Status HandleTable::release(int64_t handle) {
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = states_.find(handle);
   if (it == states_.end()) return unknown(handle);
-  if (it->second.result.core_allocated) std::free(it->second.result.data);
+  if (it->second.result.core_allocated) free_result_memory(it->second.result.data);
   states_.erase(it);
   return Status::OK();
 }

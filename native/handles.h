@@ -15,13 +15,17 @@ namespace unison {
 
 struct OpResult {
   void* data = nullptr;         // the output buffer
-  bool core_allocated = false;  // data was allocated by the core (malloc)
+  bool core_allocated = false;  // data was allocated by the core (free_result_memory frees it)
   int64_t bytes = 0;
   std::vector<int64_t> shape;
   std::vector<int64_t> received_splits;
   int join_rank = -1;
   int process_set_id = -1;  // add_process_set: the new set
 };
+
+// Frees a result the core allocated: host memory, or device memory
+// (cuda/runtime.h) for a GPU op's.
+void free_result_memory(void* data);
 
 // One finished op, as the engine hands it over.
 struct Completion {

@@ -1,5 +1,7 @@
 #include "message.h"
 
+#include "dtype.h"
+
 #include <cstring>
 
 namespace unison {
@@ -209,6 +211,18 @@ Response error_response(const std::string& name, int code, const std::string& me
   r.cacheable = false;
   r.tensors.push_back(TensorPlan{name, {}, {}, {}});
   return r;
+}
+
+int64_t element_count(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+size_t row_bytes(const std::vector<int64_t>& shape, int dtype) {
+  int64_t n = 1;
+  for (size_t d = 1; d < shape.size(); ++d) n *= shape[d];
+  return (size_t)n * dtype_size(dtype);
 }
 
 std::string shape_string(const std::vector<int64_t>& shape) {

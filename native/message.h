@@ -95,5 +95,8 @@ size_t encoded_size(const Response& r);
 
 // "[2, 3]"
 std::string shape_string(const std::vector<int64_t>& shape);
+int64_t element_count(const std::vector<int64_t>& shape);
+// Bytes of one row (everything but the first dimension).
+size_t row_bytes(const std::vector<int64_t>& shape, int dtype);
 
 }  // namespace unison

@@ -112,8 +112,14 @@ typedef struct {
   const int64_t* splits;
   int nsplits;
   int process_set_id;       /* the set the op runs among; root_rank stays a global rank */
-  int device;               /* UNISON_CPU_DEVICE for now */
-  void* stream;             /* reserved for GPU streams */
+  /* UNISON_CPU_DEVICE, or the CUDA device that input and output are on.
+     For a GPU op, `stream` is the cudaStream_t (NULL: the default stream)
+     whose work produces the input and will use the output: the collective
+     starts after what was queued on it before the enqueue, and work queued
+     on it after the op completes runs after the collective. The host never
+     waits for the device. A core-allocated result is device memory. */
+  int device;
+  void* stream;
   /* NULL: the input is ready now. Otherwise the input is ready once
      *input_ready is non-zero, for producers that finish after the enqueue
      (a device stream writes it when it gets there). Until then the op is
@@ -151,6 +157,9 @@ int unison_cross_size(int* out);
 const char* unison_backend_name(void);
 /* Comma-separated list of the data planes this build contains. */
 const char* unison_built_backends(void);
+/* Where GPU tensors can go, in words: the CUDA runtime and devices found,
+   and NCCL. Both are loaded at run time; this loads them if need be. */
+const char* unison_device_support(void);
 
 /* Start a collective. Validates what one rank can check alone (dtype,
    shape, pointers, root, splits, name not already in flight) and returns

@@ -138,6 +138,9 @@ def test_check_build_lists_data_planes():
     # MPI is there exactly when the core was built against one (tox env mpi).
     from unison import basics
     assert ("[X] MPI" if "mpi" in basics.built_backends() else "[ ] MPI") in out
+    # CUDA and NCCL are found at run time, and the line says which were.
+    assert ("[X] NCCL" if basics.nccl_built() else "[ ] NCCL") in out
+    assert "GPU support (found at run time): CUDA: " in out and "; NCCL: " in out
 
 
 def test_output_files(tmp_path):

@@ -26,11 +26,12 @@ def framework_of(suite):
 
 # Process sets need 4 ranks: two disjoint pairs, and sets that overlap them.
 # The shared grid (parallel/shared_grid.py) also runs on one rank, where
-# every collective must still give the single-process answer.
+# every collective must still give the single-process answer; so do the GPU
+# suites, where one rank is the NCCL path (more ranks share the one GPU).
 def sizes(suite):
     if "process_sets" in suite:
         return [2, 3, 4]
-    if suite.endswith("_grid.py"):
+    if suite.endswith("_grid.py") or suite.endswith("_cuda.py"):
         return [1, 2, 3]
     return [2, 3]
 
@@ -48,6 +49,24 @@ def test_suite_under_launcher(suite, np_):
 # core to spare per rank (UNISON_OVERLAP=auto, engine_driver.cc); on a
 # machine without one (CI's 2 cores) the suites above run without overlap,
 # so these force it on.
+# GPU tensors: the torch grid on CUDA tensors, at 1 rank (NCCL) and at 2
+# and 3 ranks sharing one GPU (host staging). test_torch_cuda.py is among
+# the suites above. Where there is no GPU both skip, saying so.
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("np_", [1, 2, 3], ids=lambda v: "np%d" % v)
+def test_torch_grid_on_cuda_tensors(np_):
+    skip_without_cuda()
+    run_suite("test_torch_grid.py", np_, {"UNISON_TEST_DEVICE": "cuda"})
+
+
+def skip_without_cuda():
+    if importlib.util.find_spec("torch") is None:
+        pytest.skip("torch is not installed here; the tox env 'torch' runs the GPU suites")
+    import torch
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device here: the GPU suites run on a GPU machine (benchmarks/gpu_machine.sh)")
+
+
 OVERLAP_SUITES = ["test_core_ops.py", "test_core_grid.py", "test_torch_optimizer.py", "test_torch_zero.py"]
 
 
@@ -59,6 +78,8 @@ def test_suite_with_overlap_forced_on(suite, np_):
 
 
 def run_suite(suite, np_, env=None):
+    if suite.endswith("_cuda.py"):
+        skip_without_cuda()
     framework = framework_of(suite)
     if framework and importlib.util.find_spec(framework) is None:
         pytest.skip("%s is not installed here; the tox env '%s' runs this suite" % (framework, framework))

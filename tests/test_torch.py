@@ -47,7 +47,7 @@ def test_distributed_optimizer_at_size_one_is_the_plain_optimizer(solo):
 def test_use_before_init_is_a_clear_error():
     with pytest.raises(hvd.UnisonError, match="init"):
         hvd.allreduce(torch.ones(1))
-    with pytest.raises(hvd.UnisonError, match="on meta; this build moves CPU tensors only"):
+    with pytest.raises(hvd.UnisonError, match="on meta; unison moves CPU and CUDA tensors"):
         hvd.init()
         try:
             hvd.allreduce(torch.ones(1, device="meta"))

@@ -89,10 +89,12 @@ def broadcast_optimizer_state(optimizer, root_rank, model=None, process_set=glob
         _initialize_state(optimizer)
 
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    # What root has, tensors described by shape and dtype, the rest by value.
+    # What root has, tensors described by shape, dtype and whether they sit
+    # with their parameter (on its GPU, say) or on the CPU (Adam's step
+    # count), the rest by value.
     def describe(value):
         if isinstance(value, torch.Tensor):
-            return ("tensor", tuple(value.shape), value.dtype)
+            return ("tensor", tuple(value.shape), value.dtype, value.device.type == "cpu")
         return ("value", value)
     layout = {
         "groups": [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups],
@@ -111,10 +113,12 @@ def broadcast_optimizer_state(optimizer, root_rank, model=None, process_set=glob
             if what[0] == "value":
                 state[key] = what[1]
                 continue
-            _, shape, dtype = what
+            _, shape, dtype, on_cpu = what
+            device = torch.device("cpu") if on_cpu else p.device
             current = state.get(key)
-            if not isinstance(current, torch.Tensor) or tuple(current.shape) != shape or current.dtype != dtype:
-                current = state[key] = torch.zeros(shape, dtype=dtype)
+            if (not isinstance(current, torch.Tensor) or tuple(current.shape) != shape or current.dtype != dtype
+                    or current.device != device):
+                current = state[key] = torch.zeros(shape, dtype=dtype, device=device)
             handles.append(broadcast_async_(current, root_rank, name="optimizer_state.%d.%s" % (index, key),
                                             process_set=process_set))
     for handle in handles:

@@ -1,8 +1,11 @@
 """The collectives on torch tensors, with Horovod's torch API.
 
-Contiguous CPU tensors go to the core by pointer, with no copy; a
+Contiguous tensors go to the core by pointer, with no copy; a
 non-contiguous one is copied to a contiguous tensor first (and an in-place
-op copies the result back). The shared front end (unison.frontend) does
+op copies the result back). CUDA tensors go the same way, with their
+device and the current stream: the core runs their collectives on the GPU
+(NCCL, or staged through host memory where NCCL cannot serve) in order
+with the stream, so the caller never waits for the device. The shared front end (unison.frontend) does
 the checks, the core calls and the handles; this module says what a torch
 tensor is and adds autograd: the blocking forms of allreduce, allgather,
 broadcast, alltoall and reducescatter (grouped ones too) are autograd
@@ -24,8 +27,19 @@ Sum, Average, Min, Max, Product, Adasum = (basics.Sum, basics.Average, basics.Mi
                                            basics.Product, basics.Adasum)
 
 
+class _DeviceResult:
+    """A result the core allocated in device memory, as torch can adopt it
+    (__cuda_array_interface__); unison_free gives the memory back when the
+    tensor made from it is gone."""
+
+    def __init__(self, owned, nbytes):
+        self.owned = owned
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "version": 2,
+                                         "data": (int(ffi.cast("uintptr_t", owned)), False)}
+
+
 class TorchTensors(frontend.Tensors):
-    """CPU torch tensors for the shared front end."""
+    """Torch tensors, on the CPU or a CUDA device, for the shared front end."""
 
     def dtype_key(self, tensor):
         return tensor.dtype
@@ -37,12 +51,18 @@ class TorchTensors(frontend.Tensors):
         if not isinstance(tensor, torch.Tensor):
             raise InvalidArgumentError("unison: tensor %s must be a torch.Tensor, got %s"
                                        % (_label(name), type(tensor).__name__))
-        if tensor.device.type != "cpu":
-            raise UnsupportedError("unison: tensor %s is on %s; this build moves CPU tensors only"
+        if tensor.device.type not in ("cpu", "cuda"):
+            raise UnsupportedError("unison: tensor %s is on %s; unison moves CPU and CUDA tensors"
                                    % (_label(name), tensor.device))
         if tensor.layout != torch.strided:
             raise InvalidArgumentError("unison: tensor %s has layout %s; pass a dense tensor (or use "
                                        "sparse_allreduce_async)" % (_label(name), tensor.layout))
+
+    def placement(self, tensor):
+        if not tensor.is_cuda:
+            return collective.HOST
+        device = tensor.device.index
+        return device, ffi.cast("void*", torch.cuda.current_stream(device).cuda_stream)
 
     def readable(self, tensor):
         return tensor.detach().contiguous()
@@ -71,7 +91,10 @@ class TorchTensors(frontend.Tensors):
 
     def adopt(self, owned, nbytes, shape, like):
         if nbytes == 0:
-            return torch.zeros(shape, dtype=like.dtype)
+            return torch.zeros(shape, dtype=like.dtype, device=like.device)
+        if like.is_cuda:
+            raw = torch.as_tensor(_DeviceResult(owned, nbytes), device=like.device)  # keeps `owned` alive
+            return raw.view(like.dtype).reshape(shape)
         raw = torch.frombuffer(ffi.buffer(owned, nbytes), dtype=torch.uint8)  # keeps `owned` alive
         return raw.view(like.dtype).reshape(shape)
 

@@ -133,7 +133,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._flat, self._chunk, self._averaged = {}, {}, {}
         for dtype, members in by_dtype.items():
             ordered = sorted(members, key=lambda p: self._owner[p])   # stable: parameter order within an owner
-            flat = torch.empty(sum(p.numel() for p in ordered), dtype=dtype)
+            flat = torch.empty(sum(p.numel() for p in ordered), dtype=dtype, device=ordered[0].device)
             offset = 0
             with torch.no_grad():
                 for p in ordered:
@@ -147,7 +147,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             self._flat[dtype] = flat
             # Averaged gradients land in one buffer kept from step to step:
             # a new one each step would cost fresh pages from the kernel.
-            grads, offset = torch.empty(length, dtype=dtype), 0
+            grads, offset = torch.empty(length, dtype=dtype, device=ordered[0].device), 0
             for p in mine:
                 self._averaged[p] = grads[offset:offset + p.numel()]
                 offset += p.numel()

@@ -6,7 +6,7 @@ import pytest
 import unison
 import unison.numpy as unp
 from unison import collective
-from unison._native import lib
+from unison._native import ffi, lib
 
 
 @pytest.fixture(autouse=True)
@@ -99,6 +99,19 @@ def test_null_pointers():
         collective.enqueue(lib.UNISON_ALLREDUCE, "null", lib.UNISON_FLOAT32, (4,))
 
 
+def test_gpu_placement_of_host_memory_names_the_tensor_and_the_process_goes_on():
+    # Without CUDA (CI) the op is refused because GPU tensors cannot be
+    # taken here at all; with it, because the memory is not device memory.
+    values = np.ones(4, np.float32)
+    pointer = ffi.cast("void*", values.ctypes.data)
+    with pytest.raises(unison.UnisonError, match=r"allreduce 'gpu\.host': (the tensor is on GPU 0, but this process "
+                                                 r"cannot use CUDA: |the input is not device memory)"):
+        collective.enqueue(lib.UNISON_ALLREDUCE, "gpu.host", lib.UNISON_FLOAT32, (4,), pointer, pointer,
+                           reduce_op=lib.UNISON_SUM, placement=(0, ffi.NULL))
+    np.testing.assert_array_equal(unp.allreduce(values, op=unison.Sum, name="gpu.after"),
+                                  np.full(4, float(unison.size()), np.float32))
+
+
 def test_invalid_root_rank():
     with pytest.raises(unison.InvalidArgumentError, match="root rank 7 is outside"):
         unp.broadcast(np.ones(2), 7, name="root7")
@@ -131,7 +144,3 @@ def test_bad_handle():
         unp.poll(unp.Handle(10 ** 9, "fake", (), None))
     lib.unison_release(10 ** 9)
 
-
-def test_gpu_device_without_gpu_build():
-    with pytest.raises(unison.UnsupportedError, match="CPU memory only"):
-        collective.enqueue(lib.UNISON_ALLREDUCE, "gpu", lib.UNISON_FLOAT32, (0,), device=0)

@@ -1,0 +1,106 @@
+// device_plane.h: collectives on one GPU's memory.
+//
+// A DevicePlane is a Backend whose data plane takes device pointers: NCCL
+// (../nccl/nccl_plane.cc) or, where NCCL cannot serve, host staging
+// (staging_plane.cc), which copies to pinned host memory and runs the
+// process set's own CPU backend. Its control plane and cycle scheduling are
+// that CPU backend's: negotiation stays on the CPU either way.
+//
+// All of a plane's device work goes on its own stream, in the order the
+// engine runs groups (the same on every rank). The framework's streams meet
+// it through events: before a group, the plane's stream waits for the event
+// recorded on each op's stream at enqueue (so a collective never reads an
+// input whose kernel is still running); after it, each op's stream waits
+// for the plane's (so the framework uses the result without the host ever
+// waiting). A plane is made, collectively, at the first device op of its
+// process set, and the engine's driver calls it with its device current.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "../backend.h"
+#include "device_kernels.h"
+#include "runtime.h"
+
+namespace unison {
+
+class DevicePlane : public Backend {
+ public:
+  DevicePlane(const CudaRuntime& cuda, int device, Backend* host);
+  ~DevicePlane() override;
+
+  int device() const { return device_; }
+  cudaStream_t stream() const { return stream_; }
+  // Orders the plane's stream after `ready` (an op's input).
+  Status wait_for(cudaEvent_t ready);
+  // Orders each of `consumers` after everything the plane has queued.
+  Status release_to(const std::vector<cudaStream_t>& consumers);
+  // Device memory for results and scratch, and copies, on the plane's stream.
+  Status allocate_result(size_t bytes, void** out);
+  Status zeros(size_t bytes, void** out);  // freed at the next end_group()
+  Status copy(void* to, const void* from, size_t bytes);
+  void end_group();
+  // Adasum weighs whole gradients on the CPU (../adasum.h): staged through
+  // host memory on every plane.
+  Status adasum(int dtype, const std::vector<Segment>& segments);
+
+  // Everything but the data plane is the host backend's.
+  int rank() const override { return host_->rank(); }
+  int size() const override { return host_->size(); }
+  Status exchange(const std::string& mine, std::vector<std::string>* everyone) override {
+    return host_->exchange(mine, everyone);
+  }
+  Status broadcast_message(std::string* message, int root) override { return host_->broadcast_message(message, root); }
+  size_t max_message_bytes() const override { return host_->max_message_bytes(); }
+  uint64_t requested_cycles() const override { return host_->requested_cycles(); }
+  void request_cycles(uint64_t count) override { host_->request_cycles(count); }
+  uint32_t activity_token() const override { return host_->activity_token(); }
+  void wait_for_activity(uint32_t token, double timeout_seconds) override {
+    host_->wait_for_activity(token, timeout_seconds);
+  }
+  void wake() override { host_->wake(); }
+  Status check_peers() override { return host_->check_peers(); }
+  Status split(const std::vector<int>&, int, std::unique_ptr<Backend>*) override {
+    return Status::Error(UNISON_ERR_INTERNAL, "unison: a device plane is not split; its process set's backend is");
+  }
+
+ protected:
+  // Pinned host memory for staging one collective: reserve() the total,
+  // then take inputs (copied down from the device) and outputs (copied up
+  // to it by deliver()). An output at the same device address as an input
+  // shares its host copy.
+  class Staging;
+  Status stage_allreduce(const AllreduceOptions& options);
+  Status stage_allgather(const AllgatherOptions& options);
+  Status stage_broadcast(const BroadcastOptions& options);
+  Status stage_alltoall(const AlltoallOptions& options);
+  Status stage_reducescatter(const ReducescatterOptions& options);
+
+  const CudaRuntime& cuda_;
+  const int device_;
+  Backend* const host_;
+  cudaStream_t stream_ = nullptr;
+  cudaEvent_t done_ = nullptr;
+  DeviceKernels kernels_;
+  Status ready_;  // what creating the stream and event said
+  std::vector<void*> scratch_;
+  char* pinned_ = nullptr;
+  size_t pinned_bytes_ = 0;
+};
+
+// The plane for `device` in the process set whose backend is `host`.
+// Collective over the set: its ranks learn where the others are and choose
+// NCCL where it can serve (each rank its own GPU, NCCL found everywhere),
+// else staging; `choice` (Config::gpu_data_plane) can insist on either.
+Status make_device_plane(const std::string& hostname, const std::string& choice, int device, Backend* host,
+                         std::unique_ptr<DevicePlane>* out);
+
+// The NCCL plane (../nccl/nccl_plane.cc), among ranks that chose it.
+Status make_nccl_plane(const CudaRuntime& cuda, int device, Backend* host, std::unique_ptr<DevicePlane>* out);
+Status make_staging_plane(const CudaRuntime& cuda, int device, Backend* host, std::unique_ptr<DevicePlane>* out);
+// What --check-build prints: the CUDA runtime, its devices, NCCL.
+std::string device_support_report();
+
+}  // namespace unison

@@ -1,0 +1,263 @@
+// enqueue.cc: the calling side of the engine. Turns a caller's C options
+// into a Request, checking everything one rank can check alone, and queues
+// it for the next negotiation cycle.
+#include "engine.h"
+
+#include <algorithm>
+#include <cctype>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <set>
+#include <tuple>
+
+#include "adasum.h"
+#include "dtype.h"
+#include "futex.h"
+
+namespace unison {
+namespace {
+
+// Rows of a reducescatter's first dimension that `rank` receives: as even
+// as possible, the first ranks taking one more when it does not divide.
+int64_t scatter_rows(int64_t rows, int size, int rank) {
+  return rows / size + (rank < rows % size ? 1 : 0);
+}
+
+// "[0, 2]"
+std::string set_string(const std::vector<int>& ranks) {
+  return shape_string(std::vector<int64_t>(ranks.begin(), ranks.end()));
+}
+
+Status invalid(const std::string& message) {
+  return Status::Error(UNISON_ERR_INVALID_ARGUMENT, "unison: " + message);
+}
+
+// Splits the caller gave (alltoall's rows sent, reducescatter's rows
+// received): one per rank, none negative, adding up to the tensor's rows.
+template <typename What>
+Status given_splits(const unison_op_options& o, int size, int64_t rows, const What& what, std::vector<int64_t>* out) {
+  if (o.nsplits != size)
+    return invalid(what() + ": got " + std::to_string(o.nsplits) + " splits for " + std::to_string(size) + " ranks");
+  out->assign(o.splits, o.splits + o.nsplits);
+  int64_t total = 0;
+  for (int64_t s : *out) {
+    if (s < 0) return invalid(what() + ": negative split in " + shape_string(*out));
+    total += s;
+  }
+  if (total != rows)
+    return invalid(what() + ": splits " + shape_string(*out) + " add up to " + std::to_string(total) +
+                   " rows, the tensor has " + std::to_string(rows));
+  return Status::OK();
+}
+
+}  // namespace
+
+// ---- the calling side ---------------------------------------------------------
+
+Status Engine::enqueue(const unison_op_options& o, int64_t* handle) {
+  Entry e;
+  Request& r = e.request;
+  const int my_rank = backend_->rank();
+  r.rank = my_rank;
+  r.op = o.op;
+  r.dtype = o.dtype;
+  r.reduce_op = o.reduce_op;
+  r.prescale = o.prescale_factor == 0.0 ? 1.0 : o.prescale_factor;
+  r.postscale = o.postscale_factor == 0.0 ? 1.0 : o.postscale_factor;
+  r.root = o.root_rank;
+  r.device = o.device;
+  e.process_set = o.process_set_id;
+  e.input = o.input;
+  e.output = o.output;
+  e.output_bytes = o.output_bytes;
+  e.input_ready = o.input_ready;
+
+  if (o.op < UNISON_ALLREDUCE || o.op > UNISON_REMOVE_PROCESS_SET) return invalid("unknown op " + std::to_string(o.op));
+  // Built only for an error message: this function runs once per tensor.
+  auto what = [&o] {
+    return std::string(op_name(o.op)) + (o.name != nullptr && *o.name ? std::string(" '") + o.name + "'" : "");
+  };
+  // The set the op runs among: its size, and this rank's place in it.
+  int size = backend_->size();
+  std::vector<int> members;
+  if (o.process_set_id != UNISON_GLOBAL_PROCESS_SET) {
+    {
+      std::lock_guard<std::mutex> lock(queue_mutex_);
+      auto it = set_ranks_.find(o.process_set_id);
+      if (it != set_ranks_.end()) members = it->second;
+    }
+    if (members.empty())
+      return invalid(what() + ": process set " + std::to_string(o.process_set_id) +
+                     " does not exist (never added, or removed)");
+    auto me = std::find(members.begin(), members.end(), my_rank);
+    if (me == members.end())
+      return invalid(what() + ": rank " + std::to_string(my_rank) + " is not in process set " +
+                     std::to_string(o.process_set_id) + " (ranks " + set_string(members) + ")");
+    if (o.op == UNISON_JOIN || o.op == UNISON_ADD_PROCESS_SET || o.op == UNISON_REMOVE_PROCESS_SET)
+      return invalid(what() + ": runs on the global process set only");
+    r.rank = (int)(me - members.begin());
+    size = (int)members.size();
+  }
+
+  const bool carries_tensor = o.op <= UNISON_REDUCESCATTER;
+  if (carries_tensor) {
+    if (!dtype_valid(o.dtype)) return invalid(what() + ": unsupported dtype code " + std::to_string(o.dtype));
+    if (o.ndim < 0 || o.ndim > UNISON_MAX_DIMS)
+      return invalid(what() + ": ndim " + std::to_string(o.ndim) + " is outside 0.." + std::to_string(UNISON_MAX_DIMS));
+    if (o.ndim > 0 && o.shape == nullptr) return invalid(what() + ": shape is NULL");
+    r.shape.assign(o.shape, o.shape + o.ndim);
+    for (int64_t d : r.shape)
+      if (d < 0) return invalid(what() + ": negative size in shape " + shape_string(r.shape));
+    const int64_t elements = element_count(r.shape);
+    if (elements > 0 && (size_t)elements > (SIZE_MAX / 4) / dtype_size(o.dtype))
+      return invalid(what() + ": shape " + shape_string(r.shape) + " is too large");
+    const size_t bytes = (size_t)elements * dtype_size(o.dtype);
+    const bool needs_input = o.op != UNISON_BROADCAST || o.root_rank == my_rank;
+    if (bytes > 0 && needs_input && o.input == nullptr) return invalid(what() + ": input pointer is NULL");
+    if (bytes > 0 && (o.op == UNISON_ALLREDUCE || o.op == UNISON_BROADCAST) && o.output == nullptr)
+      return invalid(what() + ": output pointer is NULL");
+    if ((o.op == UNISON_ALLGATHER || o.op == UNISON_ALLTOALL || o.op == UNISON_REDUCESCATTER) && o.ndim == 0)
+      return invalid(what() + ": needs a tensor with at least one dimension, got a scalar");
+  }
+  if (o.op == UNISON_ALLREDUCE || o.op == UNISON_REDUCESCATTER) {
+    if (o.reduce_op < UNISON_SUM || o.reduce_op > UNISON_ADASUM)
+      return invalid(what() + ": unknown reduce op " + std::to_string(o.reduce_op));
+    if (o.reduce_op == UNISON_ADASUM) {
+      // Adasum weighs whole gradients by their dot products: it needs
+      // real numbers, and the scale factors would change those weights.
+      if (o.op == UNISON_REDUCESCATTER) return invalid(what() + ": reducescatter does not take Adasum");
+      if (!dtype_is_float(o.dtype))
+        return invalid(what() + ": Adasum needs a floating-point tensor, got " + dtype_name(o.dtype));
+      if (r.prescale != 1.0 || r.postscale != 1.0)
+        return invalid(what() + ": Adasum takes no prescale or postscale factor");
+    }
+    if (o.dtype == UNISON_BOOL && (o.reduce_op == UNISON_AVERAGE || r.prescale != 1.0 || r.postscale != 1.0))
+      return invalid(what() + ": bool tensors support Sum (any), Max (any), Min (all) and Product (all) without scale factors");
+  }
+  if (o.op == UNISON_BROADCAST) {
+    // The root is named by its global rank, as in Horovod; it travels as
+    // its place in the set.
+    if (o.root_rank < 0 || o.root_rank >= backend_->size())
+      return invalid(what() + ": root rank " + std::to_string(o.root_rank) + " is outside 0.." +
+                     std::to_string(backend_->size() - 1));
+    if (!members.empty()) {
+      auto root = std::find(members.begin(), members.end(), o.root_rank);
+      if (root == members.end())
+        return invalid(what() + ": root rank " + std::to_string(o.root_rank) + " is not in process set " +
+                       std::to_string(o.process_set_id) + " (ranks " + set_string(members) + ")");
+      r.root = (int)(root - members.begin());
+    }
+  }
+  if (o.op == UNISON_ALLTOALL) {
+    const int64_t rows = r.shape[0];
+    if (o.splits == nullptr) {
+      if (rows % size != 0)
+        return invalid(what() + ": first dimension " + std::to_string(rows) + " does not divide evenly among " +
+                       std::to_string(size) + " ranks; pass splits");
+      r.splits.assign(size, rows / size);
+    } else {
+      Status s = given_splits(o, size, rows, what, &r.splits);
+      if (!s.ok()) return s;
+    }
+  }
+  if (o.op == UNISON_REDUCESCATTER) {
+    // Even splits are written out, so a rank that passes them explicitly
+    // agrees with one that does not.
+    const int64_t rows = r.shape[0];
+    if (o.splits == nullptr) {
+      for (int p = 0; p < size; ++p) r.splits.push_back(scatter_rows(rows, size, p));
+    } else {
+      Status s = given_splits(o, size, rows, what, &r.splits);
+      if (!s.ok()) return s;
+    }
+  }
+  if (o.op == UNISON_ADD_PROCESS_SET) {
+    if (o.splits == nullptr || o.nsplits < 1) return invalid(what() + ": a process set needs at least one rank");
+    r.splits.assign(o.splits, o.splits + o.nsplits);
+    for (size_t i = 0; i < r.splits.size(); ++i)
+      if (r.splits[i] < 0 || r.splits[i] >= size || (i > 0 && r.splits[i] <= r.splits[i - 1]))
+        return invalid(what() + ": ranks " + shape_string(r.splits) + " must be distinct, ascending and within 0.." +
+                       std::to_string(size - 1));
+    std::lock_guard<std::mutex> lock(queue_mutex_);
+    for (const auto& [id, ranks] : set_ranks_)
+      if (std::equal(ranks.begin(), ranks.end(), r.splits.begin(), r.splits.end()))
+        return invalid(what() + ": process set " + std::to_string(id) + " already has ranks " + shape_string(r.splits));
+  }
+  if (o.op == UNISON_REMOVE_PROCESS_SET) {
+    if (o.root_rank == UNISON_GLOBAL_PROCESS_SET) return invalid(what() + ": the global process set cannot be removed");
+    std::lock_guard<std::mutex> lock(queue_mutex_);
+    if (!set_ranks_.count(o.root_rank))
+      return invalid(what() + ": process set " + std::to_string(o.root_rank) + " does not exist (never added, or removed)");
+  }
+  if (o.device != UNISON_CPU_DEVICE && carries_tensor) {
+    Status s = accept_device_op(o, what(), &e);
+    if (!s.ok()) return s;
+    // Ranks may each use their own GPU: negotiation compares only whether
+    // a tensor is on a GPU at all.
+    r.device = 0;
+  }
+
+  std::lock_guard<std::mutex> lock(queue_mutex_);
+  if (!terminal_.ok()) return terminal_;
+  if (o.name != nullptr && *o.name != '\0') {
+    r.name = o.name;
+  } else if (o.op == UNISON_JOIN) {
+    r.name = "join";
+  } else {
+    r.name = std::string(op_name(o.op)) + ".noname." + std::to_string(++unnamed_ops_);
+  }
+  std::unordered_set<std::string>& in_flight = in_flight_[o.process_set_id];
+  if (in_flight.count(r.name))
+    return invalid(std::string(op_name(o.op)) + " '" + r.name + "': a tensor of this name is already in flight on rank " +
+                   std::to_string(my_rank) + "; wait for it, or give the new one another name");
+  e.handle = handles_->create();
+  *handle = e.handle;
+  in_flight.insert(r.name);
+  timeline_.begin(r.name, "QUEUED");
+  last_enqueued_at_ = monotonic_seconds();
+  if (queue_.empty()) queued_since_ = last_enqueued_at_;
+  queue_.push_back(std::move(e));
+  wake_for(*handle);
+  return Status::OK();
+}
+
+Status Engine::accept_device_op(const unison_op_options& o, const std::string& what, Entry* e) {
+  const CudaRuntime* cuda = cuda_runtime();
+  if (cuda == nullptr)
+    return Status::Error(UNISON_ERR_UNSUPPORTED, "unison: " + what + ": the tensor is on GPU " + std::to_string(o.device) +
+                                                     ", but this process cannot use CUDA: " + cuda_missing());
+  if (o.device < 0 || o.device >= cuda->devices)
+    return invalid(what + ": device " + std::to_string(o.device) + " is outside 0.." + std::to_string(cuda->devices - 1));
+  DeviceGuard guard(*cuda, o.device);
+  // A host pointer given as device memory would be read by the GPU as
+  // garbage, or fault it: refuse it here, where the caller can be told.
+  const bool has_data = element_count(e->request.shape) > 0;
+  const std::pair<const char*, const void*> pointers[] = {{"input", o.input}, {"output", o.output}};
+  // A ragged op's output with no capacity is never written (the op fails
+  // on this rank as too small): it may be any placeholder.
+  const bool output_used = o.op == UNISON_ALLREDUCE || o.op == UNISON_BROADCAST || o.output_bytes > 0;
+  for (const auto& [which, pointer] : pointers) {
+    if (pointer == nullptr || !has_data || (pointer == o.output && !output_used)) continue;
+    CudaRuntime::PointerAttributes a{};
+    if (cuda->PointerGetAttributes(&a, pointer) != 0 ||
+        (a.type != CudaRuntime::kMemoryTypeDevice && a.type != CudaRuntime::kMemoryTypeManaged))
+      return invalid(what + ": the " + which + " is not device memory, but device " + std::to_string(o.device) +
+                     " was given");
+    if (a.type == CudaRuntime::kMemoryTypeDevice && a.device != o.device)
+      return invalid(what + ": the " + which + " is on GPU " + std::to_string(a.device) + ", but device " +
+                     std::to_string(o.device) + " was given");
+  }
+  void* event = take_event(*cuda, o.device);
+  if (event == nullptr) return Status::Error(UNISON_ERR_INTERNAL, "unison: " + what + ": could not create a CUDA event");
+  const int device = o.device;
+  e->ready = std::shared_ptr<void>(event, [device](void* used) { give_event(device, used); });
+  Status s = cuda->check(cuda->EventRecord(event, o.stream), what + ": recording an event on the caller's stream");
+  if (!s.ok()) return s;
+  e->device = o.device;
+  e->stream = o.stream;
+  return Status::OK();
+}
+
+}  // namespace unison
