@@ -36,16 +36,22 @@ def timed(fn, iterations):
     return (time.perf_counter() - start) / iterations
 
 
+def start_gpu_job():
+    """unison on GPU 0 with one torch thread, and gloo beside it where there
+    are several ranks: (the device, whether this rank is alone)."""
+    hvd.init()
+    torch.set_num_threads(1)
+    alone = hvd.size() == 1
+    if not alone:
+        setup_gloo()
+    return torch.device("cuda", 0), alone
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--blocks", type=int, default=5)
     args = parser.parse_args()
-    hvd.init()
-    torch.set_num_threads(1)
-    device = torch.device("cuda", 0)
-    alone = hvd.size() == 1
-    if not alone:
-        setup_gloo()
+    device, alone = start_gpu_job()
     say = print if hvd.rank() == 0 else (lambda *a: None)
     other = "device-to-device copy" if alone else "gloo"
     say("allreduce of float32 CUDA tensors, %d rank(s) on %s, median of %d blocks"

@@ -16,10 +16,9 @@ import statistics
 import time
 
 import torch
-import torch.distributed as dist
 
 import unison.torch as hvd
-from allreduce import setup_gloo
+from gpu_allreduce import start_gpu_job
 from timing import agree
 
 
@@ -40,12 +39,7 @@ def main():
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--blocks", type=int, default=5)
     args = parser.parse_args()
-    hvd.init()
-    torch.set_num_threads(1)
-    device = torch.device("cuda", 0)
-    alone = hvd.size() == 1
-    if not alone:
-        setup_gloo()
+    device, alone = start_gpu_job()
     torch.manual_seed(0)
     images = torch.randn(args.batch, 3, 128, 128, device=device)
     labels = torch.randint(0, 100, (args.batch,), device=device)

@@ -1,17 +1,10 @@
 #include "engine.h"
 
 #include <algorithm>
-#include <cctype>
 #include <cstdio>
-#include <cstdlib>
-#include <cstring>
-#include <map>
 #include <set>
-#include <tuple>
 
-#include "adasum.h"
 #include "dtype.h"
-#include "futex.h"
 
 namespace unison {
 

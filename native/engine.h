@@ -15,6 +15,12 @@
 // Cycles are collective and start as soon as any rank has work, so a lone
 // op waits for no timer, and an idle rank sleeps in the kernel.
 //
+// The engine's code is in four files: enqueue.cc (the calling side: a
+// caller's options checked and turned into a request), engine.cc (the
+// cycle: negotiation, process sets, completion), execute.cc (fusion, and
+// running each group on host memory or on a GPU plane, side by side) and
+// engine_driver.cc (who drives).
+//
 // Who drives the cycles (engine_driver.cc): the engine's thread, or a caller
 // waiting for its op. A lone op handed to the thread would pay for two
 // thread hand-offs (wake the engine, then wake the caller), which cost more

@@ -4,17 +4,11 @@
 #include "engine.h"
 
 #include <algorithm>
-#include <cctype>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
-#include <map>
-#include <set>
-#include <tuple>
+#include <memory>
+#include <utility>
 
-#include "adasum.h"
+#include "cuda/runtime.h"
 #include "dtype.h"
-#include "futex.h"
 
 namespace unison {
 namespace {

@@ -2,21 +2,18 @@
 // group on its data plane.
 #include "engine.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cctype>
-#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <map>
-#include <set>
 #include <optional>
 #include <tuple>
 
-#include <unistd.h>
-
 #include "adasum.h"
 #include "dtype.h"
-#include "futex.h"
 
 namespace unison {
 namespace {

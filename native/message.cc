@@ -1,8 +1,8 @@
 #include "message.h"
 
-#include "dtype.h"
-
 #include <cstring>
+
+#include "dtype.h"
 
 namespace unison {
 namespace {

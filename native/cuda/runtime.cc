@@ -1,37 +1,14 @@
 #include "runtime.h"
 
-#include <dlfcn.h>
-
 #include <map>
 #include <mutex>
 #include <unordered_set>
 #include <vector>
 
+#include "dynamic_library.h"
+
 namespace unison {
 namespace {
-
-// Opens the first of `names` that is already loaded, else the first the
-// loader finds. Already loaded comes first so that unison and the framework
-// share one copy.
-void* open_library(const char* const* names, std::string* opened) {
-  for (int pass = 0; pass < 2; ++pass) {
-    for (const char* const* name = names; *name != nullptr; ++name) {
-      void* handle = dlopen(*name, RTLD_NOW | RTLD_GLOBAL | (pass == 0 ? RTLD_NOLOAD : 0));
-      if (handle != nullptr) {
-        *opened = *name;
-        return handle;
-      }
-    }
-  }
-  return nullptr;
-}
-
-template <typename F>
-bool bind(void* library, const char* symbol, F* out, std::string* missing) {
-  *out = reinterpret_cast<F>(dlsym(library, symbol));
-  if (*out == nullptr && missing->empty()) *missing = symbol;
-  return *out != nullptr;
-}
 
 struct Loaded {
   CudaRuntime runtime;

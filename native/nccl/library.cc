@@ -1,6 +1,6 @@
 #include "library.h"
 
-#include <dlfcn.h>
+#include "../cuda/dynamic_library.h"
 
 namespace unison {
 namespace {
@@ -11,23 +11,15 @@ struct Loaded {
   bool ok = false;
 };
 
-template <typename F>
-void bind(void* library, const char* symbol, F* out, std::string* missing) {
-  *out = reinterpret_cast<F>(dlsym(library, symbol));
-  if (*out == nullptr && missing->empty()) *missing = symbol;
-}
-
 Loaded load() {
   Loaded loaded;
   NcclLibrary& n = loaded.nccl;
-  // One already loaded (PyTorch's) first, so the process has one NCCL.
-  void* library = dlopen("libnccl.so.2", RTLD_NOW | RTLD_GLOBAL | RTLD_NOLOAD);
-  if (library == nullptr) library = dlopen("libnccl.so.2", RTLD_NOW | RTLD_GLOBAL);
+  static const char* const kNames[] = {"libnccl.so.2", nullptr};
+  void* library = open_library(kNames, &n.library);
   if (library == nullptr) {
     loaded.missing = "libnccl.so.2 could not be opened (pip install nvidia-nccl-cu13, or put NCCL on LD_LIBRARY_PATH)";
     return loaded;
   }
-  n.library = "libnccl.so.2";
   std::string symbol;
   bind(library, "ncclGetVersion", &n.GetVersion, &symbol);
   bind(library, "ncclGetErrorString", &n.GetErrorString, &symbol);
