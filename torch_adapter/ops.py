@@ -5,7 +5,8 @@ non-contiguous one is copied to a contiguous tensor first (and an in-place
 op copies the result back). CUDA tensors go the same way, with their
 device and the current stream: the core runs their collectives on the GPU
 (NCCL, or staged through host memory where NCCL cannot serve) in order
-with the stream, so the caller never waits for the device. The shared front end (unison.frontend) does
+with the stream, so the caller never waits for the device. The shared
+front end (unison.frontend) does
 the checks, the core calls and the handles; this module says what a torch
 tensor is and adds autograd: the blocking forms of allreduce, allgather,
 broadcast, alltoall and reducescatter (grouped ones too) are autograd

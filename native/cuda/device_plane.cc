@@ -141,24 +141,10 @@ size_t sum(const std::vector<size_t>& v) {
 }
 }  // namespace
 
-Status DevicePlane::stage_allreduce(const AllreduceOptions& o) {
-  Staging staging(*this);
-  size_t bytes = 0;
-  for (const Segment& s : o.segments) bytes += 2 * s.bytes;
-  Status s = staging.reserve(bytes, 2 * o.segments.size());
-  if (!s.ok()) return s;
-  AllreduceOptions host = o;
-  for (Segment& segment : host.segments) {
-    char* in = staging.in(segment.input, segment.bytes);
-    segment.output = staging.out(segment.output, segment.bytes, segment.output == segment.input ? in : nullptr);
-    segment.input = in;
-  }
-  s = staging.fetch();
-  if (s.ok()) s = host_->allreduce(host);
-  return s.ok() ? staging.deliver() : s;
-}
-
-Status DevicePlane::adasum(int dtype, const std::vector<Segment>& segments) {
+// Stages `segments` to host memory, runs `reduce` on the host copies, and
+// copies the results back: the staged allreduce and Adasum alike.
+template <typename Reduce>
+Status DevicePlane::stage_segments(const std::vector<Segment>& segments, Reduce reduce) {
   Staging staging(*this);
   size_t bytes = 0;
   for (const Segment& s : segments) bytes += 2 * s.bytes;
@@ -171,8 +157,20 @@ Status DevicePlane::adasum(int dtype, const std::vector<Segment>& segments) {
     segment.input = in;
   }
   s = staging.fetch();
-  if (s.ok()) s = adasum_allreduce(*host_, dtype, host);
+  if (s.ok()) s = reduce(host);
   return s.ok() ? staging.deliver() : s;
+}
+
+Status DevicePlane::stage_allreduce(const AllreduceOptions& o) {
+  return stage_segments(o.segments, [&](const std::vector<Segment>& host) {
+    return host_->allreduce(AllreduceOptions{host, o.reduce});
+  });
+}
+
+Status DevicePlane::adasum(int dtype, const std::vector<Segment>& segments) {
+  return stage_segments(segments, [&](const std::vector<Segment>& host) {
+    return adasum_allreduce(*host_, dtype, host);
+  });
 }
 
 Status DevicePlane::stage_allgather(const AllgatherOptions& o) {

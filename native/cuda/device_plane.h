@@ -72,6 +72,8 @@ class DevicePlane : public Backend {
   // to it by deliver()). An output at the same device address as an input
   // shares its host copy.
   class Staging;
+  template <typename Reduce>
+  Status stage_segments(const std::vector<Segment>& segments, Reduce reduce);
   Status stage_allreduce(const AllreduceOptions& options);
   Status stage_allgather(const AllgatherOptions& options);
   Status stage_broadcast(const BroadcastOptions& options);
