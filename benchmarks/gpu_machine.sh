@@ -25,13 +25,17 @@ step() {  # step NAME TIMEOUT COMMAND...: runs it, appends its output to a log, 
 }
 pytest=(python3 -m pytest -q -rs -p no:cacheprovider --timeout=60 --maxfail=40)
 if [ "$what" = all ] || [ "$what" = tests ]; then
-  for n in 1 2 3; do step "test_torch_cuda np$n" 150 tests.log python3 -m unison.run -np $n "${pytest[@]}" tests/parallel/test_torch_cuda.py; done
+  # tests/test_parallel.py's GPU runs: test_torch_cuda.py and the grid on
+  # CUDA tensors at 1 rank (NCCL), 2 and 3 ranks sharing the GPU (staging),
+  # and 2 and 3 ranks given a host each (NCCL hierarchical, and flat).
+  step "GPU suites (test_parallel.py -k cuda)" 450 tests.log python3 -m pytest -v -rs -p no:cacheprovider tests/test_parallel.py -k cuda
+  grep -E "(PASSED|FAILED|SKIPPED)" "$OUT/tests.log" | sed 's/^tests\/test_parallel.py:://' | tee -a "$OUT/summary.txt"
   step "test_torch_cuda np1 staged" 150 tests.log env UNISON_GPU_DATA_PLANE=staging python3 -m unison.run -np 1 "${pytest[@]}" tests/parallel/test_torch_cuda.py
   step "grid on cuda np1 staged" 150 tests.log env UNISON_TEST_DEVICE=cuda UNISON_GPU_DATA_PLANE=staging python3 -m unison.run -np 1 "${pytest[@]}" tests/parallel/test_torch_grid.py
-  for n in 1 2 3; do step "grid on cuda np$n" 150 tests.log env UNISON_TEST_DEVICE=cuda python3 -m unison.run -np $n "${pytest[@]}" tests/parallel/test_torch_grid.py; done
 fi
 if [ "$what" = all ] || [ "$what" = bench ]; then
   for n in 1 2; do step "gpu_allreduce np$n" 200 bench.log python3 -m unison.run -np $n python3 benchmarks/gpu_allreduce.py --blocks 3; done
+  step "gpu_allreduce np2, a host per rank" 200 bench.log python3 -m unison.run -np 2 -H localhost:1,127.0.0.1:1 python3 benchmarks/gpu_allreduce.py --blocks 3
   for n in 1 2; do step "gpu_train np$n" 200 bench.log python3 -m unison.run -np $n python3 benchmarks/gpu_train.py; done
-  grep -E "^\[0\]<stdout>:(\||ResNet|allreduce)" "$OUT/bench.log" | sed 's/^\[0\]<stdout>://' | tee -a "$OUT/summary.txt"
+  grep -E "^\[0\]<stdout>:(\||ResNet|allreduce|$)" "$OUT/bench.log" | sed 's/^\[0\]<stdout>://' | tee -a "$OUT/summary.txt"
 fi

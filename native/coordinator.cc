@@ -1,9 +1,9 @@
 #include "coordinator.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <functional>
 #include <limits>
-#include <sstream>
 
 #include "dtype.h"
 
@@ -23,9 +23,9 @@ std::string per_rank(const std::vector<const Request*>& requests, const std::vec
 }
 
 std::string number(double v) {
-  std::ostringstream s;
-  s << v;
-  return s.str();
+  char text[32];
+  std::snprintf(text, sizeof text, "%g", v);
+  return text;
 }
 
 std::vector<int64_t> tail(const std::vector<int64_t>& shape) {

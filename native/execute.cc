@@ -388,8 +388,13 @@ Status Engine::device_plane(ProcessSetState& set, int device, DevicePlane** out)
   auto it = set.device_planes.find(device);
   if (it == set.device_planes.end()) {
     std::unique_ptr<DevicePlane> plane;
-    Status s = make_device_plane(config_.hostname.empty() ? this_host() : config_.hostname, config_.gpu_data_plane,
-                                 device, set.backend, &plane);
+    PlaneRequest request;
+    request.hostname = config_.hostname.empty() ? this_host() : config_.hostname;
+    request.choice = config_.gpu_data_plane;
+    request.hierarchical = config_.hierarchical;
+    request.set_id = set.id;
+    request.device = device;
+    Status s = make_device_plane(request, set.backend, &plane);
     if (!s.ok()) return s;
     it = set.device_planes.emplace(device, std::move(plane)).first;
   }

@@ -1,6 +1,7 @@
 """What the tests that start whole jobs share: running unisonrun, running a
 suite of tests/parallel inside every rank, and small rank scripts."""
 import os
+import signal
 import subprocess
 import sys
 
@@ -9,15 +10,40 @@ CORE_SUITES = ["test_core_grid.py", "test_core_ops.py", "test_core_errors.py", "
                "test_core_process_sets.py", "test_core_lifecycle.py", "test_core_timeline.py"]
 
 
+def run_job(command, timeout, env=None, cwd=HERE, stderr=subprocess.STDOUT):
+    """Runs a job (unisonrun, mpirun) to its end, its output captured. One
+    that outlives `timeout` fails the test with what it had printed, which
+    names where it hung: it is sent SIGTERM (unisonrun ends its ranks with
+    it), then SIGKILL. subprocess.run's own timeout would discard that
+    output."""
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, cwd=cwd, env=env)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            out, err = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        printed = (out or b"").decode(errors="replace") + (err or b"").decode(errors="replace")
+        raise AssertionError("%s\nran past its %d s and was ended; what it printed:\n%s"
+                             % (" ".join(command), timeout, printed[-20000:])) from None
+    return subprocess.CompletedProcess(command, proc.returncode, out, err)
+
+
 def unisonrun(options, command, env=None, timeout=300, base=None):
     full = [sys.executable, "-m", "unison.run"] + options + command
-    return subprocess.run(full, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout, cwd=HERE,
-                          env=dict(base if base is not None else os.environ, **(env or {})))
+    return run_job(full, timeout, env=dict(base if base is not None else os.environ, **(env or {})))
 
 
 def pytest_command(suite):
-    return [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--timeout=120", "-x",
-            os.path.join(HERE, "parallel", suite)]
+    """pytest inside a rank. The thread method ends a rank whose test
+    outlives --timeout even when it is blocked in native code (the signal
+    method waits for Python code to run), after printing every thread's
+    stack; the launcher then ends the job."""
+    return [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--timeout=120",
+            "--timeout-method=thread", "-x", os.path.join(HERE, "parallel", suite)]
 
 
 def assert_every_rank_passed(proc, ranks):

@@ -4,10 +4,11 @@ well they train; their full runs are in the README)."""
 import importlib.util
 import os
 import re
-import subprocess
 import sys
 
 import pytest
+
+from jobs import run_job
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -48,7 +49,7 @@ def test_example_runs_under_the_launcher(script, args, needs, expected):
             pytest.skip("%s is not installed here" % module)
     command = [sys.executable, "-m", "unison.run", "-np", "2", sys.executable,
                os.path.join(ROOT, "examples", script)] + args
-    proc = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=280, cwd=ROOT)
+    proc = run_job(command, 280, cwd=ROOT)
     output = proc.stdout.decode(errors="replace")
     assert proc.returncode == 0, output[-5000:]
     assert re.search(expected, output), output[-5000:]
@@ -62,7 +63,7 @@ def test_parameter_server_example_with_two_data_parallel_trainers():
             pytest.skip("%s is not installed here" % module)
     command = [sys.executable, "-m", "unison.run", "-np", "3", sys.executable,
                os.path.join(ROOT, "examples", "torch", "parameter_server.py"), "--epochs", "8"]
-    proc = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=280, cwd=ROOT)
+    proc = run_job(command, 280, cwd=ROOT)
     output = proc.stdout.decode(errors="replace")
     assert proc.returncode == 0, output[-5000:]
     assert re.search(r"test accuracy 0\.9\d+ with the table on rank 0 and 2 trainer", output), output[-5000:]
@@ -79,7 +80,7 @@ def test_elastic_example_finishes_after_a_failure(script, needs):
             pytest.skip("%s is not installed here" % module)
     command = [sys.executable, "-m", "unison.run", "-np", "4", "--min-np", "2", "-H", "localhost:2,127.0.0.1:2",
                sys.executable, os.path.join(ROOT, "examples", script), "--epochs", "8", "--simulate-failure", "3"]
-    proc = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=280, cwd=ROOT)
+    proc = run_job(command, 280, cwd=ROOT)
     output = proc.stdout.decode(errors="replace")
     assert proc.returncode == 0, output[-5000:]
     assert "blacklisting host 127.0.0.1" in output and "round 1: 2 workers (localhost:2)" in output, output[-5000:]

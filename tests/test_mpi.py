@@ -21,7 +21,8 @@ import time
 
 import pytest
 
-from jobs import CORE_SUITES, EXITS, HERE, IDENTITY, KILLED, assert_every_rank_passed, pytest_command, unisonrun
+from jobs import (CORE_SUITES, EXITS, HERE, IDENTITY, KILLED, assert_every_rank_passed, pytest_command, run_job,
+                  unisonrun)
 from unison import basics, mpi_run
 
 BUILT_WITH_MPI = "mpi" in basics.built_backends()
@@ -79,8 +80,7 @@ def test_plain_mpirun_gives_every_rank_its_identity(tmp_path):
     extra = []
     if mpi_run.mpirun_family(mpirun) == "openmpi":  # 3 ranks on fewer cores, perhaps as root
         extra = ["--oversubscribe"] + (["--allow-run-as-root"] if os.geteuid() == 0 else [])
-    proc = subprocess.run([mpirun, "-np", "3"] + extra + [sys.executable, str(script)], stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, timeout=100)
+    proc = run_job([mpirun, "-np", "3"] + extra + [sys.executable, str(script)], 100)
     output = proc.stdout.decode(errors="replace")
     assert proc.returncode == 0, output
     who = [[r, r, 3, 0, 1] for r in range(3)]
@@ -305,7 +305,7 @@ def test_across_network_namespaces(tmp_path, two_namespaces, backend):
                     sys.executable, str(script)]
     env = dict(os.environ, MPIR_CVAR_NOLOCAL="1", MPIR_CVAR_CH4_NETMOD="ofi", FI_PROVIDER="tcp",
                FI_TCP_IFACE="uveth", UNISON_HIERARCHICAL_ALLREDUCE="1" if backend == "hierarchical" else "0")
-    proc = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=150)
+    proc = run_job(command, 150, env=env)
     output = proc.stdout.decode(errors="replace")
     assert proc.returncode == 0, output
     sent = dict(re.findall(r"rank (\d) %s sent (\d+) bytes" % backend, output))
@@ -358,7 +358,6 @@ def test_rpc_suite_under_plain_mpirun(np_):
     extra = []
     if mpi_run.mpirun_family(mpirun) == "openmpi":
         extra = ["--oversubscribe"] + (["--allow-run-as-root"] if os.geteuid() == 0 else [])
-    proc = subprocess.run([mpirun, "-np", str(np_)] + extra + pytest_command("test_torch_rpc.py"),
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=580, cwd=HERE,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = run_job([mpirun, "-np", str(np_)] + extra + pytest_command("test_torch_rpc.py"), 580,
+                   env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert_every_rank_passed(proc, np_)

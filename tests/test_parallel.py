@@ -4,10 +4,11 @@
 failed by pytest-timeout inside the ranks and by the timeout here."""
 import importlib.util
 import os
-import subprocess
 import sys
 
 import pytest
+
+from jobs import pytest_command, run_job
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SUITES = sorted(f for f in os.listdir(os.path.join(HERE, "parallel")) if f.startswith("test_"))
@@ -59,6 +60,29 @@ def test_torch_grid_on_cuda_tensors(np_):
     run_suite("test_torch_grid.py", np_, {"UNISON_TEST_DEVICE": "cuda"})
 
 
+# Ranks given as hosts of their own each have the GPU to themselves as far
+# as unison can tell, so their planes are NCCL's: hierarchical (a one-rank
+# NCCL communicator per host, TCP across), or flat across the "hosts" with
+# UNISON_HIERARCHICAL_ALLREDUCE=0. A flat communicator on one GPU needs NCCL
+# to believe it too: NCCL_HOSTID, per rank, makes NCCL treat each rank as
+# a host of its own and move bytes over its sockets, so the NCCL plane's
+# multi-rank paths run on a one-GPU machine.
+HOSTS = {2: "localhost:1,127.0.0.1:1", 3: "localhost:1,127.0.0.1:1,127.0.0.2:1"}
+NCCL_PER_RANK_HOST = ["sh", "-c", 'NCCL_HOSTID="unison-test-$UNISON_HOSTNAME" exec "$@"', "sh"]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("suite", ["test_torch_cuda.py", "test_torch_grid.py"])
+@pytest.mark.parametrize("flat", [False, True], ids=["hierarchical", "flat"])
+@pytest.mark.parametrize("np_", [2, 3], ids=lambda v: "np%d" % v)
+def test_cuda_suites_with_a_host_per_rank(suite, flat, np_):
+    skip_without_cuda()
+    env = {"UNISON_TEST_DEVICE": "cuda", "NCCL_SOCKET_IFNAME": "lo"}
+    if flat:
+        env["UNISON_HIERARCHICAL_ALLREDUCE"] = "0"
+    run_suite(suite, np_, env, launcher=["-H", HOSTS[np_]], wrapper=NCCL_PER_RANK_HOST if flat else [])
+
+
 def skip_without_cuda():
     if importlib.util.find_spec("torch") is None:
         pytest.skip("torch is not installed here; the tox env 'torch' runs the GPU suites")
@@ -67,7 +91,8 @@ def skip_without_cuda():
         pytest.skip("no CUDA device here: the GPU suites run on a GPU machine (benchmarks/gpu_machine.sh)")
 
 
-OVERLAP_SUITES = ["test_core_ops.py", "test_core_grid.py", "test_torch_optimizer.py", "test_torch_zero.py"]
+OVERLAP_SUITES = ["test_core_ops.py", "test_core_grid.py", "test_core_timeline.py", "test_torch_optimizer.py",
+                  "test_torch_zero.py"]
 
 
 @pytest.mark.timeout(600)
@@ -77,17 +102,14 @@ def test_suite_with_overlap_forced_on(suite, np_):
     run_suite(suite, np_, {"UNISON_OVERLAP": "1"})
 
 
-def run_suite(suite, np_, env=None):
+def run_suite(suite, np_, env=None, launcher=(), wrapper=()):
     if suite.endswith("_cuda.py"):
         skip_without_cuda()
     framework = framework_of(suite)
     if framework and importlib.util.find_spec(framework) is None:
         pytest.skip("%s is not installed here; the tox env '%s' runs this suite" % (framework, framework))
-    command = [sys.executable, "-m", "unison.run", "-np", str(np_), sys.executable, "-m", "pytest",
-               "-q", "-p", "no:cacheprovider", "--timeout=120", "-x",
-               os.path.join(HERE, "parallel", suite)]
-    proc = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=580,
-                          cwd=HERE, env=dict(os.environ, **(env or {})))
+    command = [sys.executable, "-m", "unison.run", "-np", str(np_), *launcher, *wrapper, *pytest_command(suite)]
+    proc = run_job(command, 580, env=dict(os.environ, **(env or {})))
     output = proc.stdout.decode(errors="replace")
     summaries = [line for line in output.splitlines() if " passed" in line or " failed" in line]
     print("\n".join(summaries))

@@ -1,10 +1,11 @@
 """unison.torch in one process without the launcher (rank 0 of 1), and
 misuse outside a job."""
-import os
 import subprocess
 import sys
 
 import pytest
+
+from jobs import assert_every_rank_passed, pytest_command, run_job, unisonrun
 
 torch = pytest.importorskip("torch")
 import unison.torch as hvd  # noqa: E402
@@ -114,8 +115,8 @@ def test_trainer_crash_in_rpc_training_is_reported_on_every_other_rank(tmp_path,
             print("survivor %d reported after %.1f s: %s" % (hvd.rank(), time.monotonic() - start, e), flush=True)
             os._exit(17)
     """))
-    proc = subprocess.run([sys.executable, "-m", "unison.run", "-np", str(np_), sys.executable, str(script)],
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=100, cwd=str(tmp_path))
+    proc = run_job([sys.executable, "-m", "unison.run", "-np", str(np_), sys.executable, str(script)], 100,
+                   cwd=str(tmp_path), stderr=subprocess.PIPE)
     out, err = proc.stdout.decode(), proc.stderr.decode()
     survivors = [line for line in out.splitlines() if "survivor" in line]
     assert len(survivors) == np_ - 1, out + err
@@ -130,10 +131,5 @@ def test_rpc_suite_across_hosts(hosts, np_):
     """The remote-parameter suite in a job that spans two hosts (two names
     for this machine): rank 0 must offer torch's RPC an address the other
     host can reach, not the loopback a one-host job uses."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    command = [sys.executable, "-m", "unison.run", "-np", str(np_), "-H", hosts, sys.executable, "-m", "pytest",
-               "-q", "-p", "no:cacheprovider", "--timeout=120", "-x", os.path.join(here, "parallel", "test_torch_rpc.py")]
-    proc = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=580, cwd=here)
-    output = proc.stdout.decode(errors="replace")
-    assert proc.returncode == 0, output[-20000:]
-    assert len([line for line in output.splitlines() if " passed" in line and "failed" not in line]) == np_, output
+    proc = unisonrun(["-np", str(np_), "-H", hosts], pytest_command("test_torch_rpc.py"), timeout=580)
+    assert_every_rank_passed(proc, np_)

@@ -1,4 +1,6 @@
-// device_kernels.cu: the arithmetic unison does on device memory itself.
+// device_kernels.cu: the work unison does on device memory itself: the
+// arithmetic around NCCL's sums, and batched copies into and out of the
+// fusion buffer.
 //
 // NCCL sums, but the scale factors and Average around it are the core's,
 // and they must give the bits the CPU path gives (native/reduce.cc): a
@@ -67,6 +69,43 @@ __device__ void finish(T* data, uint64_t n, int ranks, double postscale) {
     if (postscale != 1.0) v = scaled<C>(v, postscale);
     data[i] = Codec<T>::store(v);
   }
+}
+
+// Up to kCopiesPerBatch copies in one launch, their addresses passed by
+// value: a fused group of many small tensors costs one launch to pack and
+// one to unpack, not one copy call per tensor. Block row y copies entry y;
+// the blocks of a row stride through it in 16-byte words where both ends
+// allow, else 4-byte words, and bytes for what is left.
+constexpr int kCopiesPerBatch = 64;  // 64 x 24 bytes stays within the 4 KiB of kernel parameters
+struct CopyBatch {
+  const char* from[kCopiesPerBatch];
+  char* to[kCopiesPerBatch];
+  uint64_t bytes[kCopiesPerBatch];
+};
+
+template <typename Word>
+__device__ uint64_t copy_words(const char* from, char* to, uint64_t bytes) {
+  const uint64_t words = bytes / sizeof(Word);
+  const Word* in = reinterpret_cast<const Word*>(from);
+  Word* out = reinterpret_cast<Word*>(to);
+  for (uint64_t i = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; i < words; i += (uint64_t)gridDim.x * blockDim.x)
+    out[i] = in[i];
+  return words * sizeof(Word);
+}
+
+extern "C" __global__ void unison_batched_copy(CopyBatch batch) {
+  const char* from = batch.from[blockIdx.y];
+  char* to = batch.to[blockIdx.y];
+  const uint64_t bytes = batch.bytes[blockIdx.y];
+  const uintptr_t ends = reinterpret_cast<uintptr_t>(from) | reinterpret_cast<uintptr_t>(to);
+  uint64_t done = 0;
+  if (ends % 16 == 0) {
+    done = copy_words<uint4>(from, to, bytes);
+  } else if (ends % 4 == 0) {
+    done = copy_words<uint32_t>(from, to, bytes);
+  }
+  for (uint64_t i = done + blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; i < bytes; i += (uint64_t)gridDim.x * blockDim.x)
+    to[i] = from[i];
 }
 
 #define UNISON_KERNELS(T, suffix)                                                                   \

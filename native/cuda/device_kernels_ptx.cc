@@ -16,8 +16,126 @@ const char* const kDeviceKernelsPtx = R"ptx(
 .target sm_75
 .address_size 64
 
-	// .globl	unison_prescale_uint8
+	// .globl	unison_batched_copy
 
+.visible .entry unison_batched_copy(
+	.param .align 8 .b8 unison_batched_copy_param_0[1536]
+)
+{
+	.reg .pred 	%p<9>;
+	.reg .b16 	%rs<2>;
+	.reg .b32 	%r<24>;
+	.reg .b64 	%rd<54>;
+
+
+	mov.b64 	%rd24, unison_batched_copy_param_0;
+	mov.u32 	%r1, %ctaid.y;
+	mul.wide.u32 	%rd26, %r1, 8;
+	add.s64 	%rd27, %rd24, %rd26;
+	ld.param.u64 	%rd28, [%rd27];
+	cvta.to.global.u64 	%rd1, %rd28;
+	ld.param.u64 	%rd29, [%rd27+512];
+	cvta.to.global.u64 	%rd2, %rd29;
+	ld.param.u64 	%rd3, [%rd27+1024];
+	or.b64  	%rd4, %rd29, %rd28;
+	and.b64  	%rd30, %rd4, 15;
+	setp.eq.s64 	%p1, %rd30, 0;
+	@%p1 bra 	$L__BB0_7;
+
+	and.b64  	%rd31, %rd4, 3;
+	setp.eq.s64 	%p2, %rd31, 0;
+	@%p2 bra 	$L__BB0_3;
+
+	mov.u64 	%rd52, 0;
+	bra.uni 	$L__BB0_11;
+
+$L__BB0_7:
+	shr.u64 	%rd12, %rd3, 4;
+	mov.u32 	%r7, %ctaid.x;
+	mov.u32 	%r8, %ntid.x;
+	cvt.u64.u32 	%rd13, %r8;
+	mul.wide.u32 	%rd39, %r7, %r8;
+	mov.u32 	%r9, %tid.x;
+	cvt.u64.u32 	%rd40, %r9;
+	add.s64 	%rd51, %rd39, %rd40;
+	setp.ge.u64 	%p5, %rd51, %rd12;
+	@%p5 bra 	$L__BB0_10;
+
+	mov.u32 	%r10, %nctaid.x;
+	cvt.u64.u32 	%rd41, %r10;
+	mul.lo.s64 	%rd15, %rd41, %rd13;
+
+$L__BB0_9:
+	shl.b64 	%rd42, %rd51, 4;
+	add.s64 	%rd43, %rd2, %rd42;
+	add.s64 	%rd44, %rd1, %rd42;
+	ld.global.v4.u32 	{%r11, %r12, %r13, %r14}, [%rd44];
+	st.global.v4.u32 	[%rd43], {%r11, %r12, %r13, %r14};
+	add.s64 	%rd51, %rd51, %rd15;
+	setp.lt.u64 	%p6, %rd51, %rd12;
+	@%p6 bra 	$L__BB0_9;
+
+$L__BB0_10:
+	and.b64  	%rd52, %rd3, -16;
+	bra.uni 	$L__BB0_11;
+
+$L__BB0_3:
+	shr.u64 	%rd5, %rd3, 2;
+	mov.u32 	%r2, %ctaid.x;
+	mov.u32 	%r3, %ntid.x;
+	cvt.u64.u32 	%rd6, %r3;
+	mul.wide.u32 	%rd33, %r2, %r3;
+	mov.u32 	%r4, %tid.x;
+	cvt.u64.u32 	%rd34, %r4;
+	add.s64 	%rd50, %rd33, %rd34;
+	setp.ge.u64 	%p3, %rd50, %rd5;
+	@%p3 bra 	$L__BB0_6;
+
+	mov.u32 	%r5, %nctaid.x;
+	cvt.u64.u32 	%rd35, %r5;
+	mul.lo.s64 	%rd8, %rd35, %rd6;
+
+$L__BB0_5:
+	shl.b64 	%rd36, %rd50, 2;
+	add.s64 	%rd37, %rd1, %rd36;
+	ld.global.u32 	%r6, [%rd37];
+	add.s64 	%rd38, %rd2, %rd36;
+	st.global.u32 	[%rd38], %r6;
+	add.s64 	%rd50, %rd50, %rd8;
+	setp.lt.u64 	%p4, %rd50, %rd5;
+	@%p4 bra 	$L__BB0_5;
+
+$L__BB0_6:
+	and.b64  	%rd52, %rd3, -4;
+
+$L__BB0_11:
+	mov.u32 	%r19, %tid.x;
+	cvt.u64.u32 	%rd45, %r19;
+	mov.u32 	%r20, %ntid.x;
+	mov.u32 	%r21, %ctaid.x;
+	mul.wide.u32 	%rd46, %r21, %r20;
+	add.s64 	%rd47, %rd46, %rd45;
+	add.s64 	%rd53, %rd47, %rd52;
+	setp.ge.u64 	%p7, %rd53, %rd3;
+	@%p7 bra 	$L__BB0_14;
+
+	mov.u32 	%r22, %nctaid.x;
+	mul.wide.u32 	%rd21, %r22, %r20;
+
+$L__BB0_13:
+	add.s64 	%rd48, %rd1, %rd53;
+	ld.global.u8 	%rs1, [%rd48];
+	add.s64 	%rd49, %rd2, %rd53;
+	st.global.u8 	[%rd49], %rs1;
+	add.s64 	%rd53, %rd53, %rd21;
+	setp.lt.u64 	%p8, %rd53, %rd3;
+	@%p8 bra 	$L__BB0_13;
+
+$L__BB0_14:
+	ret;
+
+}
+	// .globl	unison_prescale_uint8
 .visible .entry unison_prescale_uint8(
 	.param .u64 unison_prescale_uint8_param_0,
 	.param .u64 unison_prescale_uint8_param_1,
@@ -44,7 +162,7 @@ const char* const kDeviceKernelsPtx = R"ptx(
 	cvt.u64.u32 	%rd12, %r3;
 	add.s64 	%rd16, %rd11, %rd12;
 	setp.ge.u64 	%p1, %rd16, %rd10;
-	@%p1 bra 	$L__BB0_3;
+	@%p1 bra 	$L__BB1_3;
 
 	mov.u32 	%r4, %nctaid.x;
 	cvt.u64.u32 	%rd13, %r4;
@@ -52,7 +170,7 @@ const char* const kDeviceKernelsPtx = R"ptx(
 	cvta.to.global.u64 	%rd4, %rd9;
 	cvta.to.global.u64 	%rd5, %rd8;
 
-$L__BB0_2:
+$L__BB1_2:
 	add.s64 	%rd14, %rd4, %rd16;
 	ld.global.u8 	%rs1, [%rd14];
 	cvt.rn.f64.u16 	%fd2, %rs1;
@@ -62,9 +180,9 @@ $L__BB0_2:
 	st.global.u8 	[%rd15], %r5;
 	add.s64 	%rd16, %rd16, %rd3;
 	setp.lt.u64 	%p2, %rd16, %rd10;
-	@%p2 bra 	$L__BB0_2;
+	@%p2 bra 	$L__BB1_2;
 
-$L__BB0_3:
+$L__BB1_3:
 	ret;
 
 }
@@ -96,44 +214,44 @@ $L__BB0_3:
 	cvt.u64.u32 	%rd15, %r4;
 	add.s64 	%rd18, %rd14, %rd15;
 	setp.ge.u64 	%p1, %rd18, %rd12;
-	@%p1 bra 	$L__BB1_9;
+	@%p1 bra 	$L__BB2_9;
 
 	setp.gt.s32 	%p2, %r1, 1;
 	mov.u32 	%r5, %nctaid.x;
 	cvt.u64.u32 	%rd16, %r5;
 	mul.lo.s64 	%rd4, %rd16, %rd2;
-	@%p2 bra 	$L__BB1_5;
-	bra.uni 	$L__BB1_2;
+	@%p2 bra 	$L__BB2_5;
+	bra.uni 	$L__BB2_2;
 
-$L__BB1_5:
+$L__BB2_5:
 	cvt.u16.u32 	%rs1, %r1;
 	and.b16  	%rs7, %rs1, 255;
 
-$L__BB1_6:
+$L__BB2_6:
 	add.s64 	%rd10, %rd1, %rd18;
 	ld.global.u8 	%rs6, [%rd10];
 	div.u16 	%rs8, %rs6, %rs7;
 	setp.eq.f64 	%p6, %fd1, 0d3FF0000000000000;
-	@%p6 bra 	$L__BB1_8;
+	@%p6 bra 	$L__BB2_8;
 
 	cvt.rn.f64.u16 	%fd4, %rs8;
 	mul.f64 	%fd5, %fd4, %fd1;
 	cvt.rzi.u32.f64 	%r7, %fd5;
 	cvt.u16.u32 	%rs8, %r7;
 
-$L__BB1_8:
+$L__BB2_8:
 	st.global.u8 	[%rd10], %rs8;
 	add.s64 	%rd18, %rd18, %rd4;
 	setp.lt.u64 	%p7, %rd18, %rd12;
-	@%p7 bra 	$L__BB1_6;
-	bra.uni 	$L__BB1_9;
+	@%p7 bra 	$L__BB2_6;
+	bra.uni 	$L__BB2_9;
 
-$L__BB1_2:
+$L__BB2_2:
 	setp.neu.f64 	%p3, %fd1, 0d3FF0000000000000;
-	@%p3 bra 	$L__BB1_4;
-	bra.uni 	$L__BB1_3;
+	@%p3 bra 	$L__BB2_4;
+	bra.uni 	$L__BB2_3;
 
-$L__BB1_4:
+$L__BB2_4:
 	add.s64 	%rd17, %rd1, %rd18;
 	ld.global.u8 	%rs5, [%rd17];
 	cvt.rn.f64.u16 	%fd2, %rs5;
@@ -142,15 +260,15 @@ $L__BB1_4:
 	st.global.u8 	[%rd17], %r6;
 	add.s64 	%rd18, %rd18, %rd4;
 	setp.lt.u64 	%p5, %rd18, %rd12;
-	@%p5 bra 	$L__BB1_4;
-	bra.uni 	$L__BB1_9;
+	@%p5 bra 	$L__BB2_4;
+	bra.uni 	$L__BB2_9;
 
-$L__BB1_3:
+$L__BB2_3:
 	add.s64 	%rd18, %rd18, %rd4;
 	setp.lt.u64 	%p4, %rd18, %rd12;
-	@%p4 bra 	$L__BB1_3;
+	@%p4 bra 	$L__BB2_3;
 
-$L__BB1_9:
+$L__BB2_9:
 	ret;
 
 }
@@ -181,7 +299,7 @@ $L__BB1_9:
 	cvt.u64.u32 	%rd12, %r3;
 	add.s64 	%rd16, %rd11, %rd12;
 	setp.ge.u64 	%p1, %rd16, %rd10;
-	@%p1 bra 	$L__BB2_3;
+	@%p1 bra 	$L__BB3_3;
 
 	mov.u32 	%r4, %nctaid.x;
 	cvt.u64.u32 	%rd13, %r4;
@@ -189,7 +307,7 @@ $L__BB1_9:
 	cvta.to.global.u64 	%rd4, %rd9;
 	cvta.to.global.u64 	%rd5, %rd8;
 
-$L__BB2_2:
+$L__BB3_2:
 	add.s64 	%rd14, %rd4, %rd16;
 	ld.global.s8 	%rs1, [%rd14];
 	cvt.rn.f64.s16 	%fd2, %rs1;
@@ -199,9 +317,9 @@ $L__BB2_2:
 	st.global.u8 	[%rd15], %r5;
 	add.s64 	%rd16, %rd16, %rd3;
 	setp.lt.u64 	%p2, %rd16, %rd10;
-	@%p2 bra 	$L__BB2_2;
+	@%p2 bra 	$L__BB3_2;
 
-$L__BB2_3:
+$L__BB3_3:
 	ret;
 
 }
@@ -233,25 +351,25 @@ $L__BB2_3:
 	cvt.u64.u32 	%rd15, %r5;
 	add.s64 	%rd18, %rd14, %rd15;
 	setp.ge.u64 	%p1, %rd18, %rd12;
-	@%p1 bra 	$L__BB3_9;
+	@%p1 bra 	$L__BB4_9;
 
 	setp.gt.s32 	%p2, %r2, 1;
 	mov.u32 	%r6, %nctaid.x;
 	cvt.u64.u32 	%rd16, %r6;
 	mul.lo.s64 	%rd4, %rd16, %rd2;
-	@%p2 bra 	$L__BB3_5;
-	bra.uni 	$L__BB3_2;
+	@%p2 bra 	$L__BB4_5;
+	bra.uni 	$L__BB4_2;
 
-$L__BB3_5:
+$L__BB4_5:
 	cvt.s32.s8 	%r1, %r2;
 
-$L__BB3_6:
+$L__BB4_6:
 	add.s64 	%rd10, %rd1, %rd18;
 	ld.global.s8 	%r8, [%rd10];
 	div.s32 	%r9, %r8, %r1;
 	cvt.u16.u32 	%rs6, %r9;
 	setp.eq.f64 	%p6, %fd1, 0d3FF0000000000000;
-	@%p6 bra 	$L__BB3_8;
+	@%p6 bra 	$L__BB4_8;
 
 	cvt.s16.s8 	%rs5, %rs6;
 	cvt.rn.f64.s16 	%fd4, %rs5;
@@ -259,19 +377,19 @@ $L__BB3_6:
 	cvt.rzi.s32.f64 	%r10, %fd5;
 	cvt.u16.u32 	%rs6, %r10;
 
-$L__BB3_8:
+$L__BB4_8:
 	st.global.u8 	[%rd10], %rs6;
 	add.s64 	%rd18, %rd18, %rd4;
 	setp.lt.u64 	%p7, %rd18, %rd12;
-	@%p7 bra 	$L__BB3_6;
-	bra.uni 	$L__BB3_9;
+	@%p7 bra 	$L__BB4_6;
+	bra.uni 	$L__BB4_9;
 
-$L__BB3_2:
+$L__BB4_2:
 	setp.neu.f64 	%p3, %fd1, 0d3FF0000000000000;
-	@%p3 bra 	$L__BB3_4;
-	bra.uni 	$L__BB3_3;
+	@%p3 bra 	$L__BB4_4;
+	bra.uni 	$L__BB4_3;
 
-$L__BB3_4:
+$L__BB4_4:
 	add.s64 	%rd17, %rd1, %rd18;
 	ld.global.s8 	%rs4, [%rd17];
 	cvt.rn.f64.s16 	%fd2, %rs4;
@@ -280,15 +398,15 @@ $L__BB3_4:
 	st.global.u8 	[%rd17], %r7;
 	add.s64 	%rd18, %rd18, %rd4;
 	setp.lt.u64 	%p5, %rd18, %rd12;
-	@%p5 bra 	$L__BB3_4;
-	bra.uni 	$L__BB3_9;
+	@%p5 bra 	$L__BB4_4;
+	bra.uni 	$L__BB4_9;
 
-$L__BB3_3:
+$L__BB4_3:
 	add.s64 	%rd18, %rd18, %rd4;
 	setp.lt.u64 	%p4, %rd18, %rd12;
-	@%p4 bra 	$L__BB3_3;
+	@%p4 bra 	$L__BB4_3;
 
-$L__BB3_9:
+$L__BB4_9:
 	ret;
 
 }
@@ -319,7 +437,7 @@ $L__BB3_9:
 	cvt.u64.u32 	%rd12, %r3;
 	add.s64 	%rd17, %rd11, %rd12;
 	setp.ge.u64 	%p1, %rd17, %rd10;
-	@%p1 bra 	$L__BB4_3;
+	@%p1 bra 	$L__BB5_3;
 
 	mov.u32 	%r4, %nctaid.x;
 	cvt.u64.u32 	%rd13, %r4;
@@ -327,7 +445,7 @@ $L__BB3_9:
 	cvta.to.global.u64 	%rd4, %rd9;
 	cvta.to.global.u64 	%rd5, %rd8;
 
-$L__BB4_2:
+$L__BB5_2:
 	shl.b64 	%rd14, %rd17, 1;
 	add.s64 	%rd15, %rd4, %rd14;
 	ld.global.u16 	%rs1, [%rd15];
@@ -338,9 +456,9 @@ $L__BB4_2:
 	st.global.u16 	[%rd16], %r5;
 	add.s64 	%rd17, %rd17, %rd3;
 	setp.lt.u64 	%p2, %rd17, %rd10;
-	@%p2 bra 	$L__BB4_2;
+	@%p2 bra 	$L__BB5_2;
 
-$L__BB4_3:
+$L__BB5_3:
 	ret;
 
 }
@@ -372,45 +490,45 @@ $L__BB4_3:
 	cvt.u64.u32 	%rd15, %r5;
 	add.s64 	%rd20, %rd14, %rd15;
 	setp.ge.u64 	%p1, %rd20, %rd12;
-	@%p1 bra 	$L__BB5_9;
+	@%p1 bra 	$L__BB6_9;
 
 	setp.gt.s32 	%p2, %r2, 1;
 	mov.u32 	%r6, %nctaid.x;
 	cvt.u64.u32 	%rd16, %r6;
 	mul.lo.s64 	%rd4, %rd16, %rd2;
-	@%p2 bra 	$L__BB5_5;
-	bra.uni 	$L__BB5_2;
+	@%p2 bra 	$L__BB6_5;
+	bra.uni 	$L__BB6_2;
 
-$L__BB5_5:
+$L__BB6_5:
 	cvt.s32.s16 	%r1, %r2;
 
-$L__BB5_6:
+$L__BB6_6:
 	shl.b64 	%rd19, %rd20, 1;
 	add.s64 	%rd10, %rd1, %rd19;
 	ld.global.s16 	%r8, [%rd10];
 	div.s32 	%r9, %r8, %r1;
 	cvt.u16.u32 	%rs5, %r9;
 	setp.eq.f64 	%p6, %fd1, 0d3FF0000000000000;
-	@%p6 bra 	$L__BB5_8;
+	@%p6 bra 	$L__BB6_8;
 
 	cvt.rn.f64.s16 	%fd4, %rs5;
 	mul.f64 	%fd5, %fd4, %fd1;
 	cvt.rzi.s32.f64 	%r10, %fd5;
 	cvt.u16.u32 	%rs5, %r10;
 
-$L__BB5_8:
+$L__BB6_8:
 	st.global.u16 	[%rd10], %rs5;
 	add.s64 	%rd20, %rd20, %rd4;
 	setp.lt.u64 	%p7, %rd20, %rd12;
-	@%p7 bra 	$L__BB5_6;
-	bra.uni 	$L__BB5_9;
+	@%p7 bra 	$L__BB6_6;
+	bra.uni 	$L__BB6_9;
 
-$L__BB5_2:
+$L__BB6_2:
 	setp.neu.f64 	%p3, %fd1, 0d3FF0000000000000;
-	@%p3 bra 	$L__BB5_4;
-	bra.uni 	$L__BB5_3;
+	@%p3 bra 	$L__BB6_4;
+	bra.uni 	$L__BB6_3;
 
-$L__BB5_4:
+$L__BB6_4:
 	shl.b64 	%rd17, %rd20, 1;
 	add.s64 	%rd18, %rd1, %rd17;
 	ld.global.u16 	%rs4, [%rd18];
@@ -420,15 +538,15 @@ $L__BB5_4:
 	st.global.u16 	[%rd18], %r7;
 	add.s64 	%rd20, %rd20, %rd4;
 	setp.lt.u64 	%p5, %rd20, %rd12;
-	@%p5 bra 	$L__BB5_4;
-	bra.uni 	$L__BB5_9;
+	@%p5 bra 	$L__BB6_4;
+	bra.uni 	$L__BB6_9;
 
-$L__BB5_3:
+$L__BB6_3:
 	add.s64 	%rd20, %rd20, %rd4;
 	setp.lt.u64 	%p4, %rd20, %rd12;
-	@%p4 bra 	$L__BB5_3;
+	@%p4 bra 	$L__BB6_3;
 
-$L__BB5_9:
+$L__BB6_9:
 	ret;
 
 }
@@ -458,7 +576,7 @@ $L__BB5_9:
 	cvt.u64.u32 	%rd12, %r3;
 	add.s64 	%rd17, %rd11, %rd12;
 	setp.ge.u64 	%p1, %rd17, %rd10;
-	@%p1 bra 	$L__BB6_3;
+	@%p1 bra 	$L__BB7_3;
 
 	mov.u32 	%r4, %nctaid.x;
 	cvt.u64.u32 	%rd13, %r4;
@@ -466,7 +584,7 @@ $L__BB5_9:
 	cvta.to.global.u64 	%rd4, %rd9;
 	cvta.to.global.u64 	%rd5, %rd8;
 
-$L__BB6_2:
+$L__BB7_2:
 	shl.b64 	%rd14, %rd17, 2;
 	add.s64 	%rd15, %rd4, %rd14;
 	ld.global.u32 	%r5, [%rd15];
@@ -477,9 +595,9 @@ $L__BB6_2:
 	st.global.u32 	[%rd16], %r6;
 	add.s64 	%rd17, %rd17, %rd3;
 	setp.lt.u64 	%p2, %rd17, %rd10;
-	@%p2 bra 	$L__BB6_2;
+	@%p2 bra 	$L__BB7_2;
 
-$L__BB6_3:
+$L__BB7_3:
 	ret;
 
 }
@@ -510,40 +628,40 @@ $L__BB6_3:
 	cvt.u64.u32 	%rd15, %r7;
 	add.s64 	%rd20, %rd14, %rd15;
 	setp.ge.u64 	%p1, %rd20, %rd12;
-	@%p1 bra 	$L__BB7_8;
+	@%p1 bra 	$L__BB8_8;
 
 	setp.gt.s32 	%p2, %r4, 1;
 	mov.u32 	%r8, %nctaid.x;
 	cvt.u64.u32 	%rd16, %r8;
 	mul.lo.s64 	%rd4, %rd16, %rd2;
-	@%p2 bra 	$L__BB7_5;
-	bra.uni 	$L__BB7_2;
+	@%p2 bra 	$L__BB8_5;
+	bra.uni 	$L__BB8_2;
 
-$L__BB7_5:
+$L__BB8_5:
 	shl.b64 	%rd19, %rd20, 2;
 	add.s64 	%rd10, %rd1, %rd19;
 	ld.global.u32 	%r11, [%rd10];
 	div.s32 	%r12, %r11, %r4;
 	setp.eq.f64 	%p6, %fd1, 0d3FF0000000000000;
-	@%p6 bra 	$L__BB7_7;
+	@%p6 bra 	$L__BB8_7;
 
 	cvt.rn.f64.s32 	%fd4, %r12;
 	mul.f64 	%fd5, %fd4, %fd1;
 	cvt.rzi.s32.f64 	%r12, %fd5;
 
-$L__BB7_7:
+$L__BB8_7:
 	st.global.u32 	[%rd10], %r12;
 	add.s64 	%rd20, %rd20, %rd4;
 	setp.lt.u64 	%p7, %rd20, %rd12;
-	@%p7 bra 	$L__BB7_5;
-	bra.uni 	$L__BB7_8;
+	@%p7 bra 	$L__BB8_5;
+	bra.uni 	$L__BB8_8;
 
-$L__BB7_2:
+$L__BB8_2:
 	setp.neu.f64 	%p3, %fd1, 0d3FF0000000000000;
-	@%p3 bra 	$L__BB7_4;
-	bra.uni 	$L__BB7_3;
+	@%p3 bra 	$L__BB8_4;
+	bra.uni 	$L__BB8_3;
 
-$L__BB7_4:
+$L__BB8_4:
 	shl.b64 	%rd17, %rd20, 2;
 	add.s64 	%rd18, %rd1, %rd17;
 	ld.global.u32 	%r9, [%rd18];
@@ -553,15 +671,15 @@ $L__BB7_4:
 	st.global.u32 	[%rd18], %r10;
 	add.s64 	%rd20, %rd20, %rd4;
 	setp.lt.u64 	%p5, %rd20, %rd12;
-	@%p5 bra 	$L__BB7_4;
-	bra.uni 	$L__BB7_8;
+	@%p5 bra 	$L__BB8_4;
+	bra.uni 	$L__BB8_8;
 
-$L__BB7_3:
+$L__BB8_3:
 	add.s64 	%rd20, %rd20, %rd4;
 	setp.lt.u64 	%p4, %rd20, %rd12;
-	@%p4 bra 	$L__BB7_3;
+	@%p4 bra 	$L__BB8_3;
 
-$L__BB7_8:
+$L__BB8_8:
 	ret;
 
 }
@@ -591,7 +709,7 @@ $L__BB7_8:
 	cvt.u64.u32 	%rd12, %r3;
 	add.s64 	%rd19, %rd11, %rd12;
 	setp.ge.u64 	%p1, %rd19, %rd10;
-	@%p1 bra 	$L__BB8_3;
+	@%p1 bra 	$L__BB9_3;
 
 	mov.u32 	%r4, %nctaid.x;
 	cvt.u64.u32 	%rd13, %r4;
@@ -599,7 +717,7 @@ $L__BB7_8:
 	cvta.to.global.u64 	%rd4, %rd9;
 	cvta.to.global.u64 	%rd5, %rd8;
 
-$L__BB8_2:
+$L__BB9_2:
 	shl.b64 	%rd14, %rd19, 3;
 	add.s64 	%rd15, %rd4, %rd14;
 	ld.global.u64 	%rd16, [%rd15];
@@ -610,9 +728,9 @@ $L__BB8_2:
 	st.global.u64 	[%rd18], %rd17;
 	add.s64 	%rd19, %rd19, %rd3;
 	setp.lt.u64 	%p2, %rd19, %rd10;
-	@%p2 bra 	$L__BB8_2;
+	@%p2 bra 	$L__BB9_2;
 
-$L__BB8_3:
+$L__BB9_3:
 	ret;
 
 }
@@ -643,57 +761,57 @@ $L__BB8_3:
 	cvt.u64.u32 	%rd22, %r4;
 	add.s64 	%rd31, %rd21, %rd22;
 	setp.ge.u64 	%p1, %rd31, %rd19;
-	@%p1 bra 	$L__BB9_12;
+	@%p1 bra 	$L__BB10_12;
 
 	setp.gt.s32 	%p2, %r1, 1;
 	cvt.s64.s32 	%rd4, %r1;
 	mov.u32 	%r5, %nctaid.x;
 	cvt.u64.u32 	%rd23, %r5;
 	mul.lo.s64 	%rd5, %rd23, %rd2;
-	@%p2 bra 	$L__BB9_5;
-	bra.uni 	$L__BB9_2;
+	@%p2 bra 	$L__BB10_5;
+	bra.uni 	$L__BB10_2;
 
-$L__BB9_5:
+$L__BB10_5:
 	cvt.u32.u64 	%r6, %rd4;
 
-$L__BB9_6:
+$L__BB10_6:
 	shl.b64 	%rd28, %rd31, 3;
 	add.s64 	%rd11, %rd1, %rd28;
 	ld.global.u64 	%rd12, [%rd11];
 	or.b64  	%rd29, %rd12, %rd4;
 	and.b64  	%rd30, %rd29, -4294967296;
 	setp.eq.s64 	%p6, %rd30, 0;
-	@%p6 bra 	$L__BB9_8;
+	@%p6 bra 	$L__BB10_8;
 
 	div.s64 	%rd35, %rd12, %rd4;
-	bra.uni 	$L__BB9_9;
+	bra.uni 	$L__BB10_9;
 
-$L__BB9_8:
+$L__BB10_8:
 	cvt.u32.u64 	%r7, %rd12;
 	div.u32 	%r8, %r7, %r6;
 	cvt.u64.u32 	%rd35, %r8;
 
-$L__BB9_9:
+$L__BB10_9:
 	setp.eq.f64 	%p7, %fd1, 0d3FF0000000000000;
-	@%p7 bra 	$L__BB9_11;
+	@%p7 bra 	$L__BB10_11;
 
 	cvt.rn.f64.s64 	%fd4, %rd35;
 	mul.f64 	%fd5, %fd4, %fd1;
 	cvt.rzi.s64.f64 	%rd35, %fd5;
 
-$L__BB9_11:
+$L__BB10_11:
 	st.global.u64 	[%rd11], %rd35;
 	add.s64 	%rd31, %rd31, %rd5;
 	setp.lt.u64 	%p8, %rd31, %rd19;
-	@%p8 bra 	$L__BB9_6;
-	bra.uni 	$L__BB9_12;
+	@%p8 bra 	$L__BB10_6;
+	bra.uni 	$L__BB10_12;
 
-$L__BB9_2:
+$L__BB10_2:
 	setp.neu.f64 	%p3, %fd1, 0d3FF0000000000000;
-	@%p3 bra 	$L__BB9_4;
-	bra.uni 	$L__BB9_3;
+	@%p3 bra 	$L__BB10_4;
+	bra.uni 	$L__BB10_3;
 
-$L__BB9_4:
+$L__BB10_4:
 	shl.b64 	%rd24, %rd31, 3;
 	add.s64 	%rd25, %rd1, %rd24;
 	ld.global.u64 	%rd26, [%rd25];
@@ -703,15 +821,15 @@ $L__BB9_4:
 	st.global.u64 	[%rd25], %rd27;
 	add.s64 	%rd31, %rd31, %rd5;
 	setp.lt.u64 	%p5, %rd31, %rd19;
-	@%p5 bra 	$L__BB9_4;
-	bra.uni 	$L__BB9_12;
+	@%p5 bra 	$L__BB10_4;
+	bra.uni 	$L__BB10_12;
 
-$L__BB9_3:
+$L__BB10_3:
 	add.s64 	%rd31, %rd31, %rd5;
 	setp.lt.u64 	%p4, %rd31, %rd19;
-	@%p4 bra 	$L__BB9_3;
+	@%p4 bra 	$L__BB10_3;
 
-$L__BB9_12:
+$L__BB10_12:
 	ret;
 
 }
@@ -743,7 +861,7 @@ $L__BB9_12:
 	cvt.u64.u32 	%rd12, %r3;
 	add.s64 	%rd17, %rd11, %rd12;
 	setp.ge.u64 	%p1, %rd17, %rd10;
-	@%p1 bra 	$L__BB10_3;
+	@%p1 bra 	$L__BB11_3;
 
 	cvt.rn.f32.f64 	%f1, %fd1;
 	mov.u32 	%r4, %nctaid.x;
@@ -752,7 +870,7 @@ $L__BB9_12:
 	cvta.to.global.u64 	%rd4, %rd9;
 	cvta.to.global.u64 	%rd5, %rd8;
 
-$L__BB10_2:
+$L__BB11_2:
 	shl.b64 	%rd14, %rd17, 1;
 	add.s64 	%rd15, %rd4, %rd14;
 	ld.global.u16 	%rs1, [%rd15];
@@ -769,9 +887,9 @@ $L__BB10_2:
 	st.global.u16 	[%rd16], %rs2;
 	add.s64 	%rd17, %rd17, %rd3;
 	setp.lt.u64 	%p2, %rd17, %rd10;
-	@%p2 bra 	$L__BB10_2;
+	@%p2 bra 	$L__BB11_2;
 
-$L__BB10_3:
+$L__BB11_3:
 	ret;
 
 }
@@ -805,23 +923,23 @@ $L__BB10_3:
 	cvt.u64.u32 	%rd16, %r4;
 	add.s64 	%rd3, %rd15, %rd16;
 	setp.ge.u64 	%p1, %rd3, %rd13;
-	@%p1 bra 	$L__BB11_9;
+	@%p1 bra 	$L__BB12_9;
 
 	setp.gt.s32 	%p2, %r1, 1;
 	cvt.rn.f32.f64 	%f2, %fd1;
 	mov.u32 	%r5, %nctaid.x;
 	cvt.u64.u32 	%rd17, %r5;
 	mul.lo.s64 	%rd4, %rd17, %rd2;
-	@%p2 bra 	$L__BB11_5;
-	bra.uni 	$L__BB11_2;
+	@%p2 bra 	$L__BB12_5;
+	bra.uni 	$L__BB12_2;
 
-$L__BB11_5:
+$L__BB12_5:
 	add.s32 	%r6, %r1, -1;
 	and.b32  	%r7, %r6, %r1;
 	setp.eq.s32 	%p6, %r7, 0;
-	@%p6 bra 	$L__BB11_7;
+	@%p6 bra 	$L__BB12_7;
 
-$L__BB11_6:
+$L__BB12_6:
 	shl.b64 	%rd22, %rd3, 1;
 	add.s64 	%rd23, %rd1, %rd22;
 	ld.global.u16 	%rs5, [%rd23];
@@ -840,15 +958,15 @@ $L__BB11_6:
 	st.global.u16 	[%rd23], %rs6;
 	add.s64 	%rd3, %rd3, %rd4;
 	setp.lt.u64 	%p8, %rd3, %rd13;
-	@%p8 bra 	$L__BB11_6;
-	bra.uni 	$L__BB11_9;
+	@%p8 bra 	$L__BB12_6;
+	bra.uni 	$L__BB12_9;
 
-$L__BB11_2:
+$L__BB12_2:
 	setp.neu.f64 	%p3, %fd1, 0d3FF0000000000000;
-	@%p3 bra 	$L__BB11_4;
-	bra.uni 	$L__BB11_3;
+	@%p3 bra 	$L__BB12_4;
+	bra.uni 	$L__BB12_3;
 
-$L__BB11_4:
+$L__BB12_4:
 	shl.b64 	%rd20, %rd3, 1;
 	add.s64 	%rd21, %rd1, %rd20;
 	ld.global.u16 	%rs3, [%rd21];
@@ -864,10 +982,10 @@ $L__BB11_4:
 	st.global.u16 	[%rd21], %rs4;
 	add.s64 	%rd3, %rd3, %rd4;
 	setp.lt.u64 	%p5, %rd3, %rd13;
-	@%p5 bra 	$L__BB11_4;
-	bra.uni 	$L__BB11_9;
+	@%p5 bra 	$L__BB12_4;
+	bra.uni 	$L__BB12_9;
 
-$L__BB11_3:
+$L__BB12_3:
 	shl.b64 	%rd18, %rd3, 1;
 	add.s64 	%rd19, %rd1, %rd18;
 	ld.global.u16 	%rs1, [%rd19];
@@ -882,13 +1000,13 @@ $L__BB11_3:
 	st.global.u16 	[%rd19], %rs2;
 	add.s64 	%rd3, %rd3, %rd4;
 	setp.lt.u64 	%p4, %rd3, %rd13;
-	@%p4 bra 	$L__BB11_3;
-	bra.uni 	$L__BB11_9;
+	@%p4 bra 	$L__BB12_3;
+	bra.uni 	$L__BB12_9;
 
-$L__BB11_7:
+$L__BB12_7:
 	rcp.rn.f32 	%f3, %f1;
 
-$L__BB11_8:
+$L__BB12_8:
 	shl.b64 	%rd24, %rd3, 1;
 	add.s64 	%rd25, %rd1, %rd24;
 	ld.global.u16 	%rs7, [%rd25];
@@ -907,9 +1025,9 @@ $L__BB11_8:
 	st.global.u16 	[%rd25], %rs8;
 	add.s64 	%rd3, %rd3, %rd4;
 	setp.lt.u64 	%p10, %rd3, %rd13;
-	@%p10 bra 	$L__BB11_8;
+	@%p10 bra 	$L__BB12_8;
 
-$L__BB11_9:
+$L__BB12_9:
 	ret;
 
 }
@@ -941,7 +1059,7 @@ $L__BB11_9:
 	cvt.u64.u32 	%rd12, %r4;
 	add.s64 	%rd18, %rd11, %rd12;
 	setp.ge.u64 	%p1, %rd18, %rd10;
-	@%p1 bra 	$L__BB12_6;
+	@%p1 bra 	$L__BB13_6;
 
 	cvt.rn.f32.f64 	%f1, %fd1;
 	mov.u32 	%r5, %nctaid.x;
@@ -950,7 +1068,7 @@ $L__BB11_9:
 	cvta.to.global.u64 	%rd4, %rd9;
 	cvta.to.global.u64 	%rd5, %rd8;
 
-$L__BB12_2:
+$L__BB13_2:
 	shl.b64 	%rd14, %rd18, 1;
 	add.s64 	%rd15, %rd4, %rd14;
 	ld.global.u16 	%rs4, [%rd15];
@@ -968,26 +1086,26 @@ $L__BB12_2:
 	selp.b32 	%r1, 0, %r8, %p2;
 	selp.b16 	%rs7, 32767, %rs5, %p2;
 	setp.gt.u32 	%p3, %r1, -2147483648;
-	@%p3 bra 	$L__BB12_4;
+	@%p3 bra 	$L__BB13_4;
 
 	setp.ne.s32 	%p4, %r1, -2147483648;
 	and.b16  	%rs6, %rs7, 1;
 	setp.eq.b16 	%p5, %rs6, 1;
 	not.pred 	%p6, %p5;
 	or.pred  	%p7, %p4, %p6;
-	@%p7 bra 	$L__BB12_5;
+	@%p7 bra 	$L__BB13_5;
 
-$L__BB12_4:
+$L__BB13_4:
 	add.s16 	%rs7, %rs7, 1;
 
-$L__BB12_5:
+$L__BB13_5:
 	add.s64 	%rd17, %rd5, %rd14;
 	st.global.u16 	[%rd17], %rs7;
 	add.s64 	%rd18, %rd18, %rd3;
 	setp.lt.u64 	%p8, %rd18, %rd10;
-	@%p8 bra 	$L__BB12_2;
+	@%p8 bra 	$L__BB13_2;
 
-$L__BB12_6:
+$L__BB13_6:
 	ret;
 
 }
@@ -1021,23 +1139,23 @@ $L__BB12_6:
 	cvt.u64.u32 	%rd20, %r8;
 	add.s64 	%rd3, %rd19, %rd20;
 	setp.ge.u64 	%p1, %rd3, %rd17;
-	@%p1 bra 	$L__BB13_21;
+	@%p1 bra 	$L__BB14_21;
 
 	setp.gt.s32 	%p2, %r5, 1;
 	cvt.rn.f32.f64 	%f2, %fd1;
 	mov.u32 	%r9, %nctaid.x;
 	cvt.u64.u32 	%rd21, %r9;
 	mul.lo.s64 	%rd4, %rd21, %rd2;
-	@%p2 bra 	$L__BB13_11;
-	bra.uni 	$L__BB13_2;
+	@%p2 bra 	$L__BB14_11;
+	bra.uni 	$L__BB14_2;
 
-$L__BB13_11:
+$L__BB14_11:
 	add.s32 	%r18, %r5, -1;
 	and.b32  	%r19, %r18, %r5;
 	setp.eq.s32 	%p18, %r19, 0;
-	@%p18 bra 	$L__BB13_16;
+	@%p18 bra 	$L__BB14_16;
 
-$L__BB13_12:
+$L__BB14_12:
 	shl.b64 	%rd24, %rd3, 1;
 	add.s64 	%rd12, %rd1, %rd24;
 	ld.global.u16 	%rs19, [%rd12];
@@ -1058,31 +1176,31 @@ $L__BB13_12:
 	selp.b32 	%r3, 0, %r22, %p20;
 	selp.b16 	%rs27, 32767, %rs20, %p20;
 	setp.gt.u32 	%p21, %r3, -2147483648;
-	@%p21 bra 	$L__BB13_14;
+	@%p21 bra 	$L__BB14_14;
 
 	setp.ne.s32 	%p22, %r3, -2147483648;
 	and.b16  	%rs21, %rs27, 1;
 	setp.eq.b16 	%p23, %rs21, 1;
 	not.pred 	%p24, %p23;
 	or.pred  	%p25, %p22, %p24;
-	@%p25 bra 	$L__BB13_15;
+	@%p25 bra 	$L__BB14_15;
 
-$L__BB13_14:
+$L__BB14_14:
 	add.s16 	%rs27, %rs27, 1;
 
-$L__BB13_15:
+$L__BB14_15:
 	st.global.u16 	[%rd12], %rs27;
 	add.s64 	%rd3, %rd3, %rd4;
 	setp.lt.u64 	%p26, %rd3, %rd17;
-	@%p26 bra 	$L__BB13_12;
-	bra.uni 	$L__BB13_21;
+	@%p26 bra 	$L__BB14_12;
+	bra.uni 	$L__BB14_21;
 
-$L__BB13_2:
+$L__BB14_2:
 	setp.neu.f64 	%p3, %fd1, 0d3FF0000000000000;
-	@%p3 bra 	$L__BB13_7;
-	bra.uni 	$L__BB13_3;
+	@%p3 bra 	$L__BB14_7;
+	bra.uni 	$L__BB14_3;
 
-$L__BB13_7:
+$L__BB14_7:
 	shl.b64 	%rd23, %rd3, 1;
 	add.s64 	%rd9, %rd1, %rd23;
 	ld.global.u16 	%rs16, [%rd9];
@@ -1100,26 +1218,26 @@ $L__BB13_7:
 	selp.b32 	%r2, 0, %r16, %p11;
 	selp.b16 	%rs26, 32767, %rs17, %p11;
 	setp.gt.u32 	%p12, %r2, -2147483648;
-	@%p12 bra 	$L__BB13_9;
+	@%p12 bra 	$L__BB14_9;
 
 	setp.ne.s32 	%p13, %r2, -2147483648;
 	and.b16  	%rs18, %rs26, 1;
 	setp.eq.b16 	%p14, %rs18, 1;
 	not.pred 	%p15, %p14;
 	or.pred  	%p16, %p13, %p15;
-	@%p16 bra 	$L__BB13_10;
+	@%p16 bra 	$L__BB14_10;
 
-$L__BB13_9:
+$L__BB14_9:
 	add.s16 	%rs26, %rs26, 1;
 
-$L__BB13_10:
+$L__BB14_10:
 	st.global.u16 	[%rd9], %rs26;
 	add.s64 	%rd3, %rd3, %rd4;
 	setp.lt.u64 	%p17, %rd3, %rd17;
-	@%p17 bra 	$L__BB13_7;
-	bra.uni 	$L__BB13_21;
+	@%p17 bra 	$L__BB14_7;
+	bra.uni 	$L__BB14_21;
 
-$L__BB13_3:
+$L__BB14_3:
 	shl.b64 	%rd22, %rd3, 1;
 	add.s64 	%rd6, %rd1, %rd22;
 	ld.global.u16 	%rs13, [%rd6];
@@ -1136,29 +1254,29 @@ $L__BB13_3:
 	selp.b32 	%r1, 0, %r12, %p4;
 	selp.b16 	%rs25, 32767, %rs14, %p4;
 	setp.gt.u32 	%p5, %r1, -2147483648;
-	@%p5 bra 	$L__BB13_5;
+	@%p5 bra 	$L__BB14_5;
 
 	setp.ne.s32 	%p6, %r1, -2147483648;
 	and.b16  	%rs15, %rs25, 1;
 	setp.eq.b16 	%p7, %rs15, 1;
 	not.pred 	%p8, %p7;
 	or.pred  	%p9, %p6, %p8;
-	@%p9 bra 	$L__BB13_6;
+	@%p9 bra 	$L__BB14_6;
 
-$L__BB13_5:
+$L__BB14_5:
 	add.s16 	%rs25, %rs25, 1;
 
-$L__BB13_6:
+$L__BB14_6:
 	st.global.u16 	[%rd6], %rs25;
 	add.s64 	%rd3, %rd3, %rd4;
 	setp.lt.u64 	%p10, %rd3, %rd17;
-	@%p10 bra 	$L__BB13_3;
-	bra.uni 	$L__BB13_21;
+	@%p10 bra 	$L__BB14_3;
+	bra.uni 	$L__BB14_21;
 
-$L__BB13_16:
+$L__BB14_16:
 	rcp.rn.f32 	%f3, %f1;
 
-$L__BB13_17:
+$L__BB14_17:
 	shl.b64 	%rd25, %rd3, 1;
 	add.s64 	%rd15, %rd1, %rd25;
 	ld.global.u16 	%rs22, [%rd15];
@@ -1179,25 +1297,25 @@ $L__BB13_17:
 	selp.b32 	%r4, 0, %r26, %p28;
 	selp.b16 	%rs28, 32767, %rs23, %p28;
 	setp.gt.u32 	%p29, %r4, -2147483648;
-	@%p29 bra 	$L__BB13_19;
+	@%p29 bra 	$L__BB14_19;
 
 	setp.ne.s32 	%p30, %r4, -2147483648;
 	and.b16  	%rs24, %rs28, 1;
 	setp.eq.b16 	%p31, %rs24, 1;
 	not.pred 	%p32, %p31;
 	or.pred  	%p33, %p30, %p32;
-	@%p33 bra 	$L__BB13_20;
+	@%p33 bra 	$L__BB14_20;
 
-$L__BB13_19:
+$L__BB14_19:
 	add.s16 	%rs28, %rs28, 1;
 
-$L__BB13_20:
+$L__BB14_20:
 	st.global.u16 	[%rd15], %rs28;
 	add.s64 	%rd3, %rd3, %rd4;
 	setp.lt.u64 	%p34, %rd3, %rd17;
-	@%p34 bra 	$L__BB13_17;
+	@%p34 bra 	$L__BB14_17;
 
-$L__BB13_21:
+$L__BB14_21:
 	ret;
 
 }
@@ -1228,7 +1346,7 @@ $L__BB13_21:
 	cvt.u64.u32 	%rd12, %r3;
 	add.s64 	%rd17, %rd11, %rd12;
 	setp.ge.u64 	%p1, %rd17, %rd10;
-	@%p1 bra 	$L__BB14_3;
+	@%p1 bra 	$L__BB15_3;
 
 	cvt.rn.f32.f64 	%f1, %fd1;
 	mov.u32 	%r4, %nctaid.x;
@@ -1237,7 +1355,7 @@ $L__BB13_21:
 	cvta.to.global.u64 	%rd4, %rd9;
 	cvta.to.global.u64 	%rd5, %rd8;
 
-$L__BB14_2:
+$L__BB15_2:
 	shl.b64 	%rd14, %rd17, 2;
 	add.s64 	%rd15, %rd4, %rd14;
 	ld.global.f32 	%f2, [%rd15];
@@ -1246,9 +1364,9 @@ $L__BB14_2:
 	st.global.f32 	[%rd16], %f3;
 	add.s64 	%rd17, %rd17, %rd3;
 	setp.lt.u64 	%p2, %rd17, %rd10;
-	@%p2 bra 	$L__BB14_2;
+	@%p2 bra 	$L__BB15_2;
 
-$L__BB14_3:
+$L__BB15_3:
 	ret;
 
 }
@@ -1281,23 +1399,23 @@ $L__BB14_3:
 	cvt.u64.u32 	%rd16, %r4;
 	add.s64 	%rd3, %rd15, %rd16;
 	setp.ge.u64 	%p1, %rd3, %rd13;
-	@%p1 bra 	$L__BB15_9;
+	@%p1 bra 	$L__BB16_9;
 
 	setp.gt.s32 	%p2, %r1, 1;
 	cvt.rn.f32.f64 	%f2, %fd1;
 	mov.u32 	%r5, %nctaid.x;
 	cvt.u64.u32 	%rd17, %r5;
 	mul.lo.s64 	%rd4, %rd17, %rd2;
-	@%p2 bra 	$L__BB15_5;
-	bra.uni 	$L__BB15_2;
+	@%p2 bra 	$L__BB16_5;
+	bra.uni 	$L__BB16_2;
 
-$L__BB15_5:
+$L__BB16_5:
 	add.s32 	%r6, %r1, -1;
 	and.b32  	%r7, %r6, %r1;
 	setp.eq.s32 	%p6, %r7, 0;
-	@%p6 bra 	$L__BB15_7;
+	@%p6 bra 	$L__BB16_7;
 
-$L__BB15_6:
+$L__BB16_6:
 	shl.b64 	%rd20, %rd3, 2;
 	add.s64 	%rd21, %rd1, %rd20;
 	ld.global.f32 	%f6, [%rd21];
@@ -1308,15 +1426,15 @@ $L__BB15_6:
 	st.global.f32 	[%rd21], %f9;
 	add.s64 	%rd3, %rd3, %rd4;
 	setp.lt.u64 	%p8, %rd3, %rd13;
-	@%p8 bra 	$L__BB15_6;
-	bra.uni 	$L__BB15_9;
+	@%p8 bra 	$L__BB16_6;
+	bra.uni 	$L__BB16_9;
 
-$L__BB15_2:
+$L__BB16_2:
 	setp.neu.f64 	%p3, %fd1, 0d3FF0000000000000;
-	@%p3 bra 	$L__BB15_4;
-	bra.uni 	$L__BB15_3;
+	@%p3 bra 	$L__BB16_4;
+	bra.uni 	$L__BB16_3;
 
-$L__BB15_4:
+$L__BB16_4:
 	shl.b64 	%rd18, %rd3, 2;
 	add.s64 	%rd19, %rd1, %rd18;
 	ld.global.f32 	%f4, [%rd19];
@@ -1324,19 +1442,19 @@ $L__BB15_4:
 	st.global.f32 	[%rd19], %f5;
 	add.s64 	%rd3, %rd3, %rd4;
 	setp.lt.u64 	%p5, %rd3, %rd13;
-	@%p5 bra 	$L__BB15_4;
-	bra.uni 	$L__BB15_9;
+	@%p5 bra 	$L__BB16_4;
+	bra.uni 	$L__BB16_9;
 
-$L__BB15_3:
+$L__BB16_3:
 	add.s64 	%rd3, %rd3, %rd4;
 	setp.lt.u64 	%p4, %rd3, %rd13;
-	@%p4 bra 	$L__BB15_3;
-	bra.uni 	$L__BB15_9;
+	@%p4 bra 	$L__BB16_3;
+	bra.uni 	$L__BB16_9;
 
-$L__BB15_7:
+$L__BB16_7:
 	rcp.rn.f32 	%f3, %f1;
 
-$L__BB15_8:
+$L__BB16_8:
 	shl.b64 	%rd22, %rd3, 2;
 	add.s64 	%rd23, %rd1, %rd22;
 	ld.global.f32 	%f10, [%rd23];
@@ -1347,9 +1465,9 @@ $L__BB15_8:
 	st.global.f32 	[%rd23], %f13;
 	add.s64 	%rd3, %rd3, %rd4;
 	setp.lt.u64 	%p10, %rd3, %rd13;
-	@%p10 bra 	$L__BB15_8;
+	@%p10 bra 	$L__BB16_8;
 
-$L__BB15_9:
+$L__BB16_9:
 	ret;
 
 }
@@ -1379,7 +1497,7 @@ $L__BB15_9:
 	cvt.u64.u32 	%rd12, %r3;
 	add.s64 	%rd17, %rd11, %rd12;
 	setp.ge.u64 	%p1, %rd17, %rd10;
-	@%p1 bra 	$L__BB16_3;
+	@%p1 bra 	$L__BB17_3;
 
 	mov.u32 	%r4, %nctaid.x;
 	cvt.u64.u32 	%rd13, %r4;
@@ -1387,7 +1505,7 @@ $L__BB15_9:
 	cvta.to.global.u64 	%rd4, %rd9;
 	cvta.to.global.u64 	%rd5, %rd8;
 
-$L__BB16_2:
+$L__BB17_2:
 	shl.b64 	%rd14, %rd17, 3;
 	add.s64 	%rd15, %rd4, %rd14;
 	ld.global.f64 	%fd2, [%rd15];
@@ -1396,9 +1514,9 @@ $L__BB16_2:
 	st.global.f64 	[%rd16], %fd3;
 	add.s64 	%rd17, %rd17, %rd3;
 	setp.lt.u64 	%p2, %rd17, %rd10;
-	@%p2 bra 	$L__BB16_2;
+	@%p2 bra 	$L__BB17_2;
 
-$L__BB16_3:
+$L__BB17_3:
 	ret;
 
 }
@@ -1430,22 +1548,22 @@ $L__BB16_3:
 	cvt.u64.u32 	%rd16, %r4;
 	add.s64 	%rd3, %rd15, %rd16;
 	setp.ge.u64 	%p1, %rd3, %rd13;
-	@%p1 bra 	$L__BB17_9;
+	@%p1 bra 	$L__BB18_9;
 
 	setp.gt.s32 	%p2, %r1, 1;
 	mov.u32 	%r5, %nctaid.x;
 	cvt.u64.u32 	%rd17, %r5;
 	mul.lo.s64 	%rd4, %rd17, %rd2;
-	@%p2 bra 	$L__BB17_5;
-	bra.uni 	$L__BB17_2;
+	@%p2 bra 	$L__BB18_5;
+	bra.uni 	$L__BB18_2;
 
-$L__BB17_5:
+$L__BB18_5:
 	add.s32 	%r6, %r1, -1;
 	and.b32  	%r7, %r6, %r1;
 	setp.eq.s32 	%p6, %r7, 0;
-	@%p6 bra 	$L__BB17_7;
+	@%p6 bra 	$L__BB18_7;
 
-$L__BB17_6:
+$L__BB18_6:
 	shl.b64 	%rd20, %rd3, 3;
 	add.s64 	%rd21, %rd1, %rd20;
 	ld.global.f64 	%fd6, [%rd21];
@@ -1456,15 +1574,15 @@ $L__BB17_6:
 	st.global.f64 	[%rd21], %fd9;
 	add.s64 	%rd3, %rd3, %rd4;
 	setp.lt.u64 	%p8, %rd3, %rd13;
-	@%p8 bra 	$L__BB17_6;
-	bra.uni 	$L__BB17_9;
+	@%p8 bra 	$L__BB18_6;
+	bra.uni 	$L__BB18_9;
 
-$L__BB17_2:
+$L__BB18_2:
 	setp.neu.f64 	%p3, %fd3, 0d3FF0000000000000;
-	@%p3 bra 	$L__BB17_4;
-	bra.uni 	$L__BB17_3;
+	@%p3 bra 	$L__BB18_4;
+	bra.uni 	$L__BB18_3;
 
-$L__BB17_4:
+$L__BB18_4:
 	shl.b64 	%rd18, %rd3, 3;
 	add.s64 	%rd19, %rd1, %rd18;
 	ld.global.f64 	%fd4, [%rd19];
@@ -1472,19 +1590,19 @@ $L__BB17_4:
 	st.global.f64 	[%rd19], %fd5;
 	add.s64 	%rd3, %rd3, %rd4;
 	setp.lt.u64 	%p5, %rd3, %rd13;
-	@%p5 bra 	$L__BB17_4;
-	bra.uni 	$L__BB17_9;
+	@%p5 bra 	$L__BB18_4;
+	bra.uni 	$L__BB18_9;
 
-$L__BB17_3:
+$L__BB18_3:
 	add.s64 	%rd3, %rd3, %rd4;
 	setp.lt.u64 	%p4, %rd3, %rd13;
-	@%p4 bra 	$L__BB17_3;
-	bra.uni 	$L__BB17_9;
+	@%p4 bra 	$L__BB18_3;
+	bra.uni 	$L__BB18_9;
 
-$L__BB17_7:
+$L__BB18_7:
 	rcp.rn.f64 	%fd2, %fd1;
 
-$L__BB17_8:
+$L__BB18_8:
 	shl.b64 	%rd22, %rd3, 3;
 	add.s64 	%rd23, %rd1, %rd22;
 	ld.global.f64 	%fd10, [%rd23];
@@ -1495,9 +1613,9 @@ $L__BB17_8:
 	st.global.f64 	[%rd23], %fd13;
 	add.s64 	%rd3, %rd3, %rd4;
 	setp.lt.u64 	%p10, %rd3, %rd13;
-	@%p10 bra 	$L__BB17_8;
+	@%p10 bra 	$L__BB18_8;
 
-$L__BB17_9:
+$L__BB18_9:
 	ret;
 
 }
@@ -1528,7 +1646,7 @@ $L__BB17_9:
 	cvt.u64.u32 	%rd12, %r3;
 	add.s64 	%rd17, %rd11, %rd12;
 	setp.ge.u64 	%p1, %rd17, %rd10;
-	@%p1 bra 	$L__BB18_3;
+	@%p1 bra 	$L__BB19_3;
 
 	mov.u32 	%r4, %nctaid.x;
 	cvt.u64.u32 	%rd13, %r4;
@@ -1536,7 +1654,7 @@ $L__BB17_9:
 	cvta.to.global.u64 	%rd4, %rd9;
 	cvta.to.global.u64 	%rd5, %rd8;
 
-$L__BB18_2:
+$L__BB19_2:
 	shl.b64 	%rd14, %rd17, 1;
 	add.s64 	%rd15, %rd4, %rd14;
 	ld.global.u16 	%rs1, [%rd15];
@@ -1547,9 +1665,9 @@ $L__BB18_2:
 	st.global.u16 	[%rd16], %r5;
 	add.s64 	%rd17, %rd17, %rd3;
 	setp.lt.u64 	%p2, %rd17, %rd10;
-	@%p2 bra 	$L__BB18_2;
+	@%p2 bra 	$L__BB19_2;
 
-$L__BB18_3:
+$L__BB19_3:
 	ret;
 
 }
@@ -1581,44 +1699,44 @@ $L__BB18_3:
 	cvt.u64.u32 	%rd15, %r4;
 	add.s64 	%rd20, %rd14, %rd15;
 	setp.ge.u64 	%p1, %rd20, %rd12;
-	@%p1 bra 	$L__BB19_9;
+	@%p1 bra 	$L__BB20_9;
 
 	setp.gt.s32 	%p2, %r1, 1;
 	mov.u32 	%r5, %nctaid.x;
 	cvt.u64.u32 	%rd16, %r5;
 	mul.lo.s64 	%rd4, %rd16, %rd2;
-	@%p2 bra 	$L__BB19_5;
-	bra.uni 	$L__BB19_2;
+	@%p2 bra 	$L__BB20_5;
+	bra.uni 	$L__BB20_2;
 
-$L__BB19_5:
+$L__BB20_5:
 	cvt.u16.u32 	%rs1, %r1;
 
-$L__BB19_6:
+$L__BB20_6:
 	shl.b64 	%rd19, %rd20, 1;
 	add.s64 	%rd10, %rd1, %rd19;
 	ld.global.u16 	%rs6, [%rd10];
 	div.u16 	%rs7, %rs6, %rs1;
 	setp.eq.f64 	%p6, %fd1, 0d3FF0000000000000;
-	@%p6 bra 	$L__BB19_8;
+	@%p6 bra 	$L__BB20_8;
 
 	cvt.rn.f64.u16 	%fd4, %rs7;
 	mul.f64 	%fd5, %fd4, %fd1;
 	cvt.rzi.u32.f64 	%r7, %fd5;
 	cvt.u16.u32 	%rs7, %r7;
 
-$L__BB19_8:
+$L__BB20_8:
 	st.global.u16 	[%rd10], %rs7;
 	add.s64 	%rd20, %rd20, %rd4;
 	setp.lt.u64 	%p7, %rd20, %rd12;
-	@%p7 bra 	$L__BB19_6;
-	bra.uni 	$L__BB19_9;
+	@%p7 bra 	$L__BB20_6;
+	bra.uni 	$L__BB20_9;
 
-$L__BB19_2:
+$L__BB20_2:
 	setp.neu.f64 	%p3, %fd1, 0d3FF0000000000000;
-	@%p3 bra 	$L__BB19_4;
-	bra.uni 	$L__BB19_3;
+	@%p3 bra 	$L__BB20_4;
+	bra.uni 	$L__BB20_3;
 
-$L__BB19_4:
+$L__BB20_4:
 	shl.b64 	%rd17, %rd20, 1;
 	add.s64 	%rd18, %rd1, %rd17;
 	ld.global.u16 	%rs5, [%rd18];
@@ -1628,15 +1746,15 @@ $L__BB19_4:
 	st.global.u16 	[%rd18], %r6;
 	add.s64 	%rd20, %rd20, %rd4;
 	setp.lt.u64 	%p5, %rd20, %rd12;
-	@%p5 bra 	$L__BB19_4;
-	bra.uni 	$L__BB19_9;
+	@%p5 bra 	$L__BB20_4;
+	bra.uni 	$L__BB20_9;
 
-$L__BB19_3:
+$L__BB20_3:
 	add.s64 	%rd20, %rd20, %rd4;
 	setp.lt.u64 	%p4, %rd20, %rd12;
-	@%p4 bra 	$L__BB19_3;
+	@%p4 bra 	$L__BB20_3;
 
-$L__BB19_9:
+$L__BB20_9:
 	ret;
 
 }
@@ -1666,7 +1784,7 @@ $L__BB19_9:
 	cvt.u64.u32 	%rd12, %r3;
 	add.s64 	%rd17, %rd11, %rd12;
 	setp.ge.u64 	%p1, %rd17, %rd10;
-	@%p1 bra 	$L__BB20_3;
+	@%p1 bra 	$L__BB21_3;
 
 	mov.u32 	%r4, %nctaid.x;
 	cvt.u64.u32 	%rd13, %r4;
@@ -1674,7 +1792,7 @@ $L__BB19_9:
 	cvta.to.global.u64 	%rd4, %rd9;
 	cvta.to.global.u64 	%rd5, %rd8;
 
-$L__BB20_2:
+$L__BB21_2:
 	shl.b64 	%rd14, %rd17, 2;
 	add.s64 	%rd15, %rd4, %rd14;
 	ld.global.u32 	%r5, [%rd15];
@@ -1685,9 +1803,9 @@ $L__BB20_2:
 	st.global.u32 	[%rd16], %r6;
 	add.s64 	%rd17, %rd17, %rd3;
 	setp.lt.u64 	%p2, %rd17, %rd10;
-	@%p2 bra 	$L__BB20_2;
+	@%p2 bra 	$L__BB21_2;
 
-$L__BB20_3:
+$L__BB21_3:
 	ret;
 
 }
@@ -1718,40 +1836,40 @@ $L__BB20_3:
 	cvt.u64.u32 	%rd15, %r7;
 	add.s64 	%rd20, %rd14, %rd15;
 	setp.ge.u64 	%p1, %rd20, %rd12;
-	@%p1 bra 	$L__BB21_8;
+	@%p1 bra 	$L__BB22_8;
 
 	setp.gt.s32 	%p2, %r4, 1;
 	mov.u32 	%r8, %nctaid.x;
 	cvt.u64.u32 	%rd16, %r8;
 	mul.lo.s64 	%rd4, %rd16, %rd2;
-	@%p2 bra 	$L__BB21_5;
-	bra.uni 	$L__BB21_2;
+	@%p2 bra 	$L__BB22_5;
+	bra.uni 	$L__BB22_2;
 
-$L__BB21_5:
+$L__BB22_5:
 	shl.b64 	%rd19, %rd20, 2;
 	add.s64 	%rd10, %rd1, %rd19;
 	ld.global.u32 	%r11, [%rd10];
 	div.u32 	%r12, %r11, %r4;
 	setp.eq.f64 	%p6, %fd1, 0d3FF0000000000000;
-	@%p6 bra 	$L__BB21_7;
+	@%p6 bra 	$L__BB22_7;
 
 	cvt.rn.f64.u32 	%fd4, %r12;
 	mul.f64 	%fd5, %fd4, %fd1;
 	cvt.rzi.u32.f64 	%r12, %fd5;
 
-$L__BB21_7:
+$L__BB22_7:
 	st.global.u32 	[%rd10], %r12;
 	add.s64 	%rd20, %rd20, %rd4;
 	setp.lt.u64 	%p7, %rd20, %rd12;
-	@%p7 bra 	$L__BB21_5;
-	bra.uni 	$L__BB21_8;
+	@%p7 bra 	$L__BB22_5;
+	bra.uni 	$L__BB22_8;
 
-$L__BB21_2:
+$L__BB22_2:
 	setp.neu.f64 	%p3, %fd1, 0d3FF0000000000000;
-	@%p3 bra 	$L__BB21_4;
-	bra.uni 	$L__BB21_3;
+	@%p3 bra 	$L__BB22_4;
+	bra.uni 	$L__BB22_3;
 
-$L__BB21_4:
+$L__BB22_4:
 	shl.b64 	%rd17, %rd20, 2;
 	add.s64 	%rd18, %rd1, %rd17;
 	ld.global.u32 	%r9, [%rd18];
@@ -1761,15 +1879,15 @@ $L__BB21_4:
 	st.global.u32 	[%rd18], %r10;
 	add.s64 	%rd20, %rd20, %rd4;
 	setp.lt.u64 	%p5, %rd20, %rd12;
-	@%p5 bra 	$L__BB21_4;
-	bra.uni 	$L__BB21_8;
+	@%p5 bra 	$L__BB22_4;
+	bra.uni 	$L__BB22_8;
 
-$L__BB21_3:
+$L__BB22_3:
 	add.s64 	%rd20, %rd20, %rd4;
 	setp.lt.u64 	%p4, %rd20, %rd12;
-	@%p4 bra 	$L__BB21_3;
+	@%p4 bra 	$L__BB22_3;
 
-$L__BB21_8:
+$L__BB22_8:
 	ret;
 
 }
@@ -1799,7 +1917,7 @@ $L__BB21_8:
 	cvt.u64.u32 	%rd12, %r3;
 	add.s64 	%rd19, %rd11, %rd12;
 	setp.ge.u64 	%p1, %rd19, %rd10;
-	@%p1 bra 	$L__BB22_3;
+	@%p1 bra 	$L__BB23_3;
 
 	mov.u32 	%r4, %nctaid.x;
 	cvt.u64.u32 	%rd13, %r4;
@@ -1807,7 +1925,7 @@ $L__BB21_8:
 	cvta.to.global.u64 	%rd4, %rd9;
 	cvta.to.global.u64 	%rd5, %rd8;
 
-$L__BB22_2:
+$L__BB23_2:
 	shl.b64 	%rd14, %rd19, 3;
 	add.s64 	%rd15, %rd4, %rd14;
 	ld.global.u64 	%rd16, [%rd15];
@@ -1818,9 +1936,9 @@ $L__BB22_2:
 	st.global.u64 	[%rd18], %rd17;
 	add.s64 	%rd19, %rd19, %rd3;
 	setp.lt.u64 	%p2, %rd19, %rd10;
-	@%p2 bra 	$L__BB22_2;
+	@%p2 bra 	$L__BB23_2;
 
-$L__BB22_3:
+$L__BB23_3:
 	ret;
 
 }
@@ -1851,57 +1969,57 @@ $L__BB22_3:
 	cvt.u64.u32 	%rd22, %r4;
 	add.s64 	%rd31, %rd21, %rd22;
 	setp.ge.u64 	%p1, %rd31, %rd19;
-	@%p1 bra 	$L__BB23_12;
+	@%p1 bra 	$L__BB24_12;
 
 	setp.gt.s32 	%p2, %r1, 1;
 	cvt.s64.s32 	%rd4, %r1;
 	mov.u32 	%r5, %nctaid.x;
 	cvt.u64.u32 	%rd23, %r5;
 	mul.lo.s64 	%rd5, %rd23, %rd2;
-	@%p2 bra 	$L__BB23_5;
-	bra.uni 	$L__BB23_2;
+	@%p2 bra 	$L__BB24_5;
+	bra.uni 	$L__BB24_2;
 
-$L__BB23_5:
+$L__BB24_5:
 	cvt.u32.u64 	%r6, %rd4;
 
-$L__BB23_6:
+$L__BB24_6:
 	shl.b64 	%rd28, %rd31, 3;
 	add.s64 	%rd11, %rd1, %rd28;
 	ld.global.u64 	%rd12, [%rd11];
 	or.b64  	%rd29, %rd12, %rd4;
 	and.b64  	%rd30, %rd29, -4294967296;
 	setp.eq.s64 	%p6, %rd30, 0;
-	@%p6 bra 	$L__BB23_8;
+	@%p6 bra 	$L__BB24_8;
 
 	div.u64 	%rd35, %rd12, %rd4;
-	bra.uni 	$L__BB23_9;
+	bra.uni 	$L__BB24_9;
 
-$L__BB23_8:
+$L__BB24_8:
 	cvt.u32.u64 	%r7, %rd12;
 	div.u32 	%r8, %r7, %r6;
 	cvt.u64.u32 	%rd35, %r8;
 
-$L__BB23_9:
+$L__BB24_9:
 	setp.eq.f64 	%p7, %fd1, 0d3FF0000000000000;
-	@%p7 bra 	$L__BB23_11;
+	@%p7 bra 	$L__BB24_11;
 
 	cvt.rn.f64.u64 	%fd4, %rd35;
 	mul.f64 	%fd5, %fd4, %fd1;
 	cvt.rzi.u64.f64 	%rd35, %fd5;
 
-$L__BB23_11:
+$L__BB24_11:
 	st.global.u64 	[%rd11], %rd35;
 	add.s64 	%rd31, %rd31, %rd5;
 	setp.lt.u64 	%p8, %rd31, %rd19;
-	@%p8 bra 	$L__BB23_6;
-	bra.uni 	$L__BB23_12;
+	@%p8 bra 	$L__BB24_6;
+	bra.uni 	$L__BB24_12;
 
-$L__BB23_2:
+$L__BB24_2:
 	setp.neu.f64 	%p3, %fd1, 0d3FF0000000000000;
-	@%p3 bra 	$L__BB23_4;
-	bra.uni 	$L__BB23_3;
+	@%p3 bra 	$L__BB24_4;
+	bra.uni 	$L__BB24_3;
 
-$L__BB23_4:
+$L__BB24_4:
 	shl.b64 	%rd24, %rd31, 3;
 	add.s64 	%rd25, %rd1, %rd24;
 	ld.global.u64 	%rd26, [%rd25];
@@ -1911,15 +2029,15 @@ $L__BB23_4:
 	st.global.u64 	[%rd25], %rd27;
 	add.s64 	%rd31, %rd31, %rd5;
 	setp.lt.u64 	%p5, %rd31, %rd19;
-	@%p5 bra 	$L__BB23_4;
-	bra.uni 	$L__BB23_12;
+	@%p5 bra 	$L__BB24_4;
+	bra.uni 	$L__BB24_12;
 
-$L__BB23_3:
+$L__BB24_3:
 	add.s64 	%rd31, %rd31, %rd5;
 	setp.lt.u64 	%p4, %rd31, %rd19;
-	@%p4 bra 	$L__BB23_3;
+	@%p4 bra 	$L__BB24_3;
 
-$L__BB23_12:
+$L__BB24_12:
 	ret;
 
 }

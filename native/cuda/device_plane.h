@@ -74,7 +74,9 @@ class DevicePlane : public Backend {
   class Staging;
   template <typename Reduce>
   Status stage_segments(const std::vector<Segment>& segments, Reduce reduce);
-  Status stage_allreduce(const AllreduceOptions& options);
+  // On `across` when given (a hierarchical plane's cross-host group), else
+  // on the set's CPU backend.
+  Status stage_allreduce(const AllreduceOptions& options, Backend* across = nullptr);
   Status stage_allgather(const AllgatherOptions& options);
   Status stage_broadcast(const BroadcastOptions& options);
   Status stage_alltoall(const AlltoallOptions& options);
@@ -92,15 +94,35 @@ class DevicePlane : public Backend {
   size_t pinned_bytes_ = 0;
 };
 
-// The plane for `device` in the process set whose backend is `host`.
-// Collective over the set: its ranks learn where the others are and choose
-// NCCL where it can serve (each rank its own GPU, NCCL found everywhere),
-// else staging; `choice` (Config::gpu_data_plane) can insist on either.
-Status make_device_plane(const std::string& hostname, const std::string& choice, int device, Backend* host,
-                         std::unique_ptr<DevicePlane>* out);
+// What a rank knows of itself when its set makes a plane.
+struct PlaneRequest {
+  std::string hostname;      // Config::hostname, else gethostname()
+  std::string choice;        // Config::gpu_data_plane: auto, nccl or staging
+  bool hierarchical = true;  // Config::hierarchical: NCCL within hosts, not across them
+  int set_id = 0;            // keeps the plane's cross-host groups apart from other sets'
+  int device = 0;
+};
+
+// The plane for `request.device` in the process set whose backend is
+// `host`. Collective over the set: its ranks learn where the others are and
+// choose NCCL where it can serve (each rank its own GPU, NCCL found
+// everywhere), else staging; the choice can insist on either. Where the set
+// spans hosts, NCCL is hierarchical unless every rank asks for it flat.
+Status make_device_plane(const PlaneRequest& request, Backend* host, std::unique_ptr<DevicePlane>* out);
+
+// Whom an NCCL plane's communicator joins, and who carries what across hosts.
+struct NcclLayout {
+  std::vector<int> communicator;  // the set's ranks in this rank's: all of them, or its host's
+  // Hierarchical only: cross group l holds local rank l of every host and
+  // carries chunk l of an allreduce between hosts. Every host has as many
+  // groups as it has ranks when hosts are even, else one (their first ranks).
+  std::vector<std::vector<int>> cross_groups;
+  int cross_group_id = 0;  // the first group's id for Backend::split; the next ones follow
+};
 
 // The NCCL plane (../nccl/nccl_plane.cc), among ranks that chose it.
-Status make_nccl_plane(const CudaRuntime& cuda, int device, Backend* host, std::unique_ptr<DevicePlane>* out);
+Status make_nccl_plane(const CudaRuntime& cuda, int device, Backend* host, const NcclLayout& layout,
+                       std::unique_ptr<DevicePlane>* out);
 Status make_staging_plane(const CudaRuntime& cuda, int device, Backend* host, std::unique_ptr<DevicePlane>* out);
 // What --check-build prints: the CUDA runtime, its devices, NCCL.
 std::string device_support_report();

@@ -19,7 +19,7 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <sstream>
+#include <cstdlib>
 
 #include "mesh.h"
 #include "socket.h"
@@ -68,11 +68,30 @@ std::string table_line(const TcpPeer& p) {
   return std::to_string(p.rank) + " " + std::to_string(p.pid) + " " + p.address + " " + p.host + "\n";
 }
 
+// The next space-separated word of `text` from *at, as a whole int.
+bool next_int(const std::string& text, size_t* at, int* value) {
+  const size_t end = std::min(text.find(' ', *at), text.size());
+  const std::string word = text.substr(*at, end - *at);
+  char* stop = nullptr;
+  const long v = std::strtol(word.c_str(), &stop, 10);
+  if (word.empty() || *stop != '\0') return false;
+  *value = (int)v;
+  *at = std::min(end + 1, text.size());
+  return true;
+}
+
+// Parsed by hand, not with iostreams: a process may hold a libstdc++ older
+// than the one unison was compiled against, and its stream locales are the
+// part that then breaks (a crash seen on a gVisor sandbox).
 bool parse_table_line(const std::string& line, TcpPeer* p) {
-  std::istringstream in(line);
-  in >> p->rank >> p->pid >> p->address;
-  std::getline(in >> std::ws, p->host);
-  return !in.fail() && !p->address.empty();
+  size_t at = 0;
+  if (!next_int(line, &at, &p->rank) || !next_int(line, &at, &p->pid)) return false;
+  const size_t end = line.find(' ', at);
+  if (end == std::string::npos || end == at) return false;
+  p->address = line.substr(at, end - at);
+  p->host = line.substr(end + 1);
+  while (!p->host.empty() && (p->host.back() == '\n' || p->host.back() == '\r')) p->host.pop_back();
+  return true;
 }
 
 // Closes every socket it was given unless released: start-up can fail at
@@ -146,9 +165,8 @@ Status Mesh::connect(const Config& config, std::shared_ptr<Mesh>* out) {
       }
       TcpPeer p;
       int their_size = 0;
-      std::istringstream in(hello);
-      in >> their_size;
-      if (!parse_table_line(hello.substr(std::min(hello.size(), hello.find(' ') + 1)), &p) || p.rank <= 0 ||
+      size_t at = 0;
+      if (!next_int(hello, &at, &their_size) || !parse_table_line(hello.substr(at), &p) || p.rank <= 0 ||
           p.rank >= size) {
         problem = "a rank said it is '" + hello + "', which is not a rank of a job of " + std::to_string(size);
       } else if (their_size != size) {
@@ -181,14 +199,17 @@ Status Mesh::connect(const Config& config, std::shared_ptr<Mesh>* out) {
     if (s.ok()) s = send_text(fd, std::to_string(size) + " " + table_line(mine), deadline);
     if (s.ok()) s = read_text(fd, &table, deadline);
     if (!s.ok()) return s;
-    std::istringstream lines(table);
-    std::string line;
-    std::getline(lines, line);
-    if (line.rfind("error ", 0) == 0)
-      return Status::Error(UNISON_ERR_INVALID_ARGUMENT, "unison: cannot start the job: " + line.substr(6));
-    while (std::getline(lines, line)) {
+    std::vector<std::string> lines;
+    for (size_t at = 0; at < table.size();) {
+      const size_t end = std::min(table.find('\n', at), table.size());
+      lines.push_back(table.substr(at, end - at));
+      at = end + 1;
+    }
+    if (!lines.empty() && lines[0].rfind("error ", 0) == 0)
+      return Status::Error(UNISON_ERR_INVALID_ARGUMENT, "unison: cannot start the job: " + lines[0].substr(6));
+    for (size_t i = 1; i < lines.size(); ++i) {
       TcpPeer p;
-      if (parse_table_line(line, &p) && p.rank >= 0 && p.rank < size) mesh->peers_[p.rank] = p;
+      if (parse_table_line(lines[i], &p) && p.rank >= 0 && p.rank < size) mesh->peers_[p.rank] = p;
     }
   }
 

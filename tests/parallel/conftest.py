@@ -33,3 +33,13 @@ def half():
     yield low if low.included() else high
     unison.remove_process_set(low)
     unison.remove_process_set(high)
+
+
+def pytest_runtest_logreport(report):
+    """A failure is printed as it happens, not in the summary: a rank that
+    fails a test often cannot finish the session (its peers are in a
+    collective it will never join, and its teardown waits for them), and
+    the per-test timeout then ends it before any summary."""
+    if report.failed:
+        print("\nunison test: %s failed in %s on rank %s:\n%s"
+              % (report.nodeid, report.when, os.environ.get("UNISON_RANK", "?"), report.longreprtext), flush=True)

@@ -4,8 +4,12 @@ the GPU against one process on the whole batch.
 
 Needs a CUDA device. At 1 rank the collectives go through NCCL; at 2 and 3
 ranks the ranks share the one GPU of the test machine, which NCCL refuses,
-so they go through host staging (native/cuda/device_plane.h). The shared
-grid runs on CUDA too (test_torch_grid.py with UNISON_TEST_DEVICE=cuda).
+so they go through host staging (native/cuda/device_plane.h). Given as
+hosts of their own (`-H localhost:1,127.0.0.1:1`), the ranks take the
+hierarchical NCCL plane (NCCL within each host, TCP across), or with
+UNISON_HIERARCHICAL_ALLREDUCE=0 the flat one (tests/test_parallel.py). The
+shared grid runs on CUDA too (test_torch_grid.py with
+UNISON_TEST_DEVICE=cuda).
 benchmarks/gpu_machine.sh runs both; CI, with no GPU, skips them with the
 reason."""
 import json
@@ -35,7 +39,20 @@ def expected_sum(n=1000):
     return sum(torch.arange(n, dtype=torch.float64) + 1000 * r for r in range(hvd.size()))
 
 
-def test_the_plane_is_nccl_alone_and_staging_when_ranks_share_the_gpu(tmp_path_factory):
+def expected_plane():
+    """The plane every rank should have chosen, from what each says of itself:
+    staging where two ranks share a host (and so the one GPU) or it is asked
+    for; across hosts, NCCL hierarchical unless flat is asked for; else NCCL."""
+    hosts = hvd.allgather_object(os.environ.get("UNISON_HOSTNAME", "this machine"), name="plane.hosts")
+    if os.environ.get("UNISON_GPU_DATA_PLANE") == "staging" or len(set(hosts)) < len(hosts):
+        return "STAGING"
+    if len(set(hosts)) > 1 and os.environ.get("UNISON_HIERARCHICAL_ALLREDUCE") != "0":
+        return "NCCL_HIERARCHICAL"
+    return "NCCL"
+
+
+def test_the_plane_chosen(tmp_path_factory):
+    plane = expected_plane()
     path = os.path.join(str(tmp_path_factory.getbasetemp()), "plane.json")
     path = hvd.broadcast_object(path, 0, name="plane.path")
     hvd.start_timeline(path)
@@ -45,10 +62,30 @@ def test_the_plane_is_nccl_alone_and_staging_when_ranks_share_the_gpu(tmp_path_f
     if hvd.rank() == 0:
         with open(path) as f:
             text = f.read()
-        staged = hvd.size() > 1 or os.environ.get("UNISON_GPU_DATA_PLANE") == "staging"
-        expected = "STAGING_ALLREDUCE" if staged else "NCCL_ALLREDUCE"
-        assert expected in text, text[:2000]
+        assert '"%s_ALLREDUCE"' % plane in text, text[:2000]
     hvd.barrier()
+
+
+def test_a_fused_group_of_many_unaligned_tensors():
+    # More tensors than one batched copy takes (64), of odd lengths, some
+    # starting off 16-byte alignment (views one element in), so the packing
+    # and unpacking take every path of the copy kernel; Average and a
+    # postscale run on the fused buffer.
+    n = hvd.size()
+    tensors = []
+    for i in range(150):
+        dtype = [torch.float32, torch.float16, torch.float64][i % 3]
+        base = (torch.arange(i + 2, dtype=torch.float64) + 10 * hvd.rank() + i).to(dtype).to(DEVICE)
+        tensors.append(base[1:] if i % 2 else base[:-1])
+    outputs = hvd.grouped_allreduce(tensors, op=hvd.Average, postscale_factor=2.0, name="fused.many")
+    for i, out in enumerate(outputs):
+        start = 1 if i % 2 else 0
+        values = torch.arange(start, start + i + 1, dtype=torch.float64) + i
+        expected = 2.0 * sum(values + 10 * r for r in range(n)) / n
+        assert out.dtype == tensors[i].dtype and torch.equal(out.cpu().double(), expected.to(out.dtype).double()), i
+    small = [torch.full((k,), hvd.rank() + k % 20, dtype=torch.int8, device=DEVICE)[1:] for k in range(2, 80)]
+    for k, out in zip(range(2, 80), hvd.grouped_allreduce(small, op=hvd.Sum, name="fused.int8")):
+        assert torch.equal(out.cpu(), torch.full((k - 1,), sum(r + k % 20 for r in range(n)), dtype=torch.int8)), k
 
 
 def test_input_produced_by_a_running_kernel_is_waited_for():
