@@ -1,6 +1,7 @@
 """Starting ops in the core, shared by every front end: a front end turns
 its tensors into (pointer, dtype code, shape) and calls enqueue(); barrier
 and join, which carry no tensor, are here whole."""
+import contextlib
 import threading
 
 from unison import basics
@@ -27,6 +28,7 @@ class _Scratch(threading.local):
     def __init__(self):
         self.handle = ffi.new("unison_handle*")
         self.prepared = {}  # key (see enqueue) -> (options, the C memory it points to...)
+        self.group = None  # inside enqueued_together(): the handle ids enqueued so far
 
 
 _scratch = _Scratch()
@@ -103,13 +105,40 @@ def enqueue(op, name, dtype=0, shape=(), input=NULL, output=NULL, reduce_op=0,
     code = lib.unison_enqueue(options, handle)
     if code:
         basics.check(code)
+    if scratch.group is not None:
+        scratch.group.append(handle[0])
     return handle[0]
 
 
-def barrier(process_set=None):
-    """Returns once every rank of the process set has called barrier()."""
-    handle_id = enqueue(lib.UNISON_BARRIER, "barrier", process_set=process_set)
-    _handles.synchronize(_handles.Handle(handle_id, "barrier", (), lambda _: None))
+@contextlib.contextmanager
+def enqueued_together():
+    """The collectives enqueued inside are negotiated and fused as one
+    group (unison_group_begin): the core holds them until the block ends.
+    If the block raises, none of them starts, so a grouped call that
+    refuses its fifth tensor leaves no stray ops in flight."""
+    basics.check(lib.unison_group_begin())
+    scratch = _scratch
+    outer, scratch.group = scratch.group, []
+    failed = True
+    try:
+        yield
+        failed = False
+    finally:
+        started, scratch.group = scratch.group, outer
+        lib.unison_group_end(1 if failed else 0)
+        if outer is not None:  # the outermost group starts them, or not
+            outer.extend(started)
+        elif failed:  # their handles failed at once; nobody will wait for them
+            for handle_id in started:
+                _handles.forget(handle_id)
+
+
+def barrier(process_set=None, name="barrier"):
+    """Returns once every rank of the process set has called barrier()
+    with this name. unison's own barriers have names of their own, so
+    that one can never pair with a barrier a script placed elsewhere."""
+    handle_id = enqueue(lib.UNISON_BARRIER, name, process_set=process_set)
+    _handles.synchronize(_handles.Handle(handle_id, name, (), lambda _: None))
 
 
 def join(process_set=None):

@@ -161,8 +161,9 @@ class FrontEnd:
         the core fuses them."""
         start = self.allreduce_async_ if in_place else self.allreduce_async
         names = arguments.member_names(name, len(tensors))
-        return HandleGroup([start(x, n, op, prescale_factor, postscale_factor, process_set)
-                            for x, n in zip(tensors, names)])
+        with collective.enqueued_together():
+            return HandleGroup([start(x, n, op, prescale_factor, postscale_factor, process_set)
+                                for x, n in zip(tensors, names)])
 
     # ---- allgather -----------------------------------------------------------------
 
@@ -204,7 +205,8 @@ class FrontEnd:
 
     def grouped_allgather_async(self, tensors, name=None, process_set=None):
         names = arguments.member_names(name, len(tensors))
-        return HandleGroup([self.allgather_async(x, n, process_set) for x, n in zip(tensors, names)])
+        with collective.enqueued_together():
+            return HandleGroup([self.allgather_async(x, n, process_set) for x, n in zip(tensors, names)])
 
     # ---- broadcast -----------------------------------------------------------------
 
@@ -270,5 +272,6 @@ class FrontEnd:
     def grouped_reducescatter_async(self, tensors, name=None, op=Average, prescale_factor=1.0,
                                     postscale_factor=1.0, process_set=None):
         names = arguments.member_names(name, len(tensors))
-        return HandleGroup([self.reducescatter_async(x, n, op, prescale_factor, postscale_factor, process_set)
-                            for x, n in zip(tensors, names)])
+        with collective.enqueued_together():
+            return HandleGroup([self.reducescatter_async(x, n, op, prescale_factor, postscale_factor, process_set)
+                                for x, n in zip(tensors, names)])

@@ -92,6 +92,15 @@ def synchronize(handle):
         lib.unison_release(handle_id)
 
 
+def forget(handle_id):
+    """Drops a completed op that nobody will wait for: its buffers and the
+    core's handle."""
+    handle = _in_flight.pop(handle_id, None)
+    if handle is not None:
+        handle._buffers = None
+    lib.unison_release(handle_id)
+
+
 def result_buffer(handle_id):
     """(cdata pointer owned by Python, byte count, shape) of a completed op
     whose output the core allocated; the memory is freed with the pointer."""

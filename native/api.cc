@@ -136,6 +136,17 @@ int unison_enqueue(const unison_op_options* options, unison_handle* out) {
   return report(engine->enqueue(*options, out));
 }
 
+int unison_group_begin(void) {
+  if (engine == nullptr) return not_initialized();
+  engine->group_begin();
+  return UNISON_OK;
+}
+
+int unison_group_end(int discard) {
+  if (engine != nullptr) engine->group_end(discard != 0);
+  return UNISON_OK;
+}
+
 namespace {
 
 // Runs one process-set op through negotiation and waits for it.

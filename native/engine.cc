@@ -511,6 +511,9 @@ void Engine::fail_everything(const Status& status) {
     std::lock_guard<std::mutex> lock(queue_mutex_);
     if (terminal_.ok()) terminal_ = status;
     queued.swap(queue_);
+    for (auto& [thread, group] : open_groups_)
+      for (Entry& e : group.held) queued.push_back(std::move(e));
+    open_groups_.clear();
     in_flight_.clear();
   }
   for (Entry& e : queued) handles_->complete(e.handle, status);

@@ -74,6 +74,11 @@ class Engine {
   ~Engine();
 
   Status enqueue(const unison_op_options& options, int64_t* handle);
+  // unison_group_begin / unison_group_end: this thread's collectives in
+  // between are held back and queued together at the end (or, discarded,
+  // never run), so one cycle takes the whole group and fuses it.
+  void group_begin();
+  void group_end(bool discard);
   // Waits for an op of this process, driving the engine from this thread
   // while it waits where the backend allows it; UNISON_ERR_TIMEOUT after
   // `timeout_seconds` (< 0: no limit).
@@ -179,6 +184,14 @@ class Engine {
   std::map<int, std::unordered_set<std::string>> in_flight_;  // names, by process set
   std::map<int, std::vector<int>> set_ranks_;  // every process set's ranks, member or not
   Status terminal_;  // set once the engine can no longer run ops
+  // Groups open on calling threads (group_begin): nesting depth, and the
+  // collectives held back until the outermost group ends.
+  struct OpenGroup {
+    int depth = 0;
+    bool discard = false;  // an inner group was discarded: so is the whole
+    std::vector<Entry> held;
+  };
+  std::map<std::thread::id, OpenGroup> open_groups_;
   uint64_t unnamed_ops_ = 0;
   std::atomic<bool> stop_requested_{false};
 

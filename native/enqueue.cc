@@ -210,6 +210,13 @@ Status Engine::enqueue(const unison_op_options& o, int64_t* handle) {
   *handle = e.handle;
   in_flight.insert(r.name);
   timeline_.begin(r.name, "QUEUED");
+  if (carries_tensor) {
+    auto group = open_groups_.find(std::this_thread::get_id());
+    if (group != open_groups_.end()) {
+      group->second.held.push_back(std::move(e));
+      return Status::OK();
+    }
+  }
   last_enqueued_at_ = monotonic_seconds();
   if (queue_.empty()) queued_since_ = last_enqueued_at_;
   queue_.push_back(std::move(e));
@@ -252,6 +259,60 @@ Status Engine::accept_device_op(const unison_op_options& o, const std::string& w
   e->device = o.device;
   e->stream = o.stream;
   return Status::OK();
+}
+
+}  // namespace unison
+
+namespace unison {
+
+// ---- groups: ops enqueued together ---------------------------------------------
+//
+// Why. A grouped call (grouped_allreduce, broadcast of a model's
+// parameters) enqueues its tensors one by one. Where the engine's thread
+// takes ops as they arrive (it has a core of its own, UNISON_OVERLAP), a
+// cycle could start after the first few and run the rest in later cycles,
+// unfused: 200 small tensors on a GPU became 200 NCCL calls. Held back
+// and queued at once, the group reaches negotiation whole on every rank,
+// as Horovod's grouped ops do. Barriers, joins and process-set changes are
+// never held: their callers wait for them at once.
+
+void Engine::group_begin() {
+  std::lock_guard<std::mutex> lock(queue_mutex_);
+  ++open_groups_[std::this_thread::get_id()].depth;
+}
+
+void Engine::group_end(bool discard) {
+  std::vector<Entry> held;
+  Status terminal;
+  {
+    std::lock_guard<std::mutex> lock(queue_mutex_);
+    auto group = open_groups_.find(std::this_thread::get_id());
+    if (group == open_groups_.end()) return;
+    group->second.discard |= discard;
+    if (--group->second.depth > 0) return;
+    discard = group->second.discard;
+    held = std::move(group->second.held);
+    open_groups_.erase(group);
+    if (!held.empty() && !discard && terminal_.ok()) {
+      last_enqueued_at_ = monotonic_seconds();
+      if (queue_.empty()) queued_since_ = last_enqueued_at_;
+      const int64_t last = held.back().handle;
+      for (Entry& e : held) queue_.push_back(std::move(e));
+      wake_for(last);
+      return;
+    }
+    for (const Entry& e : held) in_flight_[e.process_set].erase(e.request.name);
+    terminal = terminal_;
+  }
+  // Discarded (the caller's group failed part way) or too late to run.
+  for (const Entry& e : held) {
+    timeline_.end(e.request.name, "QUEUED");
+    handles_->complete(e.handle, !terminal.ok() ? terminal
+                                                : Status::Error(UNISON_ERR_INVALID_ARGUMENT,
+                                                                "unison: " + std::string(op_name(e.request.op)) + " '" +
+                                                                    e.request.name + "' was not started: its group was "
+                                                                    "abandoned when another of its ops was refused"));
+  }
 }
 
 }  // namespace unison

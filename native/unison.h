@@ -165,6 +165,15 @@ const char* unison_device_support(void);
    shape, pointers, root, splits, name not already in flight) and returns
    at once; everything else is decided by negotiation. */
 int unison_enqueue(const unison_op_options* options, unison_handle* out);
+/* Groups: the collectives this thread enqueues between unison_group_begin
+   and unison_group_end (which nest) are held back and queued together when
+   the outermost group ends, so they are negotiated and fused as one, as a
+   grouped allreduce needs. With discard set (at any depth), they are never
+   started: their handles fail and their names are free again (a group that
+   failed part way). Barrier, join and process-set ops are never held.
+   Ending a group this thread has not begun does nothing. */
+int unison_group_begin(void);
+int unison_group_end(int discard);
 
 /* Handles. */
 int unison_poll(unison_handle handle, int* done);

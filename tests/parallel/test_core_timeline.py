@@ -147,3 +147,52 @@ def test_an_input_whose_producer_has_not_finished_waits_for_its_data_outside_neg
     assert {"QUEUED", "WAIT_FOR_DATA", "NEGOTIATE"} <= set(data), data
     assert data["WAIT_FOR_DATA"] >= 0.25e6, data  # microseconds
     assert "WAIT_FOR_DATA" not in {phase for row, phase, _, _, _ in spans if row == "tl.after_data"}
+
+
+def test_a_grouped_call_runs_as_one_fused_group():
+    # A grouped call is queued whole (unison_group_begin/end), so one cycle
+    # takes and fuses all of it, even where the engine's thread takes ops
+    # the moment they arrive (tests/test_parallel.py also runs this suite
+    # with UNISON_OVERLAP=1). Its tensors are enqueued one by one, which
+    # left the thread time to start on the first few.
+    path = PATH % "grouped"
+    count = 64
+    unison.start_timeline(path)
+    for step in range(3):
+        outs = unp.grouped_allreduce([np.full(1024, RANK + i + step, np.float32) for i in range(count)],
+                                     op=unison.Sum, name="tl.group")
+        for i, out in enumerate(outs):
+            assert out.tolist() == [SIZE * (i + step) + SIZE * (SIZE - 1) / 2] * 1024
+    unison.stop_timeline()
+    unp.barrier()
+    with open(path) as f:
+        _, spans = rows_and_spans(json.load(f))
+    groups = [args["group"] for row, phase, _, _, args in spans
+              if row.startswith("tl.group.") and phase.endswith("_ALLREDUCE")]
+    assert len(groups) == 3 * count
+    sizes = [args["tensors"] for row, phase, _, _, args in spans if row in set(groups) and phase.endswith("_ALLREDUCE")]
+    assert sizes == [count] * 3, sizes
+
+
+def test_a_grouped_call_that_refuses_a_tensor_starts_none_of_them():
+    # The group's third name is in flight already: the call fails there,
+    # and the two tensors before it are never started, on any rank, so
+    # their names are free at once and nothing is left running.
+    # The blocker stays in flight until its input is declared ready.
+    values, flag = np.ones(3), np.zeros(1, np.int32)
+    pointer = ffi.cast("void*", values.ctypes.data)
+    blocker = collective.enqueue(lib.UNISON_ALLREDUCE, "tl.refused.2", lib.UNISON_FLOAT64, values.shape, pointer,
+                                 pointer, reduce_op=lib.UNISON_SUM, input_ready=ffi.cast("int32_t*", flag.ctypes.data))
+    try:
+        unp.grouped_allreduce([np.ones(3)] * 4, op=unison.Sum, name="tl.refused")
+    except unison.InvalidArgumentError as e:
+        assert "'tl.refused.2': a tensor of this name is already in flight on rank %d" % RANK in str(e)
+    else:
+        raise AssertionError("no error")
+    flag[0] = 1
+    handles.synchronize(handles.Handle(blocker, "tl.refused.2", (values,), lambda _: None))
+    assert values.tolist() == [SIZE] * 3
+    outs = unp.grouped_allreduce([np.full(3, RANK + i, np.float64) for i in range(4)], op=unison.Sum,
+                                 name="tl.refused")
+    assert [o.tolist() for o in outs] == [[SIZE * i + SIZE * (SIZE - 1) / 2] * 3 for i in range(4)]
+    assert not any(h.name.startswith("tl.refused") for h in handles._in_flight.values())
