@@ -525,6 +525,12 @@ void Engine::fail_everything(const Status& status) {
     set->to_send.clear();
   }
   if (status.code == UNISON_ERR_RANK_FAILED) {
+    // Device work that waits on the lost rank would never end, nor would the
+    // streams ordered after it. Only then: after any other failure (a peer's
+    // shutdown, a refused op) the peers may still be finishing collectives
+    // that need this rank's kernels.
+    for (auto& [id, set] : sets_)
+      for (auto& [device, plane] : set->device_planes) plane->abandon();
     std::fprintf(stderr, "%s\n", status.message.c_str());
     std::fflush(stderr);
   }

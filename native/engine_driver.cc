@@ -158,6 +158,9 @@ double Engine::step(bool by_caller) {
   for (const auto& [id, set] : sets_) {
     stall_due |= stall_check_due(*set, now);
     anything_pending |= !set->pending.empty();
+    // A GPU collective still running needs its peers as much as a pending
+    // op does, and nobody waits on the host for it: look at them too.
+    for (const auto& [device, plane] : set->device_planes) anything_pending |= plane->busy();
   }
   if (stall_due) {
     backend_->request_cycles(cycles_done_ + 1);

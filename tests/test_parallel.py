@@ -83,6 +83,56 @@ def test_cuda_suites_with_a_host_per_rank(suite, flat, np_):
     run_suite(suite, np_, env, launcher=["-H", HOSTS[np_]], wrapper=NCCL_PER_RANK_HOST if flat else [])
 
 
+# A rank lost in the middle of an NCCL collective: the survivor's kernel
+# waits for bytes that will never come, and its stream, and every stream
+# ordered after it, with it; no handle is pending (they complete at launch),
+# so only the plane knows. The survivor's engine must see the loss and abort
+# NCCL, so that its device work ends and its next op names the rank. Rank
+# 1's input comes from a kernel that sleeps for seconds, so its own part of
+# the collective never starts before it exits.
+LOST_MID_COLLECTIVE = """
+import os, sys, time
+import torch
+import unison.torch as hvd
+hvd.init()
+torch.cuda.set_device(0)
+x = torch.ones(1 << 20, device="cuda")
+hvd.allreduce_(x, name="warm", op=hvd.Sum)
+torch.cuda.synchronize()
+if hvd.rank() == 1:
+    torch.cuda._sleep(int(2e10))
+    x.add_(1)
+    hvd.allreduce_async_(x, name="lost", op=hvd.Sum)
+    time.sleep(2)
+    os._exit(3)
+start = time.monotonic()
+hvd.synchronize(hvd.allreduce_async_(x, name="lost", op=hvd.Sum))
+torch.cuda.synchronize()
+print("survivor: device work ended after %.1f s" % (time.monotonic() - start), flush=True)
+try:
+    hvd.allreduce(x, name="after", op=hvd.Sum)
+except hvd.UnisonError as e:
+    print("survivor: the next op failed: %s" % e, flush=True)
+    os._exit(17)
+"""
+
+
+@pytest.mark.timeout(200)
+def test_cuda_rank_lost_mid_nccl_collective_ends_the_survivors_device_work(tmp_path):
+    skip_without_cuda()
+    script = tmp_path / "lost.py"
+    script.write_text(LOST_MID_COLLECTIVE)
+    env = dict(os.environ, NCCL_SOCKET_IFNAME="lo", UNISON_HIERARCHICAL_ALLREDUCE="0", UNISON_GPU_DATA_PLANE="nccl")
+    command = [sys.executable, "-m", "unison.run", "-np", "2", "-H", HOSTS[2], "--failure-grace-seconds", "60",
+               *NCCL_PER_RANK_HOST, sys.executable, str(script)]
+    proc = run_job(command, 150, env=env, cwd=str(tmp_path))
+    output = proc.stdout.decode(errors="replace")
+    ended = [line for line in output.splitlines() if "survivor: device work ended" in line]
+    assert len(ended) == 1 and float(ended[0].split("after ")[1].split(" s")[0]) < 10, output[-5000:]
+    assert "survivor: the next op failed" in output and "rank 1" in output.split("the next op failed")[1], \
+        output[-5000:]
+
+
 def skip_without_cuda():
     if importlib.util.find_spec("torch") is None:
         pytest.skip("torch is not installed here; the tox env 'torch' runs the GPU suites")

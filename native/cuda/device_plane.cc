@@ -53,6 +53,8 @@ Status DevicePlane::copy(void* to, const void* from, size_t bytes) {
   return cuda_.check(cuda_.MemcpyAsync(to, from, bytes, CudaRuntime::kMemcpyDefault, stream_), "a device copy");
 }
 
+bool DevicePlane::busy() const { return done_ != nullptr && cuda_.EventQuery(done_) != 0; }
+
 void DevicePlane::end_group() {
   if (scratch_.empty()) return;
   for (void* p : scratch_) cuda_.Free(p);  // cudaFree waits for the work that uses it

@@ -42,6 +42,15 @@ class DevicePlane : public Backend {
   Status zeros(size_t bytes, void** out);  // freed at the next end_group()
   Status copy(void* to, const void* from, size_t bytes);
   void end_group();
+  // True while the device still runs collectives the plane has queued: the
+  // handles completed at launch, so only this says a peer is still needed.
+  bool busy() const;
+  // Called once a peer is lost (dead or frozen): ends device work that
+  // waits on it, which would otherwise never finish, and with it every
+  // stream ordered after that work. NCCL's kernels are aborted; staging
+  // waits on the host, where the CPU backend has already failed, so has
+  // nothing to end.
+  virtual void abandon() {}
   // Adasum weighs whole gradients on the CPU (../adasum.h): staged through
   // host memory on every plane.
   Status adasum(int dtype, const std::vector<Segment>& segments);

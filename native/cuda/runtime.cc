@@ -47,6 +47,7 @@ Loaded load() {
   bind(cudart, "cudaEventCreateWithFlags", &c.EventCreateWithFlags, &symbol);
   bind(cudart, "cudaEventDestroy", &c.EventDestroy, &symbol);
   bind(cudart, "cudaEventRecord", &c.EventRecord, &symbol);
+  bind(cudart, "cudaEventQuery", &c.EventQuery, &symbol);
   bind(cudart, "cudaMalloc", &c.Malloc, &symbol);
   bind(cudart, "cudaFree", &c.Free, &symbol);
   bind(cudart, "cudaMallocHost", &c.MallocHost, &symbol);

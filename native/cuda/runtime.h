@@ -58,6 +58,7 @@ struct CudaRuntime {
   cudaError_t (*EventCreateWithFlags)(cudaEvent_t*, unsigned);
   cudaError_t (*EventDestroy)(cudaEvent_t);
   cudaError_t (*EventRecord)(cudaEvent_t, cudaStream_t);
+  cudaError_t (*EventQuery)(cudaEvent_t);  // 0 once the work before it is done
   cudaError_t (*Malloc)(void**, size_t);
   cudaError_t (*Free)(void*);
   cudaError_t (*MallocHost)(void**, size_t);

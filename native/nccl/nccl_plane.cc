@@ -75,6 +75,13 @@ class NcclPlane : public DevicePlane {
     if (fusion_ != nullptr) cuda_.Free(fusion_);
   }
 
+  void abandon() override {
+    if (comm_ == nullptr) return;
+    DeviceGuard guard(cuda_, device_);
+    nccl_.CommAbort(comm_);
+    comm_ = nullptr;
+  }
+
   // Collective over the set. Each communicator's first rank makes its id
   // and one allgather on the host backend carries them all; then the cross
   // groups are split off the host backend, in the same order everywhere.
