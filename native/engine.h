@@ -125,6 +125,9 @@ class Engine {
   // Whether the engine's thread should stay parked: a caller drives, or one
   // did a moment ago and is likely to again.
   bool callers_drive() const;
+  // Puts an op enqueued at `now` on the queue for the next cycle
+  // (queue_mutex_ held); wake_for() follows the last of a batch.
+  void queue_for_cycle(Entry&& e, double now);
   // After an enqueue: wakes whoever must take the op.
   void wake_for(int64_t handle);
   // Work of this rank's for a cycle. Queued ops count once they have waited

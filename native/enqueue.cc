@@ -217,11 +217,15 @@ Status Engine::enqueue(const unison_op_options& o, int64_t* handle) {
       return Status::OK();
     }
   }
-  last_enqueued_at_ = monotonic_seconds();
-  if (queue_.empty()) queued_since_ = last_enqueued_at_;
-  queue_.push_back(std::move(e));
+  queue_for_cycle(std::move(e), monotonic_seconds());
   wake_for(*handle);
   return Status::OK();
+}
+
+void Engine::queue_for_cycle(Entry&& e, double now) {
+  last_enqueued_at_ = now;
+  if (queue_.empty()) queued_since_ = now;
+  queue_.push_back(std::move(e));
 }
 
 Status Engine::accept_device_op(const unison_op_options& o, const std::string& what, Entry* e) {
@@ -261,10 +265,6 @@ Status Engine::accept_device_op(const unison_op_options& o, const std::string& w
   return Status::OK();
 }
 
-}  // namespace unison
-
-namespace unison {
-
 // ---- groups: ops enqueued together ---------------------------------------------
 //
 // Why. A grouped call (grouped_allreduce, broadcast of a model's
@@ -294,10 +294,9 @@ void Engine::group_end(bool discard) {
     held = std::move(group->second.held);
     open_groups_.erase(group);
     if (!held.empty() && !discard && terminal_.ok()) {
-      last_enqueued_at_ = monotonic_seconds();
-      if (queue_.empty()) queued_since_ = last_enqueued_at_;
+      const double now = monotonic_seconds();
       const int64_t last = held.back().handle;
-      for (Entry& e : held) queue_.push_back(std::move(e));
+      for (Entry& e : held) queue_for_cycle(std::move(e), now);
       wake_for(last);
       return;
     }
