@@ -52,7 +52,7 @@ class TorchTensors(frontend.Tensors):
         if not isinstance(tensor, torch.Tensor):
             raise InvalidArgumentError("unison: tensor %s must be a torch.Tensor, got %s"
                                        % (_label(name), type(tensor).__name__))
-        if tensor.device.type not in ("cpu", "cuda"):
+        if not (tensor.is_cpu or tensor.is_cuda):   # two flags: reading .device.type builds an object per call
             raise UnsupportedError("unison: tensor %s is on %s; unison moves CPU and CUDA tensors"
                                    % (_label(name), tensor.device))
         if tensor.layout != torch.strided:
@@ -79,9 +79,11 @@ class TorchTensors(frontend.Tensors):
 
     def writable(self, tensor, name):
         # Only a non-contiguous tensor costs a copy, and its result is
-        # copied back when the op completes.
+        # copied back when the op completes. A contiguous one is its own
+        # buffer: the core writes it through its pointer, which autograd
+        # never sees, so no detached alias is needed.
         if tensor.is_contiguous():
-            return tensor.detach(), None
+            return tensor, None
         target = tensor.detach().contiguous()
 
         def finish(_):
