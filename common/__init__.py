@@ -7,7 +7,7 @@ front ends: unison.numpy, unison.torch, unison.tensorflow, unison.mxnet.
 from unison.basics import (  # noqa: F401
     Adasum, Average, Max, Min, Product, Sum, backend_name, built_backends, ccl_built,
     cross_rank, cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled, init,
-    is_initialized, local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported,
+    is_homogeneous, is_initialized, local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported,
     nccl_built, rank, rocm_built, shutdown, size, start_timeline, stop_timeline, tuned_settings)
 from unison.exceptions import (  # noqa: F401
     HorovodInternalError, InvalidArgumentError, MismatchError, NotInitializedError,

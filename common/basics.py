@@ -133,6 +133,12 @@ def cross_size():
     return _query(lib.unison_cross_size)
 
 
+def is_homogeneous():
+    """True when every host runs the same number of ranks (a job on one
+    host always does)."""
+    return bool(_query(lib.unison_is_homogeneous))
+
+
 def backend_name():
     """The data plane in use: 'solo' (one rank), 'shm' (one host), 'hierarchical'
     (shared memory within hosts, MPI across) or 'mpi' (MPI between every pair)."""

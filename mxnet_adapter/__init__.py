@@ -2,7 +2,7 @@
 of `import horovod.mxnet as hvd` runs a Horovod MXNet/Gluon script."""
 from unison.basics import (  # noqa: F401
     ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled, init,
-    is_initialized, local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported,
+    is_homogeneous, is_initialized, local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported,
     nccl_built, rank, rocm_built, shutdown, size, start_timeline, stop_timeline)
 from unison.exceptions import HorovodInternalError, UnisonError  # noqa: F401
 from unison.process_sets import (  # noqa: F401

@@ -112,6 +112,7 @@ int unison_local_rank(int* out) { return query(out, config.local_rank); }
 int unison_local_size(int* out) { return query(out, config.local_size); }
 int unison_cross_rank(int* out) { return query(out, config.cross_rank); }
 int unison_cross_size(int* out) { return query(out, config.cross_size); }
+int unison_is_homogeneous(int* out) { return query(out, config.homogeneous ? 1 : 0); }
 
 const char* unison_backend_name(void) { return engine != nullptr ? engine->backend().name() : ""; }
 

@@ -21,6 +21,9 @@ struct Config {
   int local_size = 1;
   int cross_rank = 0;
   int cross_size = 1;
+  // Whether every host runs as many ranks as every other (Horovod's
+  // is_homogeneous). One host always does; a layout across hosts says.
+  bool homogeneous = true;
   std::string job_id;
   // The round of an elastic job (UNISON_ELASTIC_ROUND, set by unisonrun's
   // driver), or -1. Ranks of one round have been through different numbers

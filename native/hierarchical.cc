@@ -339,6 +339,7 @@ void place_rank(Config* config, int rank, const HostLayout& layout) {
     ++config->cross_size;
   }
   config->host_ranks = mine;
+  config->homogeneous = layout.same_size_hosts();
   config->job_id += "-host" + std::to_string(host);
 }
 

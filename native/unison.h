@@ -153,6 +153,8 @@ int unison_local_rank(int* out);
 int unison_local_size(int* out);
 int unison_cross_rank(int* out);
 int unison_cross_size(int* out);
+/* 1 when every host runs the same number of ranks, else 0. */
+int unison_is_homogeneous(int* out);
 /* Name of the data plane in use ("shm", "solo"). */
 const char* unison_backend_name(void);
 /* Comma-separated list of the data planes this build contains. */

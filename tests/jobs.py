@@ -53,14 +53,15 @@ def assert_every_rank_passed(proc, ranks):
     assert len([s for s in summaries if "passed" in s and "failed" not in s]) == ranks, output[-5000:]
 
 
-# Each rank prints its identity, the backend, and whether an mpirun is on PATH.
+# Each rank prints its identity (rank, local rank, local size, cross rank,
+# cross size, is_homogeneous), the backend, and whether an mpirun is on PATH.
 IDENTITY = """
 import os, shutil, numpy as np, unison, unison.numpy as unp
 unison.init()
 r, n = unison.rank(), unison.size()
 total = unp.allreduce(np.array([r + 1], dtype=np.int64), op=unison.Sum, name="total")
 who = unp.allgather(np.array([[r, unison.local_rank(), unison.local_size(), unison.cross_rank(),
-                               unison.cross_size()]], dtype=np.int64), name="who")
+                               unison.cross_size(), int(unison.is_homogeneous())]], dtype=np.int64), name="who")
 print("rank %d of %d: %s total %d who %s mpirun %s" % (r, n, unison.basics.backend_name(), total[0], who.tolist(),
                                                      shutil.which("mpirun")))
 """

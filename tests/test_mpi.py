@@ -83,7 +83,7 @@ def test_plain_mpirun_gives_every_rank_its_identity(tmp_path):
     proc = run_job([mpirun, "-np", "3"] + extra + [sys.executable, str(script)], 100)
     output = proc.stdout.decode(errors="replace")
     assert proc.returncode == 0, output
-    who = [[r, r, 3, 0, 1] for r in range(3)]
+    who = [[r, r, 3, 0, 1, 1] for r in range(3)]
     for r in range(3):
         assert "rank %d of 3: shm total 6 who %s" % (r, who) in output, output
 
@@ -106,7 +106,7 @@ def test_simulated_hosts_identity_and_hierarchical_choice(tmp_path, setting, bac
     output = proc.stdout.decode(errors="replace")
     assert proc.returncode == 0, output
     # Ranks 0, 1 on the first host, 2, 3 on the second.
-    who = [[0, 0, 2, 0, 2], [1, 1, 2, 0, 2], [2, 0, 2, 1, 2], [3, 1, 2, 1, 2]]
+    who = [[0, 0, 2, 0, 2, 1], [1, 1, 2, 0, 2, 1], [2, 0, 2, 1, 2, 1], [3, 1, 2, 1, 2, 1]]
     for r in range(4):
         assert "[%d]<stdout>:rank %d of 4: %s total 10 who %s" % (r, r, backend, who) in output, output
 

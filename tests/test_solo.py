@@ -16,6 +16,7 @@ def solo():
 
 def test_size_one_without_launcher(solo):
     assert (unison.rank(), unison.size(), unison.local_rank(), unison.local_size()) == (0, 1, 0, 1)
+    assert (unison.cross_rank(), unison.cross_size(), unison.is_homogeneous()) == (0, 1, True)
     assert unison.backend_name() == "solo"
     x = np.arange(6, dtype=np.float32).reshape(2, 3)
     np.testing.assert_array_equal(unp.allreduce(x), x)

@@ -61,9 +61,23 @@ def test_two_hosts_on_one_machine_identity(tmp_path, hosts):
     proc = unisonrun(["-np", "4"] + options, [sys.executable, str(script)], timeout=100)
     output = proc.stdout.decode(errors="replace")
     assert proc.returncode == 0, output
-    who = [[0, 0, 2, 0, 2], [1, 1, 2, 0, 2], [2, 0, 2, 1, 2], [3, 1, 2, 1, 2]]
+    who = [[0, 0, 2, 0, 2, 1], [1, 1, 2, 0, 2, 1], [2, 0, 2, 1, 2, 1], [3, 1, 2, 1, 2, 1]]
     for r in range(4):
         assert "[%d]<stdout>:rank %d of 4: hierarchical total 10 who %s mpirun None" % (r, r, who) in output, output
+
+
+@pytest.mark.timeout(120)
+def test_uneven_hosts_identity(tmp_path):
+    """Two ranks on one host and one on the other: not homogeneous, and
+    local rank 1 has no peer across hosts."""
+    script = tmp_path / "identity.py"
+    script.write_text(IDENTITY)
+    proc = unisonrun(["-np", "3", "-H", "localhost:2,127.0.0.1:1"], [sys.executable, str(script)], timeout=100)
+    output = proc.stdout.decode(errors="replace")
+    assert proc.returncode == 0, output
+    who = [[0, 0, 2, 0, 2, 0], [1, 1, 2, 0, 1, 0], [2, 0, 1, 1, 2, 0]]
+    for r in range(3):
+        assert "[%d]<stdout>:rank %d of 3: tcp total 6 who %s mpirun None" % (r, r, who) in output, output
 
 
 STRANGER = """
