@@ -4,7 +4,7 @@ as hvd` runs a Horovod TensorFlow 2 script; unison.tensorflow.keras (and
 unison.keras) is the Keras side."""
 from unison.basics import (  # noqa: F401
     ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled, init,
-    is_initialized, local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported,
+    is_homogeneous, is_initialized, local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported,
     nccl_built, rank, rocm_built, shutdown, size, start_timeline, stop_timeline)
 from unison.exceptions import HorovodInternalError, UnisonError  # noqa: F401
 from unison.process_sets import (  # noqa: F401
@@ -17,5 +17,6 @@ from unison.tensorflow.ops import (  # noqa: F401
 from unison.tensorflow.functions import (  # noqa: F401
     allgather_object, broadcast_global_variables, broadcast_object, broadcast_variables)
 from unison.tensorflow.gradient_tape import DistributedGradientTape, PartialDistributedGradientTape  # noqa: F401
+from unison.tensorflow.optimizer import DistributedOptimizer  # noqa: F401
 from unison.tensorflow.sync_batch_norm import SyncBatchNormalization  # noqa: F401
 from unison.tensorflow import elastic  # noqa: F401,E402  (hvd.elastic.run, hvd.elastic.TensorFlowKerasState...)

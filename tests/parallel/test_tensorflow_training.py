@@ -260,3 +260,88 @@ def test_keras_partial_distributed_optimizer():
     plain.register_local_var(other)
     plain.apply_gradients([(tf.constant([grad], dtype=tf.float64), other)])
     np.testing.assert_allclose(np.asarray(other.numpy()), [-grad / N], rtol=1e-12)
+
+
+# ---- hvd.DistributedOptimizer of unison.tensorflow: TF1-style optimizers --------
+
+def legacy_weights(seed):
+    rng = np.random.RandomState(seed)
+    return [tf.Variable(rng.normal(size=shape)) for shape in [(5, 8), (8,), (8, 3), (3,)]]
+
+
+def legacy_loss(weights, x, y):
+    w1, b1, w2, b2 = weights
+    return tf.reduce_mean(tf.square(tf.matmul(tf.tanh(tf.matmul(x, w1) + b1), w2) + b2 - y))
+
+
+def make_legacy_optimizer(kind):
+    if kind == "momentum":
+        return tf.compat.v1.train.MomentumOptimizer(0.1, 0.9)
+    return tf.compat.v1.train.AdamOptimizer(0.01)
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+@pytest.mark.parametrize("passes", [1, 2])
+@pytest.mark.parametrize("kind", ["momentum", "adam"])
+def test_tf1_optimizer_matches_one_process(kind, passes, mode):
+    """hvd.DistributedOptimizer around a tf.compat.v1.train optimizer: N ranks
+    on N shards end where one process on the whole batch ends. With
+    backward_passes_per_step=2 the reference applies, every second step,
+    the sum of two whole-batch gradients taken at the same weights."""
+    x, y = data()
+    weights = legacy_weights(RANK)   # different on purpose: the broadcast aligns them
+    hvd.broadcast_variables(weights, root_rank=0)
+    initial = [w.numpy() for w in weights]
+    optimizer = hvd.DistributedOptimizer(make_legacy_optimizer(kind), backward_passes_per_step=passes)
+    assert isinstance(optimizer, tf.compat.v1.train.Optimizer)
+    global_step = tf.Variable(0, dtype=tf.int64)
+
+    def step(xb, yb):
+        optimizer.minimize(lambda: legacy_loss(weights, xb, yb), var_list=weights, global_step=global_step)
+    step = tf.function(step) if mode == "function" else step
+    for s in range(STEPS):
+        step(tf.constant(shard(x, s)), tf.constant(shard(y, s)))
+
+    reference = [tf.Variable(w) for w in initial]
+    plain = make_legacy_optimizer(kind)
+    pending = None
+    for s in range(STEPS):
+        with tf.GradientTape() as tape:
+            loss = legacy_loss(reference, whole(x, s), whole(y, s))
+        grads = tape.gradient(loss, reference)
+        pending = grads if pending is None else [p + g for p, g in zip(pending, grads)]
+        if (s + 1) % passes == 0:
+            plain.apply_gradients(zip(pending, reference))
+            pending = None
+    for got, want in zip(weights, reference):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-10, rtol=0)
+    assert int(global_step.numpy()) == STEPS   # every pass counts, applied or not
+    assert optimizer.get_slot_names() == plain.get_slot_names()
+
+
+def test_tf1_optimizer_compute_gradients_returns_the_average():
+    """compute_gradients() itself gives the averaged gradients, so a script
+    that clips them before apply_gradients() clips the average."""
+    v = tf.Variable(np.array([1.0, 2.0]))
+    optimizer = hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(1.0))
+    [(grad, variable)] = optimizer.compute_gradients(lambda: tf.reduce_sum(v * float(RANK + 1)), var_list=[v])
+    assert variable is v
+    mean = np.mean([r + 1.0 for r in range(N)])
+    np.testing.assert_allclose(grad.numpy(), [mean, mean], rtol=1e-12)
+
+
+def test_distributed_optimizer_of_a_keras_optimizer_is_the_keras_one():
+    """Horovod's hvd.DistributedOptimizer, given a Keras optimizer, returns
+    the Keras DistributedOptimizer: an optimizer of the same class name."""
+    variable = keras.Variable(np.array([1.0]), dtype="float64")
+    optimizer = hvd.DistributedOptimizer(keras.optimizers.SGD(learning_rate=1.0))
+    assert isinstance(optimizer, keras.optimizers.SGD) and type(optimizer).__name__ == "SGD"
+    optimizer.apply_gradients([(tf.constant([float(RANK + 1)], dtype=tf.float64), variable)])
+    np.testing.assert_allclose(np.asarray(variable.numpy()), [1.0 - np.mean([r + 1 for r in range(N)])], rtol=1e-12)
+
+
+def test_distributed_optimizer_refuses_what_it_cannot_wrap():
+    with pytest.raises(ValueError, match="wraps a Keras optimizer or a tf.compat.v1.train.Optimizer; got str"):
+        hvd.DistributedOptimizer("sgd")
+    with pytest.raises(ValueError, match="backward_passes_per_step must be a whole number of at least 1, got 0"):
+        hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(1.0), backward_passes_per_step=0)
