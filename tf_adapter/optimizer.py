@@ -51,6 +51,10 @@ class _LegacyDistributedOptimizer(tf.compat.v1.train.Optimizer):
     def apply_gradients(self, grads_and_vars, global_step=None, name=None):
         if self._passes == 1:
             return self._optimizer.apply_gradients(grads_and_vars, global_step, name)
+        if self._passes_seen is None:
+            raise ValueError("unison: with backward_passes_per_step=%d, apply_gradients() applies what "
+                             "compute_gradients() accumulated and reduced; call compute_gradients() (or "
+                             "minimize()) first" % self._passes)
         grads_and_vars = list(grads_and_vars)
 
         def apply():

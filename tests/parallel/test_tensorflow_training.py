@@ -345,3 +345,9 @@ def test_distributed_optimizer_refuses_what_it_cannot_wrap():
         hvd.DistributedOptimizer("sgd")
     with pytest.raises(ValueError, match="backward_passes_per_step must be a whole number of at least 1, got 0"):
         hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(1.0), backward_passes_per_step=0)
+    v = tf.Variable([1.0])
+    accumulating = hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(1.0),
+                                            backward_passes_per_step=2)
+    with pytest.raises(ValueError, match="call compute_gradients\\(\\) \\(or minimize\\(\\)\\) first"):
+        accumulating.apply_gradients([(tf.constant([1.0]), v)])
+    np.testing.assert_array_equal(v.numpy(), [1.0])
