@@ -113,6 +113,11 @@ def test_trainer_crash_in_rpc_training_is_reported_on_every_other_rank(tmp_path,
                         opt.step(cid)
         except hvd.UnisonError as e:
             print("survivor %d reported after %.1f s: %s" % (hvd.rank(), time.monotonic() - start, e), flush=True)
+            if hvd.rank() == 0:
+                # The server keeps answering until unisonrun ends it: were it
+                # to exit at once, a trainer mid-request would see torch's own
+                # "eof" from the server before unison's error naming rank 1.
+                time.sleep(60)
             os._exit(17)
     """))
     proc = run_job([sys.executable, "-m", "unison.run", "-np", str(np_), sys.executable, str(script)], 100,
