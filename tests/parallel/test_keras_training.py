@@ -163,6 +163,44 @@ def test_best_model_checkpoint_written_by_rank_zero_only(tmp_path):
     assert os.path.exists(path) == (RANK == 0)
 
 
+class CustomSGD(keras.optimizers.SGD):
+    """A user's own optimizer class, which a saved model names by class."""
+
+
+@pytest.mark.parametrize("kind", ["builtin", "custom"])
+def test_load_model_resumes_with_a_distributed_optimizer(tmp_path, kind):
+    # One epoch, saved by every rank to its own file; load_model(); one more
+    # epoch. Each rank fits its own shard, so ending on one process's two
+    # epochs over the whole batch needs both the averaging and the saved
+    # momenta to have come back.
+    x, y = data(6)
+    make = {"builtin": keras.optimizers.SGD, "custom": CustomSGD}[kind]
+    model = make_model(0)
+    initial = model.get_weights()
+    model.compile(optimizer=hvd.DistributedOptimizer(make(0.1, momentum=0.9)), loss="mse")
+    model.fit(local(x), local(y), batch_size=B, epochs=1, shuffle=False, verbose=0)
+    path = os.path.join(str(tmp_path), "rank%d.keras" % RANK)
+    model.save(path)
+    loaded = hvd.load_model(path, custom_optimizers=[CustomSGD] if kind == "custom" else None)
+    optimizer = loaded.optimizer
+    assert type(optimizer).__name__ == make.__name__ and isinstance(optimizer, make)
+    assert hasattr(optimizer, "_unison_reducer"), "load_model's optimizer is not a DistributedOptimizer"
+    assert int(optimizer.iterations) == STEPS
+    loaded.fit(local(x), local(y), batch_size=B, epochs=1, shuffle=False, verbose=0)
+    reference = reference_fit(initial, x, y, keras.optimizers.SGD(0.1, momentum=0.9), N * B, epochs=2)
+    for got, want in zip(loaded.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, atol=1e-10, rtol=0)
+    assert int(optimizer.iterations) == 2 * STEPS
+
+
+def test_load_model_of_an_uncompiled_model_has_no_optimizer(tmp_path):
+    path = os.path.join(str(tmp_path), "rank%d.keras" % RANK)
+    make_model(0).save(path)
+    loaded = hvd.load_model(path)
+    assert getattr(loaded, "optimizer", None) is None
+    np.testing.assert_array_equal(loaded.get_weights()[0], make_model(0).get_weights()[0])
+
+
 def test_mismatched_models_fail_fit_on_every_rank():
     model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(3 + RANK)])
     model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.01)), loss="mse")

@@ -16,7 +16,8 @@ from unison.tensorflow.ops import (  # noqa: F401
     grouped_allgather, grouped_allreduce, grouped_reducescatter, join, reducescatter)
 from unison.tensorflow.sync_batch_norm import SyncBatchNormalization  # noqa: F401
 from unison.tensorflow.keras import callbacks, elastic  # noqa: F401
-from unison.tensorflow.keras.optimizer import DistributedOptimizer, PartialDistributedOptimizer  # noqa: F401
+from unison.tensorflow.keras.optimizer import (  # noqa: F401
+    DistributedOptimizer, PartialDistributedOptimizer, load_model)
 
 
 def broadcast_global_variables(root_rank, model=None):

@@ -110,3 +110,36 @@ def PartialDistributedOptimizer(optimizer, name=None, device_dense="", device_sp
                                        scale_local_gradients)
     distributed._unison_reducer.register_local_layers(local_layers)
     return distributed
+
+
+def load_model(filepath, custom_optimizers=None, custom_objects=None, compression=Compression.none):
+    """Horovod's load_model: a saved Keras model whose optimizer comes back
+    as a DistributedOptimizer holding the saved optimizer's state
+    (iterations, momenta, moments), so that training resumes where it
+    stopped. `custom_optimizers` are optimizer classes the saved model may
+    name, handed to Keras with `custom_objects`.
+
+    Horovod has Keras build the wrapped class directly, through
+    custom_objects. Keras 3 resolves its built-in optimizers before it
+    consults custom_objects, so here the model loads as saved, and its
+    optimizer is then replaced by a DistributedOptimizer of the same class
+    and config, built on the same variables, with the saved state copied in."""
+    import keras
+    objects = {cls.__name__: cls for cls in (custom_optimizers or [])}
+    objects.update(custom_objects or {})
+    model = keras.models.load_model(filepath, custom_objects=objects)
+    saved = getattr(model, "optimizer", None)
+    if saved is None:  # saved uncompiled: nothing to wrap
+        return model
+    distributed = DistributedOptimizer(saved, compression=compression)
+    if saved.built:
+        distributed.build(model.trainable_variables)
+        if [tuple(v.shape) for v in distributed.variables] != [tuple(v.shape) for v in saved.variables]:
+            raise ValueError("unison: load_model(%r): the %s optimizer saved with the model has variables %s; a new "
+                             "one built on the model has %s"
+                             % (filepath, type(saved).__name__, [(v.path, tuple(v.shape)) for v in saved.variables],
+                                [(v.path, tuple(v.shape)) for v in distributed.variables]))
+        for mine, theirs in zip(distributed.variables, saved.variables):
+            mine.assign(theirs)
+    model.optimizer = distributed
+    return model
