@@ -136,3 +136,10 @@ def test_wrong_types_are_refused_at_the_call():
     np.testing.assert_array_equal(hvd.allreduce(mine, op=hvd.Sum, name="mx.bool").asnumpy(), [True, False, True])
     with pytest.raises(unison.InvalidArgumentError, match="must be an mxnet NDArray"):
         hvd.broadcast_([1, 2], root_rank=0)
+
+
+def test_horovods_mpi_ops_module_path():
+    from unison.mxnet.mpi_ops import Sum, allreduce_, rank, size
+    t = mx.nd.array([float(rank())], dtype="float64")
+    allreduce_(t, op=Sum, name="mpi_ops.path")
+    assert t.asnumpy()[0] == size() * (size() - 1) / 2

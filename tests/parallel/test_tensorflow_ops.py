@@ -278,3 +278,9 @@ def test_unsupported_dtype_is_refused_here():
         hvd.allreduce(tf.ones([2], dtype=tf.complex64), name="c64")
     with pytest.raises(unison.InvalidArgumentError, match="at least one dimension"):
         hvd.allgather(tf.constant(1.0), name="scalar")
+
+
+def test_horovods_mpi_ops_module_path():
+    from unison.tensorflow.mpi_ops import Sum, allreduce, rank_op
+    total = allreduce(tf.cast(rank_op(), tf.float64), op=Sum, name="mpi_ops.path")
+    assert float(total) == N * (N - 1) / 2

@@ -171,3 +171,10 @@ def test_sparse_allreduce_handle_is_callable_as_horovods():
     result = handle()
     expected = torch.tensor([[1.0, 2.0]] * n)
     exact(result.to_dense(), expected)
+
+
+def test_horovods_mpi_ops_module_path():
+    from unison.torch.mpi_ops import Sum, allreduce_async_, synchronize
+    t = torch.tensor([float(hvd.rank())])
+    synchronize(allreduce_async_(t, op=Sum, name="mpi_ops.path"))
+    assert t.item() == hvd.size() * (hvd.size() - 1) / 2
