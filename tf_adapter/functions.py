@@ -17,6 +17,12 @@ def broadcast_object(obj, root_rank=0, session=None, name=None, process_set=glob
     return objects.broadcast_object(obj, root_rank, name=name, process_set=process_set)
 
 
+def broadcast_object_fn(root_rank=0, session=None, name=None, process_set=global_process_set):
+    """Horovod's factory: a function of one object that returns root_rank's
+    object on every rank, for code that is handed a broadcast function."""
+    return lambda obj: broadcast_object(obj, root_rank, session, name, process_set)
+
+
 def allgather_object(obj, session=None, name=None, process_set=global_process_set):
     """Every rank's picklable `obj`, in rank order."""
     return objects.allgather_object(obj, name=name, process_set=process_set)

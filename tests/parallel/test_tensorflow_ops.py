@@ -284,3 +284,8 @@ def test_horovods_mpi_ops_module_path():
     from unison.tensorflow.mpi_ops import Sum, allreduce, rank_op
     total = allreduce(tf.cast(rank_op(), tf.float64), op=Sum, name="mpi_ops.path")
     assert float(total) == N * (N - 1) / 2
+
+
+def test_broadcast_object_fn():
+    broadcast = hvd.broadcast_object_fn(root_rank=N - 1, name="object.fn")
+    assert broadcast({"from": RANK, "rows": [RANK] * 3}) == {"from": N - 1, "rows": [N - 1] * 3}
