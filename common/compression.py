@@ -34,3 +34,12 @@ def compress_all(compression, tensors):
         wires.append(wire)
         contexts.append(ctx)
     return wires, contexts
+
+
+def check_compressor(compression, where):
+    """A clear error for a `compression` that is not a compressor: in
+    Horovod's argument orders it sits where a number (a predivide factor)
+    is easily passed by position."""
+    if not (callable(getattr(compression, "compress", None)) and callable(getattr(compression, "decompress", None))):
+        raise TypeError("unison: %s: compression must be a compressor such as Compression.none or "
+                        "Compression.fp16, not %s %r" % (where, type(compression).__name__, compression))

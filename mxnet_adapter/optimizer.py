@@ -12,23 +12,32 @@ import warnings
 import mxnet as mx
 
 from unison.arguments import split_into_groups
+from unison.compression import check_compressor
 from unison import process_sets
 from unison.process_sets import global_process_set
+from unison.mxnet.compression import Compression
 from unison.mxnet.ops import Sum, _allreduce_async, _wait_all
 
 
-def _allreduce_gradients(named_grads, gradient_predivide_factor, num_groups, process_set):
+def _allreduce_gradients(named_grads, gradient_predivide_factor, num_groups, process_set,
+                         compression=Compression.none):
     """Sums each (name, gradient, priority) across ranks in place. With
     num_groups > 0 the gradients are named as members of that many groups;
-    the core fuses whatever is ready together either way."""
+    the core fuses whatever is ready together either way. A compressor
+    that returns a new array (fp16) has that array reduced and the result
+    written back into the gradient."""
     if num_groups > 0:
         renamed = []
         for g, group in enumerate(split_into_groups(named_grads, num_groups)):
             renamed += [("group.%d.%s" % (g, name), grad, priority) for name, grad, priority in group]
         named_grads = renamed
-    ops = [_allreduce_async(grad, grad, name, Sum, 1.0 / gradient_predivide_factor, 1.0, process_set, priority)
-           for name, grad, priority in named_grads]
+    sent = [(grad,) + compression.compress(grad) for _, grad, _ in named_grads]
+    ops = [_allreduce_async(wire, wire, name, Sum, 1.0 / gradient_predivide_factor, 1.0, process_set, priority)
+           for (name, _, priority), (_, wire, _) in zip(named_grads, sent)]
     _wait_all(ops)
+    for grad, wire, ctx in sent:
+        if wire is not grad:
+            grad[:] = compression.decompress(wire, ctx)
 
 
 class DistributedOptimizer(mx.optimizer.Optimizer):
@@ -94,11 +103,14 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
 class DistributedTrainer(mx.gluon.Trainer):
     """A gluon.Trainer that sums gradients across ranks before each update
     (kvstore=None: unison replaces the kvstore). `prefix` keeps the
-    collectives of two trainers in one program apart."""
+    collectives of two trainers in one program apart; `compression`
+    (Compression.fp16) is what the gradients travel as. Horovod's argument
+    order."""
 
-    def __init__(self, params, optimizer, optimizer_params=None, gradient_predivide_factor=1.0, prefix=None,
-                 num_groups=0, process_set=global_process_set):
+    def __init__(self, params, optimizer, optimizer_params=None, compression=Compression.none,
+                 gradient_predivide_factor=1.0, prefix=None, num_groups=0, process_set=global_process_set):
         process_sets.check_member(process_set, "DistributedTrainer")
+        check_compressor(compression, "DistributedTrainer")
         if isinstance(optimizer, DistributedOptimizer):
             warnings.warn("DistributedTrainer reduces gradients itself; it was given a DistributedOptimizer "
                           "and uses the optimizer inside it instead")
@@ -110,6 +122,7 @@ class DistributedTrainer(mx.gluon.Trainer):
             params = [params[key] for key in sorted(params.keys())]
         else:
             params = sorted(params, key=lambda p: p.name)
+        self._compression = compression
         self._gradient_predivide_factor = gradient_predivide_factor
         self._process_set = process_set
         super().__init__(params, optimizer, optimizer_params=optimizer_params, kvstore=None)
@@ -137,4 +150,5 @@ class DistributedTrainer(mx.gluon.Trainer):
                 by_dtype.setdefault(p.list_grad()[0].dtype, []).append((i, p))
             trainable = [item for dtype in sorted(by_dtype, key=str) for item in by_dtype[dtype]]
         named = [("%strainer.%d" % (self._prefix, i), p.list_grad()[0], -i) for i, p in trainable]
-        _allreduce_gradients(named, self._gradient_predivide_factor, self._num_groups, self._process_set)
+        _allreduce_gradients(named, self._gradient_predivide_factor, self._num_groups, self._process_set,
+                             self._compression)

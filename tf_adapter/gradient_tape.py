@@ -6,6 +6,7 @@ from unison.arguments import gradient_scaling, split_into_groups
 from unison.exceptions import InvalidArgumentError
 from unison import process_sets
 from unison.process_sets import global_process_set
+from unison.compression import check_compressor
 from unison.tensorflow.compression import Compression
 from unison.tensorflow.ops import Average, Sum, _grouped_allreduce, allreduce
 
@@ -44,6 +45,7 @@ class GradientReducer:
         if isinstance(groups, int):
             num_groups, groups = groups, None
         process_sets.check_member(process_set, prefix)
+        check_compressor(compression, prefix)
         self.prefix = prefix
         self.compression = compression
         self.sparse_as_dense = sparse_as_dense

@@ -15,6 +15,7 @@ import torch
 
 from unison import basics
 from unison.arguments import gradient_scaling, split_into_groups
+from unison.compression import check_compressor
 from unison.exceptions import UnisonError
 from unison.handles import synchronize as _wait
 from unison import process_sets
@@ -277,9 +278,14 @@ def _assign_groups(groups, ordered):
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,
                          backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0,
-                         groups=None, sparse_as_dense=False, process_set=global_process_set):
+                         num_groups=0, groups=None, sparse_as_dense=False, process_set=global_process_set):
     """Wraps a torch optimizer so that step() uses gradients averaged (op)
-    over every rank. See Horovod's documentation; the arguments mean the same."""
+    over every rank. See Horovod's documentation; the arguments mean the
+    same, in the same order. num_groups is Horovod's older spelling of an
+    integer `groups`, used when `groups` is not given."""
+    check_compressor(compression, "DistributedOptimizer")
+    if num_groups and groups is None:
+        groups = num_groups
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError("gradient_predivide_factor not supported with op != Average")
     if backward_passes_per_step < 1:

@@ -91,6 +91,52 @@ def test_distributed_optimizer_in_a_plain_trainer(optimizer, options, num_groups
     assert opt.learning_rate == 0.5 and opt._optimizer.learning_rate == 0.5
 
 
+class Doubling(hvd.Compression.none):
+    """Sends twice each gradient and halves it back: exact in float64, and
+    a new array, as fp16's is. Counts what it compressed."""
+    calls = 0
+
+    @classmethod
+    def compress(cls, tensor):
+        cls.calls += 1
+        return tensor * 2, "halve"
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        assert ctx == "halve"
+        return tensor / 2
+
+
+def test_trainer_compression_in_horovods_argument_order():
+    # Horovod's order puts compression fourth: passed by position here.
+    net = make_net()
+    trainer = hvd.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.1}, Doubling)
+    train(net, trainer, shard=True)
+    assert_same(net, reference("sgd", {"learning_rate": 0.1}))
+    assert Doubling.calls == STEPS * len(list(net.collect_params().keys()))
+
+
+def test_trainer_refuses_a_number_where_compression_goes():
+    net = make_net()
+    with pytest.raises(TypeError, match=r"DistributedTrainer: compression must be a compressor.*float 2\.0"):
+        hvd.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.1}, 2.0)
+
+
+def test_trainer_fp16_compression_ends_near_one_process():
+    net = make_net()
+    trainer = hvd.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.1},
+                                     compression=hvd.Compression.fp16)
+    train(net, trainer, shard=True)
+    want = params_of(reference("sgd", {"learning_rate": 0.1}))
+    exact = make_net()
+    train(exact, hvd.DistributedTrainer(exact.collect_params(), "sgd", {"learning_rate": 0.1}, prefix="exact."),
+          shard=True)
+    for key, got in params_of(net).items():
+        np.testing.assert_allclose(got, want[key], rtol=0, atol=2e-3, err_msg=key)  # float16's 11 bits
+    assert any(not np.array_equal(got, params_of(exact)[key]) for key, got in params_of(net).items()), \
+        "float16 compression left no trace: were the gradients sent as float16?"
+
+
 def test_trainer_unwraps_a_distributed_optimizer_with_a_warning():
     net = make_net()
     opt = hvd.DistributedOptimizer(mx.optimizer.create("sgd", learning_rate=0.1))

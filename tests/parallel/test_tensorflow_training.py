@@ -345,6 +345,8 @@ def test_distributed_optimizer_refuses_what_it_cannot_wrap():
         hvd.DistributedOptimizer("sgd")
     with pytest.raises(ValueError, match="backward_passes_per_step must be a whole number of at least 1, got 0"):
         hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(1.0), backward_passes_per_step=0)
+    with pytest.raises(TypeError, match=r"DistributedGradientTape: compression must be a compressor.*float 2\.0"):
+        hvd.DistributedGradientTape(tf.GradientTape(), compression=2.0)
     v = tf.Variable([1.0])
     accumulating = hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(1.0),
                                             backward_passes_per_step=2)

@@ -97,6 +97,18 @@ def test_groups_by_count():
     assert_same(model, reference(SGD))
 
 
+def test_num_groups_is_horovods_older_spelling_of_groups():
+    model, optimizer = distributed(SGD, num_groups=2)
+    assert_same(model, reference(SGD))
+    assert sorted(set(optimizer._group_of.values())) == [0, 1]
+
+
+def test_a_compression_that_is_not_a_compressor_is_refused():
+    model = make_model()
+    with pytest.raises(TypeError, match=r"DistributedOptimizer: compression must be a compressor.*float 2\.0"):
+        hvd.DistributedOptimizer(SGD(model.parameters()), model.named_parameters(), 2.0)
+
+
 def test_groups_by_explicit_lists():
     # Parameters are matched by identity, so the lists name the wrapped
     # model's own parameters; the fourth is left to go alone.
