@@ -159,7 +159,7 @@ def test_best_model_checkpoint_written_by_rank_zero_only(tmp_path):
     model = make_model(0)
     model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.01)), loss="mse")
     model.fit(local(x), local(y), batch_size=B, epochs=2, verbose=0, validation_data=(x[:4], y[:4]),
-              callbacks=[hvd.callbacks.MetricAverageCallback(), hvd.callbacks.BestModelCheckpoint(filepath=path)])
+              callbacks=[hvd.callbacks.MetricAverageCallback(), hvd.callbacks.BestModelCheckpoint("val_loss", filepath=path)])
     assert os.path.exists(path) == (RANK == 0)
 
 

@@ -173,9 +173,11 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
 
 class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
     """Keeps the best model seen so far (save_best_only), written by rank 0
-    only; the other ranks track nothing and write nothing."""
+    only; the other ranks track nothing and write nothing. Horovod's
+    arguments first, in Horovod's order (its estimator supplied the path);
+    `filepath` after them."""
 
-    def __init__(self, filepath="best.keras", monitor="val_loss", verbose=0, mode="auto", save_freq="epoch",
+    def __init__(self, monitor="val_loss", verbose=0, mode="auto", save_freq="epoch", filepath="best.keras",
                  save_weights_only=False):
         super().__init__(filepath, monitor=monitor, verbose=verbose, save_best_only=True,
                          save_weights_only=save_weights_only, mode=mode, save_freq=save_freq)
