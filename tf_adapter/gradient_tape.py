@@ -11,17 +11,6 @@ from unison.tensorflow.compression import Compression
 from unison.tensorflow.ops import Average, Sum, _grouped_allreduce, allreduce
 
 
-def _variable_name(variable, index):
-    for attribute in ("path", "name"):
-        try:
-            value = getattr(variable, attribute, None)
-        except (AttributeError, ValueError):   # an EagerTensor has no name
-            value = None
-        if isinstance(value, str) and value:
-            return value
-    return str(index)
-
-
 class GradientReducer:
     """Horovod's gradient averaging: op=Average over ranks (or Sum; Adasum
     is not offered), with gradient_predivide_factor f splitting the division
@@ -98,7 +87,12 @@ class GradientReducer:
         if self.process_set.size() == 1:
             return list(grads)
         grads = list(grads)
-        names = ["%s.%d.%s" % (self.prefix, i, _variable_name(v, i)) for i, v in enumerate(variables)]
+        # Named by position alone. Keras names layers from a per-process
+        # counter, so a rank that built one more model first (say, rank 0
+        # loading a checkpoint while the others build afresh) has other
+        # variable paths for the same weights; names that differ would
+        # never match across ranks.
+        names = ["%s.%d" % (self.prefix, i) for i in range(len(variables))]
         op, prescale, postscale = self._scaling()
         out = list(grads)
         dense = []

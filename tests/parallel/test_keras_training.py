@@ -193,6 +193,30 @@ def test_load_model_resumes_with_a_distributed_optimizer(tmp_path, kind):
     assert int(optimizer.iterations) == 2 * STEPS
 
 
+def test_resume_as_horovods_examples_do_rank_zero_loads_the_rest_receive(tmp_path):
+    # Horovod's Keras examples resume so: rank 0 loads the checkpoint with
+    # load_model, the others build a fresh model, and the broadcast callback
+    # hands them rank 0's weights, momenta and step count.
+    x, y = data(7)
+    model = make_model(0)
+    initial = model.get_weights()
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9)), loss="mse")
+    model.fit(local(x), local(y), batch_size=B, epochs=1, shuffle=False, verbose=0)
+    path = os.path.join(str(tmp_path), "rank%d.keras" % RANK)
+    model.save(path)
+    if RANK == 0:
+        resumed = hvd.load_model(path)
+    else:
+        resumed = make_model(RANK + 50)   # anything: the callback replaces it
+        resumed.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9)), loss="mse")
+    resumed.fit(local(x), local(y), batch_size=B, epochs=2, initial_epoch=1, shuffle=False, verbose=0,
+                callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+    reference = reference_fit(initial, x, y, keras.optimizers.SGD(0.1, momentum=0.9), N * B, epochs=2)
+    for got, want in zip(resumed.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, atol=1e-10, rtol=0)
+    assert int(resumed.optimizer.iterations) == 2 * STEPS
+
+
 def test_load_model_of_an_uncompiled_model_has_no_optimizer(tmp_path):
     path = os.path.join(str(tmp_path), "rank%d.keras" % RANK)
     make_model(0).save(path)
