@@ -85,3 +85,23 @@ def test_elastic_example_finishes_after_a_failure(script, needs):
     assert proc.returncode == 0, output[-5000:]
     assert "blacklisting host 127.0.0.1" in output and "round 1: 2 workers (localhost:2)" in output, output[-5000:]
     assert re.search(r"test accuracy 0\.9\d+ on 2 ranks", output), output[-5000:]
+
+
+@pytest.mark.timeout(300)
+def test_keras_example_resumes_from_its_checkpoint(tmp_path):
+    # Its documented resume: 4 epochs with checkpoints, then a run to 8 that
+    # starts from the fourth (rank 0 loads it, the others receive it).
+    for module in ("tensorflow", "sklearn"):
+        if importlib.util.find_spec(module) is None:
+            pytest.skip("%s is not installed here" % module)
+    command = [sys.executable, "-m", "unison.run", "-np", "2", sys.executable,
+               os.path.join(ROOT, "examples", "keras", "digits.py"), "--checkpoint-dir", str(tmp_path)]
+    first = run_job(command + ["--epochs", "4"], 140, cwd=ROOT)
+    output = first.stdout.decode(errors="replace")
+    assert first.returncode == 0, output[-5000:]
+    assert sorted(os.listdir(str(tmp_path))) == ["checkpoint-%d.keras" % e for e in (1, 2, 3, 4)], output[-5000:]
+    second = run_job(command + ["--epochs", "8"], 140, cwd=ROOT)
+    output = second.stdout.decode(errors="replace")
+    assert second.returncode == 0, output[-5000:]
+    assert re.search(r"resumed from epoch 4(.|\n)*epoch 5: loss(.|\n)*epoch 8: loss \d\.\d+, accuracy 0\.9\d+"
+                     r"(.|\n)*test accuracy 0\.9\d+ on 2 ranks", output), output[-5000:]

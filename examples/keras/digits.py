@@ -8,11 +8,20 @@ The DistributedOptimizer averages gradients across ranks inside fit()'s
 train step; BroadcastGlobalVariablesCallback starts every rank from rank
 0's weights; MetricAverageCallback reports metrics averaged over ranks.
 
+`--checkpoint-dir DIR` resumes as Horovod's Keras examples do: rank 0
+saves a checkpoint after every epoch; a later run finds the newest, rank 0
+loads it with hvd.load_model (its optimizer comes back distributed, with its
+momenta), the others build a fresh model, and the broadcast callback hands
+them rank 0's state before the first step.
+
 `--one-process` trains the same model in one process on the whole batch
 (batch-size x ranks per step), the reference of the benchmark line in
 benchmarks/README.md; `--samples-per-second` prints training throughput.
 """
 import argparse
+import glob
+import os
+import re
 import time
 
 import keras
@@ -46,6 +55,7 @@ def main():
                         help="no unison: one process, batch-size x --ranks rows per step")
     parser.add_argument("--ranks", type=int, default=2, help="with --one-process: whose global batch to use")
     parser.add_argument("--samples-per-second", action="store_true")
+    parser.add_argument("--checkpoint-dir", help="save a checkpoint each epoch here, and resume from the newest")
     args = parser.parse_args()
 
     distributed = not args.one_process
@@ -66,26 +76,43 @@ def main():
         rows = min(hvd.allgather_object(len(x_train))) // batch_size * batch_size
         x_train, y_train = x_train[:rows], y_train[:rows]
 
-    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(128, activation="relu"),
-                              keras.layers.Dense(10)])
-    # Horovod's advice: scale the learning rate with the number of ranks.
-    optimizer = keras.optimizers.SGD(args.lr * ranks, momentum=0.9)
+    resume_from_epoch, checkpoints = 0, []
+    if args.checkpoint_dir and distributed:
+        checkpoints = sorted(glob.glob(os.path.join(args.checkpoint_dir, "checkpoint-*.keras")),
+                             key=lambda path: int(re.search(r"(\d+)\.keras$", path).group(1)))
+        # Rank 0's view decides: the others may not share its disk.
+        resume_from_epoch = hvd.broadcast_object(
+            int(re.search(r"(\d+)\.keras$", checkpoints[-1]).group(1)) if checkpoints else 0, root_rank=0)
+    if resume_from_epoch > 0 and rank == 0:
+        model = hvd.load_model(checkpoints[-1])
+        print("resumed from epoch %d" % resume_from_epoch, flush=True)
+    else:
+        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(128, activation="relu"),
+                                  keras.layers.Dense(10)])
+        # Horovod's advice: scale the learning rate with the number of ranks.
+        optimizer = keras.optimizers.SGD(args.lr * ranks, momentum=0.9)
+        if distributed:
+            optimizer = hvd.DistributedOptimizer(optimizer)
+        model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"])
     callbacks = []
     if distributed:
-        optimizer = hvd.DistributedOptimizer(optimizer)
         callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0), hvd.callbacks.MetricAverageCallback()]
+        if args.checkpoint_dir and rank == 0:
+            os.makedirs(args.checkpoint_dir, exist_ok=True)
+            callbacks.append(keras.callbacks.ModelCheckpoint(os.path.join(args.checkpoint_dir,
+                                                                          "checkpoint-{epoch}.keras")))
     throughput = Throughput()
     throughput.batch_size = batch_size
-    model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
     history = model.fit(x_train, y_train, batch_size=batch_size, epochs=args.epochs, verbose=0,
-                        callbacks=callbacks + [throughput])
+                        initial_epoch=resume_from_epoch, callbacks=callbacks + [throughput])
 
     if rank == 0:
-        for epoch in range(args.epochs):
+        for epoch in range(resume_from_epoch, args.epochs):
             if epoch % 5 == 4 or epoch == args.epochs - 1:
-                print("epoch %d: loss %.4f, accuracy %.3f" % (epoch + 1, history.history["loss"][epoch],
-                                                             history.history["accuracy"][epoch]), flush=True)
+                done = epoch - resume_from_epoch
+                print("epoch %d: loss %.4f, accuracy %.3f" % (epoch + 1, history.history["loss"][done],
+                                                             history.history["accuracy"][done]), flush=True)
     _, accuracy = model.evaluate(x_test, y_test, verbose=0)
     if rank == 0:
         where = "%d ranks" % size if distributed else "1 process"
