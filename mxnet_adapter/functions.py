@@ -23,17 +23,23 @@ def _broadcast_after_init(param, root_rank, name, process_set):
 
 
 def broadcast_parameters(params, root_rank=0, prefix=None, process_set=global_process_set):
-    """Overwrites every rank's parameters with root_rank's, in sorted name
-    order. `params` is a dict of NDArrays or Parameters (such as
-    `net.collect_params()`, a ParameterDict). With a process set, among its
-    ranks only (root_rank is a global rank in it)."""
+    """Overwrites every rank's parameters with root_rank's. `params` is a
+    dict of NDArrays or Parameters (such as `net.collect_params()`, a
+    ParameterDict). With a process set, among its ranks only (root_rank is
+    a global rank in it).
+
+    Parameters are matched across ranks by their place in `params`, not by
+    key: Gluon prefixes keys from a per-process counter, so a rank that
+    built one more block first has other keys ("dense10_weight" for
+    "dense9_weight", which also sorts elsewhere) for the same network. A
+    ParameterDict lists them in the order the network registered them."""
     if not isinstance(params, (dict, mx.gluon.ParameterDict)):
         raise ValueError("unison.mxnet.broadcast_parameters: params must be a dict or a ParameterDict, got %s"
                          % type(params).__name__)
     prefix = prefix if prefix is not None else ""
     ready = []
-    for name, value in sorted(params.items()):
-        label = "%sbroadcast.%s" % (prefix, name)
+    for index, value in enumerate(params.values()):
+        label = "%sbroadcast.%d" % (prefix, index)
         if isinstance(value, mx.gluon.Parameter):
             try:
                 value = value.data()

@@ -117,9 +117,12 @@ class DistributedTrainer(mx.gluon.Trainer):
             wrapper, optimizer = optimizer, optimizer._optimizer
             # Undo the wrapper's share of the averaging: this trainer applies its own.
             optimizer.rescale_grad /= wrapper._gradient_predivide_factor / wrapper._process_set.size()
-        # The same order on every rank, whatever order the caller built.
+        # Gradients are matched across ranks by their place in this list. A
+        # ParameterDict (or dict) keeps the network's registration order,
+        # the same on every rank even where Gluon's per-process name counter
+        # gave a rank other keys; a list is sorted by name, as Horovod does.
         if isinstance(params, (dict, mx.gluon.ParameterDict)):
-            params = [params[key] for key in sorted(params.keys())]
+            params = list(params.values())
         else:
             params = sorted(params, key=lambda p: p.name)
         self._compression = compression

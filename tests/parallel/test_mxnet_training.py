@@ -180,6 +180,30 @@ def test_broadcast_parameters_including_deferred_ones():
         np.testing.assert_array_equal(mine[k], rank0[k])
 
 
+def test_ranks_whose_gluon_names_differ_still_match_parameters():
+    # Rank r first builds 9 x r throwaway layers, so its network's keys are
+    # "dense9_weight", "dense10_weight", ... where rank 0 has "dense0_weight",
+    # "dense1_weight" (and they sort in another order). Parameters are matched
+    # by their place in the network, so broadcast and training still agree.
+    for _ in range(9 * hvd.rank()):
+        mx.gluon.nn.Dense(1)
+    mx.random.seed(hvd.rank())
+    net = mx.gluon.nn.HybridSequential()
+    net.add(mx.gluon.nn.Dense(8, activation="tanh", in_units=5), mx.gluon.nn.Dense(3, in_units=8))
+    net.initialize(mx.init.Uniform(0.5))
+    net.cast("float64")
+    hvd.broadcast_parameters(net.collect_params(), root_rank=0, prefix="renamed.")
+    initial = [p.data().asnumpy() for p in net.collect_params().values()]
+    train(net, hvd.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.1}, prefix="renamed."),
+          shard=True)
+    one = make_net()
+    for p, value in zip(one.collect_params().values(), hvd.broadcast_object(initial, root_rank=0)):
+        p.set_data(mx.nd.array(value, dtype="float64"))
+    train(one, mx.gluon.Trainer(one.collect_params(), "sgd", {"learning_rate": 0.1}, kvstore=None), shard=False)
+    for got, want in zip(net.collect_params().values(), one.collect_params().values()):
+        np.testing.assert_allclose(got.data().asnumpy(), want.data().asnumpy(), rtol=1e-6, atol=1e-9)
+
+
 def test_broadcast_parameters_of_a_dict_of_arrays():
     arrays = {"w": mx.nd.ones((2, 2)) * hvd.rank(), "b": mx.nd.ones(3) * (hvd.rank() + 5)}
     hvd.broadcast_parameters(arrays, root_rank=hvd.size() - 1)
