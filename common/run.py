@@ -32,6 +32,7 @@ def _parse(argv):
     p = argparse.ArgumentParser(
         prog="unisonrun", description="Run a command as N unison ranks, on this host or across hosts.",
         usage="unisonrun -np N [options] command [args...]")
+    p.add_argument("-v", "--version", action="version", version="unisonrun (unison) " + _version())
     p.add_argument("-np", "--num-proc", dest="np", type=int, help="number of ranks")
     p.add_argument("--fusion-threshold-mb", type=float,
                    help="pack ready allreduces into one collective up to this size (default 64)")
@@ -62,9 +63,15 @@ def _parse(argv):
     p.add_argument("--output-filename",
                    help="also write each rank's output to DIR/rank.N/stdout and stderr")
     p.add_argument("--verbose", action="store_true", help="print what the launcher does")
+    p.add_argument("--log-level", type=str.lower, choices=["trace", "debug", "info", "warning", "error", "fatal"],
+                   help="the core's messages on stderr: warning (default) prints its warnings, error silences "
+                        "them, fatal its errors too (UNISON_LOG_LEVEL; the core has no info or debug messages)")
+    p.add_argument("--disable-cache", action="store_true",
+                   help="horovodrun's: it caches its start-up checks; unisonrun runs them every time, so this "
+                        "changes nothing (to turn off the response cache: --cache-capacity 0)")
     cluster = p.add_argument_group("across hosts")
     cluster.add_argument("-H", "--hosts", help="hosts and their slots, e.g. host1:4,host2:4")
-    cluster.add_argument("--hostfile", help="a file of `host slots=N` (or `host:N`) lines")
+    cluster.add_argument("-hostfile", "--hostfile", help="a file of `host slots=N` (or `host:N`) lines")
     cluster.add_argument("--network-interface",
                          help="the interface (such as eth0) or IPv4 address ranks listen on for each other; "
                               "default: the one that reaches the first host. 0.0.0.0 listens on every interface")
@@ -72,8 +79,12 @@ def _parse(argv):
     cluster.add_argument("-i", "--ssh-identity-file", help="the key ssh logs in with")
     cluster.add_argument("--rendezvous-port", type=int,
                          help="the port rank 0 listens on for the others to meet (default: a free one)")
-    cluster.add_argument("--mpi", action="store_true",
-                         help="start the ranks through mpirun (MPI across hosts), even on this host alone")
+    controller = cluster.add_mutually_exclusive_group()
+    controller.add_argument("--mpi", action="store_true",
+                            help="start the ranks through mpirun (MPI across hosts), even on this host alone")
+    controller.add_argument("--gloo", action="store_true",
+                            help="horovodrun's name for running without MPI: shared memory within a host and TCP "
+                                 "across hosts, started over ssh; unisonrun's default")
     cluster.add_argument("--simulate-hosts", type=int, metavar="K",
                          help="through mpirun, split the ranks of this machine into K hosts (each rank is told "
                               "its host in UNISON_HOSTNAME): the cross-host paths on one machine, for testing")
@@ -84,12 +95,15 @@ def _parse(argv):
     hierarchy.add_argument("--no-hierarchical-allreduce", dest="hierarchical", action="store_false",
                            help="every byte between ranks over MPI (flat)")
     elastic = p.add_argument_group("elastic (elastic_run.py): the job goes on when workers fail, and grows")
-    elastic.add_argument("--min-np", type=int, help="the fewest workers the job trains with (default: -np)")
-    elastic.add_argument("--max-np", type=int, help="the most workers the job grows to (default: -np)")
+    elastic.add_argument("--min-np", "--min-num-proc", dest="min_np", type=int,
+                         help="the fewest workers the job trains with (default: -np)")
+    elastic.add_argument("--max-np", "--max-num-proc", dest="max_np", type=int,
+                         help="the most workers the job grows to (default: -np)")
     elastic.add_argument("--host-discovery-script",
                          help="a command printing the usable hosts, one `host:slots` (or `host`) per line; "
                               "re-run every second")
-    elastic.add_argument("--slots", type=int, help="slots of a host the discovery script prints without any")
+    elastic.add_argument("--slots", "--slots-per-host", dest="slots", type=int,
+                         help="slots of a host the discovery script prints without any")
     elastic.add_argument("--elastic-timeout", type=float,
                          help="how long the job waits for --min-np slots, or for a new worker to start "
                               "(default 600 s)")
@@ -98,7 +112,7 @@ def _parse(argv):
     elastic.add_argument("--blacklist-cooldown-range", type=float, nargs=2, metavar=("LOW", "HIGH"),
                          help="a failed host returns after LOW seconds, twice as long each later time, at most "
                               "HIGH (default: never)")
-    p.add_argument("--check-build", action="store_true",
+    p.add_argument("-cb", "--check-build", action="store_true",
                    help="show which frameworks and data planes this install supports, and exit")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the command each rank runs")
     args = p.parse_args(argv)
@@ -133,6 +147,8 @@ def _parse(argv):
         p.error("--autotune-log-file %s needs --autotune" % args.autotune_log_file)
     if _elastic(args) and _through_mpirun(args):
         p.error("an elastic job (--min-np, --max-np, --host-discovery-script) runs over TCP, not --mpi")
+    if args.gloo and args.simulate_hosts:
+        p.error("--gloo runs without MPI, and --simulate-hosts goes through mpirun: give one")
     if args.host_discovery_script and (args.hosts or args.hostfile):
         p.error("--host-discovery-script and -H/--hostfile both name the hosts: give one")
     return args
@@ -179,8 +195,8 @@ def _settings(args):
         env["UNISON_PEER_TIMEOUT_SECONDS"] = str(args.peer_timeout_seconds)
     if args.start_timeout is not None:
         env["UNISON_START_TIMEOUT"] = str(args.start_timeout)
-    if args.verbose:
-        env["UNISON_LOG_LEVEL"] = "1"
+    if args.log_level is not None:
+        env["UNISON_LOG_LEVEL"] = args.log_level
     if args.autotune:
         env["UNISON_AUTOTUNE"] = "1"
     if args.autotune_log_file:
@@ -192,6 +208,11 @@ def _settings(args):
     if args.hierarchical is not None:
         env["UNISON_HIERARCHICAL_ALLREDUCE"] = "1" if args.hierarchical else "0"
     return env
+
+
+def _version():
+    from unison import __version__
+    return __version__
 
 
 def _through_mpirun(args):

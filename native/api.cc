@@ -9,6 +9,7 @@
 
 #include "cuda/device_plane.h"
 #include "engine.h"
+#include "log.h"
 #include "unison.h"
 
 namespace unison {
@@ -54,6 +55,7 @@ int unison_init(void) {
   Config c;
   Status read = Config::from_environment(&c);
   if (!read.ok()) return report(read);
+  set_log_level(c.log_level);
   if (c.size < 1 || c.rank < 0 || c.rank >= c.size)
     return report(Status::Error(UNISON_ERR_INVALID_ARGUMENT, "unison: rank " + std::to_string(c.rank) +
                                                                  " of size " + std::to_string(c.size) +

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <numeric>
 
+#include "log.h"
+
 namespace unison {
 namespace {
 
@@ -62,8 +64,9 @@ Autotuner::Autotuner(const Config& config, const TunedSettings& start, bool can_
   if (!config.autotune_log.empty()) {
     log_ = std::fopen(config.autotune_log.c_str(), "w");
     if (log_ == nullptr)
-      std::fprintf(stderr, "unison: cannot write the autotune log to '%s' (UNISON_AUTOTUNE_LOG); tuning without it\n",
-                   config.autotune_log.c_str());
+      log_message(LogLevel::warning,
+                  "unison: cannot write the autotune log to '%s' (UNISON_AUTOTUNE_LOG); tuning without it\n",
+                  config.autotune_log.c_str());
     else
       std::fputs("sample,fusion_threshold_bytes,cycle_time_ms,cache,hierarchical,bytes_per_second,note\n", log_);
   }

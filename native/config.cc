@@ -98,6 +98,23 @@ Status read_double(double* field, const char* unison_name, const char* horovod_n
   return Status::OK();
 }
 
+// Horovod's level names, in any case (HOROVOD_LOG_LEVEL=debug is common in
+// Horovod jobs' environments).
+Status read_log_level(LogLevel* field) {
+  const char* name = nullptr;
+  const char* v = lookup("UNISON_LOG_LEVEL", "HOROVOD_LOG_LEVEL", &name);
+  if (v == nullptr) return Status::OK();
+  std::string text = trimmed(v);
+  for (char& ch : text) ch = (char)std::tolower((unsigned char)ch);
+  const char* names[] = {"trace", "debug", "info", "warning", "error", "fatal"};
+  for (int level = 0; level < 6; ++level)
+    if (text == names[level]) {
+      *field = (LogLevel)level;
+      return Status::OK();
+    }
+  return bad_setting(name, v, "one of trace, debug, info, warning, error, fatal");
+}
+
 Status read_flag(bool* field, const char* unison_name, const char* horovod_name = nullptr) {
   const char* name = nullptr;
   const char* v = lookup(unison_name, horovod_name, &name);
@@ -249,7 +266,7 @@ Status Config::from_environment(Config* out) {
     else
       read(bad_setting("UNISON_GPU_DATA_PLANE", v, "auto, nccl or staging"));
   }
-  read(read_int(&c.log_level, "UNISON_LOG_LEVEL", "HOROVOD_LOG_LEVEL"));
+  read(read_log_level(&c.log_level));
   if (const char* v = lookup("UNISON_TIMELINE", "HOROVOD_TIMELINE")) c.timeline_path = trimmed(v);
   read(read_flag(&c.autotune, "UNISON_AUTOTUNE", "HOROVOD_AUTOTUNE"));
   if (const char* v = lookup("UNISON_AUTOTUNE_LOG", "HOROVOD_AUTOTUNE_LOG")) c.autotune_log = trimmed(v);

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "log.h"
 #include "status.h"
 
 namespace unison {
@@ -132,7 +133,7 @@ struct Config {
   // "nccl" makes a set that cannot use NCCL an error instead of slower;
   // "staging" never uses NCCL (for comparing the two, or around an NCCL bug).
   std::string gpu_data_plane = "auto";
-  int log_level = 0;  // 0 warnings, 1 info, 2 debug
+  LogLevel log_level = LogLevel::warning;  // UNISON_LOG_LEVEL (log.h)
   // UNISON_AUTOTUNE: rank 0 searches the four settings below (autotune.h),
   // except those the user set, which are *_fixed.
   bool autotune = false;

@@ -5,6 +5,7 @@
 #include <set>
 
 #include "dtype.h"
+#include "log.h"
 
 namespace unison {
 
@@ -35,7 +36,7 @@ Engine::Engine(const Config& config, std::unique_ptr<Backend> backend, HandleTab
                  : path.substr(0, dot) + suffix + path.substr(dot);
     }
     Status s = start_timeline(path, config_.timeline_mark_cycles);
-    if (!s.ok()) std::fprintf(stderr, "%s (UNISON_TIMELINE); running without a timeline\n", s.message.c_str());
+    if (!s.ok()) log_message(LogLevel::warning, "%s (UNISON_TIMELINE); running without a timeline\n", s.message.c_str());
   }
   overlap_ = decide_overlap(config_, *backend_);
   start_thread();
@@ -102,11 +103,10 @@ void Engine::warn_of_late_data(double now) {
     const double waited = now - e.data_wait_since;
     if (e.data_wait_reported || waited < config_.stall_warning_seconds) continue;
     e.data_wait_reported = true;
-    std::fprintf(stderr,
-                 "unison: warning: rank %d: %s '%s' has waited %d s for its input: its producer has not set "
-                 "input_ready, and the other ranks wait for this rank in negotiation\n",
-                 backend_->rank(), op_name(e.request.op), e.request.name.c_str(), (int)waited);
-    std::fflush(stderr);
+    log_message(LogLevel::warning,
+                "unison: warning: rank %d: %s '%s' has waited %d s for its input: its producer has not set "
+                "input_ready, and the other ranks wait for this rank in negotiation\n",
+                backend_->rank(), op_name(e.request.op), e.request.name.c_str(), (int)waited);
   }
 }
 
@@ -531,8 +531,7 @@ void Engine::fail_everything(const Status& status) {
     // that need this rank's kernels.
     for (auto& [id, set] : sets_)
       for (auto& [device, plane] : set->device_planes) plane->abandon();
-    std::fprintf(stderr, "%s\n", status.message.c_str());
-    std::fflush(stderr);
+    log_message(LogLevel::error, "%s\n", status.message.c_str());
   }
   stopped_ = true;
 }

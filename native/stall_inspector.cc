@@ -3,6 +3,7 @@
 #include <cstdio>
 
 #include "dtype.h"
+#include "log.h"
 
 namespace unison {
 namespace {
@@ -47,11 +48,10 @@ std::vector<std::pair<std::string, std::string>> StallInspector::inspect(
     }
   }
   if (!report.empty() && now - last_report_ >= config_.stall_warning_seconds) {
-    std::fprintf(stderr,
-                 "unison: warning: some ranks have waited more than %d s for others to submit "
-                 "these tensors; a rank may have taken a different code path:\n%s",
-                 (int)config_.stall_warning_seconds, report.c_str());
-    std::fflush(stderr);
+    log_message(LogLevel::warning,
+                "unison: warning: some ranks have waited more than %d s for others to submit "
+                "these tensors; a rank may have taken a different code path:\n%s",
+                (int)config_.stall_warning_seconds, report.c_str());
     last_report_ = now;
   }
   return failures;

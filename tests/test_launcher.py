@@ -194,6 +194,51 @@ def test_stall_inspector_warns_then_fails_naming_the_missing_rank(tmp_path):
     assert "still usable 0" in out and "still usable 1" in out
 
 
+def test_log_level_error_silences_the_stall_warning_not_the_failure(tmp_path):
+    proc = run(tmp_path, """
+        import time
+        import numpy as np
+        import unison, unison.numpy as unp
+        unison.init()
+        if unison.rank() == 0:
+            try:
+                unp.allreduce(np.ones(2), name="alone")
+            except unison.StalledError as e:
+                print("stalled:", e, flush=True)
+        else:
+            time.sleep(5)
+        unp.barrier()
+    """, extra=("--log-level", "ERROR", "--stall-check-warning-time-seconds", "1",
+                "--stall-check-shutdown-time-seconds", "2.5"))
+    out, err = proc.stdout.decode(), proc.stderr.decode()
+    assert proc.returncode == 0, out + err
+    assert "stalled: " in out and "submitted by ranks [0], missing from ranks [1]" in out, out
+    assert "some ranks have waited" not in err, err
+
+
+def test_horovodrun_flags(tmp_path):
+    # A horovodrun command line with its controller and cache flags runs
+    # as it is, with unisonrun in place of horovodrun.
+    proc = run(tmp_path, """
+        import unison
+        unison.init()
+        print("rank", unison.rank(), "of", unison.size(), flush=True)
+    """, extra=("--gloo", "--disable-cache", "--log-level", "debug"))
+    out = proc.stdout.decode()
+    assert proc.returncode == 0, out + proc.stderr.decode()
+    assert "rank 0 of 2" in out and "rank 1 of 2" in out, out
+    version = subprocess.run([sys.executable, "-m", "unison.run", "-v"], stdout=subprocess.PIPE, timeout=60)
+    assert version.returncode == 0 and version.stdout.decode().startswith("unisonrun (unison) "), version.stdout
+    both = subprocess.run([sys.executable, "-m", "unison.run", "--gloo", "--mpi", "-np", "2", "true"],
+                          stderr=subprocess.PIPE, timeout=60)
+    assert both.returncode == 2 and b"not allowed with argument --gloo" in both.stderr, both.stderr
+    from unison.run import _parse
+    args = _parse(["-np", "2", "--min-num-proc", "1", "--max-num-proc", "3", "--slots-per-host", "2",
+                   "--host-discovery-script", "./hosts.sh", "-cb", "python", "train.py"])
+    assert (args.min_np, args.max_np, args.slots, args.check_build) == (1, 3, 2, True)
+    assert _parse(["-np", "2", "-hostfile", "hosts.txt", "true"]).hostfile == "hosts.txt"
+
+
 @pytest.mark.parametrize("np_", [2, 3])
 def test_requests_and_responses_that_overflow_one_control_message(np_):
     # 4 KiB control messages: a thousand requests go out over several cycles,

@@ -83,6 +83,8 @@ def test_background_thread_leaves_signals_to_the_main_thread(solo):
     ("UNISON_SHM_SLOT_BYTES", "1KiB", "at least 4096"),
     # kB is 1000 bytes, so 4kB is under the 4096-byte minimum where 4KiB is not.
     ("UNISON_SHM_SLOT_BYTES", "4kB", "at least 4096"),
+    ("UNISON_LOG_LEVEL", "loud", "one of trace, debug, info, warning, error, fatal"),
+    ("HOROVOD_LOG_LEVEL", "1", "one of trace, debug, info, warning, error, fatal"),
 ])
 def test_bad_setting_is_refused_at_init_naming_variable_and_value(monkeypatch, variable, value, expected):
     unison.shutdown()
@@ -96,6 +98,17 @@ def test_bad_setting_is_refused_at_init_naming_variable_and_value(monkeypatch, v
     monkeypatch.delenv(variable)
     unison.init()
     np.testing.assert_array_equal(unp.allreduce(np.ones(3), name="after.bad.setting"), np.ones(3))
+    unison.shutdown()
+
+
+@pytest.mark.parametrize("variable,value", [("HOROVOD_LOG_LEVEL", "debug"), ("HOROVOD_LOG_LEVEL", "INFO"),
+                                            ("UNISON_LOG_LEVEL", "Warning"), ("UNISON_LOG_LEVEL", "fatal")])
+def test_horovods_log_level_names_are_understood(monkeypatch, variable, value):
+    # A Horovod job's environment often carries HOROVOD_LOG_LEVEL=debug.
+    unison.shutdown()
+    monkeypatch.setenv(variable, value)
+    unison.init()
+    np.testing.assert_array_equal(unp.allreduce(np.ones(3), name="with.log.level"), np.ones(3))
     unison.shutdown()
 
 

@@ -13,6 +13,7 @@
 #include <random>
 
 #include "../hierarchical.h"
+#include "../log.h"
 #include "../signals.h"
 #include "communicator.h"
 
@@ -181,7 +182,8 @@ Status make_mpi_backend(Config* config, int generation, std::unique_ptr<Backend>
                                      out);
   }
   if (config->hierarchical && config->local_size > 1 && config->rank == 0)
-    std::fprintf(stderr, "unison: hosts run different numbers of ranks, so every collective goes over MPI (flat)\n");
+    log_message(LogLevel::warning,
+                "unison: hosts run different numbers of ranks, so every collective goes over MPI (flat)\n");
   return make_flat_mpi_backend(*config, world, out);
 }
 

@@ -23,6 +23,7 @@
 
 #include "mesh.h"
 #include "socket.h"
+#include "../log.h"
 
 namespace unison {
 namespace {
@@ -158,8 +159,8 @@ Status Mesh::connect(const Config& config, std::shared_ptr<Mesh>* out) {
       std::string hello;
       if (proved.ok()) proved = read_text(fd, &hello, deadline);
       if (!proved.ok()) {
-        std::fprintf(stderr, "unison: rank 0 refused a connection from %s: %s\n", peer_address(fd).c_str(),
-                     proved.message.c_str());
+        log_message(LogLevel::warning, "unison: rank 0 refused a connection from %s: %s\n",
+                    peer_address(fd).c_str(), proved.message.c_str());
         close(fd);
         continue;
       }
@@ -236,8 +237,9 @@ Status Mesh::connect(const Config& config, std::shared_ptr<Mesh>* out) {
     if (proved.ok()) proved = read_text(fd, &hello, deadline);
     const int who = proved.ok() ? std::atoi(hello.c_str()) : -1;
     if (!proved.ok() || who <= me || who >= size || sockets.fds[who] >= 0) {
-      std::fprintf(stderr, "unison: rank %d refused a connection from %s: %s\n", me, peer_address(fd).c_str(),
-                   proved.ok() ? ("it claimed to be rank " + hello).c_str() : proved.message.c_str());
+      log_message(LogLevel::warning, "unison: rank %d refused a connection from %s: %s\n", me,
+                  peer_address(fd).c_str(),
+                  proved.ok() ? ("it claimed to be rank " + hello).c_str() : proved.message.c_str());
       close(fd);
       continue;
     }

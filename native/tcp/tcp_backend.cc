@@ -29,6 +29,7 @@
 #include "../backend.h"
 #include "../dtype.h"
 #include "../hierarchical.h"
+#include "../log.h"
 #include "../timeline.h"
 #include "mesh.h"
 
@@ -391,7 +392,8 @@ Status make_tcp_backend(Config* config, int generation, std::unique_ptr<Backend>
   static bool warned = false;  // once per process, not at every init
   if (config->hierarchical && config->local_size > 1 && config->rank == 0 && !warned) {
     warned = true;
-    std::fprintf(stderr, "unison: hosts run different numbers of ranks, so every collective goes over TCP (flat)\n");
+    log_message(LogLevel::warning,
+                "unison: hosts run different numbers of ranks, so every collective goes over TCP (flat)\n");
   }
   *out = std::make_unique<TcpBackend>(mesh, everyone, 0, *config);
   return Status::OK();
