@@ -39,6 +39,13 @@ std::string trimmed(const char* value) {
   return first == std::string::npos ? std::string() : s.substr(first, last - first + 1);
 }
 
+// trimmed(), in lower case: for the settings whose words may come in any case.
+std::string trimmed_lower(const char* value) {
+  std::string s = trimmed(value);
+  for (char& ch : s) ch = (char)std::tolower((unsigned char)ch);
+  return s;
+}
+
 Status read_int(int* field, const char* unison_name, const char* horovod_name = nullptr, int minimum = 0) {
   const char* name = nullptr;
   const char* v = lookup(unison_name, horovod_name, &name);
@@ -66,8 +73,7 @@ Status read_size(size_t* field, const char* unison_name, const char* horovod_nam
   size_t digits = 0;
   while (digits < text.size() && std::isdigit((unsigned char)text[digits])) ++digits;
   if (digits == 0 || digits > 18) return bad_setting(name, v, expected);
-  std::string unit = trimmed(text.substr(digits).c_str());
-  for (char& ch : unit) ch = (char)std::tolower((unsigned char)ch);
+  const std::string unit = trimmed_lower(text.substr(digits).c_str());
   static const std::pair<const char*, unsigned long long> kUnits[] = {
       {"", 1ull},           {"b", 1ull},
       {"k", 1ull << 10},    {"kib", 1ull << 10},  {"kb", 1000ull},
@@ -104,8 +110,7 @@ Status read_log_level(LogLevel* field) {
   const char* name = nullptr;
   const char* v = lookup("UNISON_LOG_LEVEL", "HOROVOD_LOG_LEVEL", &name);
   if (v == nullptr) return Status::OK();
-  std::string text = trimmed(v);
-  for (char& ch : text) ch = (char)std::tolower((unsigned char)ch);
+  const std::string text = trimmed_lower(v);
   const char* names[] = {"trace", "debug", "info", "warning", "error", "fatal"};
   for (int level = 0; level < 6; ++level)
     if (text == names[level]) {
@@ -119,8 +124,7 @@ Status read_flag(bool* field, const char* unison_name, const char* horovod_name 
   const char* name = nullptr;
   const char* v = lookup(unison_name, horovod_name, &name);
   if (v == nullptr) return Status::OK();
-  std::string text = trimmed(v);
-  for (char& ch : text) ch = (char)std::tolower((unsigned char)ch);
+  const std::string text = trimmed_lower(v);
   if (text == "1" || text == "true" || text == "yes" || text == "on") {
     *field = true;
   } else if (text == "0" || text == "false" || text == "no" || text == "off") {
