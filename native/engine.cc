@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <set>
 
+#include "caller_activity.h"
 #include "dtype.h"
 #include "log.h"
 
@@ -192,6 +193,10 @@ void Engine::build_message(ProcessSetState& set, CycleMessage* message, double n
   // holds responses back or the stall inspector has something to fail.
   set.stall_check = stall_check_due(set, now);
   if (set.rank == 0 && (set.responses_held_back || set.stall_check)) message->flags |= CycleMessage::kMoreQueued;
+  // An op waiting for its data here will still be submitted: not blocked.
+  if (config_.stall_check_enabled && waiting_for_data_.empty() &&
+      caller_activity::blocked_for(config_.stall_warning_seconds, now))
+    message->flags |= CycleMessage::kBlocked;
   set.fresh = false;
   if (&set != global_) return;
   TunedSettings next;
@@ -239,6 +244,11 @@ Status Engine::run_cycle() {
   // Rank 0's autotuner switches every rank here, at the same cycle.
   if (all[0].flags & CycleMessage::kTuning) apply_tuning(all[0]);
   std::set<int> busy;
+  // Every rank of the job, not just a set's members: a set's op may wait for
+  // a member that is blocked on a global op some busy rank will still join.
+  everyone_blocked_ = std::all_of(all.begin(), all.end(), [](const CycleMessage& m) {
+    return (m.flags & CycleMessage::kBlocked) != 0;
+  });
   for (int r = 0; r < (int)all.size(); ++r) {
     if (all[r].flags & CycleMessage::kShutdown) {
       Status down = Status::Error(UNISON_ERR_SHUT_DOWN, "unison: rank " + std::to_string(r) +
@@ -358,7 +368,8 @@ Status Engine::negotiate(ProcessSetState& set, const std::vector<CycleMessage>& 
       for (const CycleMessage& m : all)
         for (const Request& r : m.requests) set.coordinator.add(r, now);
       if (set.stall_check) {
-        for (const auto& [name, message] : set.stall_inspector.inspect(stalled_candidates(set), now)) {
+        for (const auto& [name, message] : set.stall_inspector.inspect(stalled_candidates(set), now,
+                                                                       everyone_blocked_)) {
           set.coordinator.fail(name, UNISON_ERR_STALLED, message);
           for (auto it = set.partial_bits.begin(); it != set.partial_bits.end();) {
             if (it->second.name == name) {
@@ -493,6 +504,7 @@ void Engine::complete(ProcessSetState& set, const std::string& name, const Statu
 
 void Engine::publish_completions() {
   if (finished_.empty()) return;
+  caller_activity::note_completion(monotonic_seconds());
   {
     std::lock_guard<std::mutex> lock(queue_mutex_);
     for (const auto& [id, name] : finished_names_) {

@@ -175,6 +175,7 @@ class Engine {
   TunedSettings tuned_;
   std::unique_ptr<Autotuner> tuner_;  // rank 0, with UNISON_AUTOTUNE
   bool cache_switched_ = false;       // this cycle: switch_cache() at its end
+  bool everyone_blocked_ = false;     // this cycle: every rank reported CycleMessage::kBlocked
   std::unique_ptr<Backend> backend_;
   HandleTable* handles_;
 

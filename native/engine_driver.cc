@@ -53,6 +53,7 @@
 #include <chrono>
 #include <mutex>
 
+#include "caller_activity.h"
 #include "engine.h"
 #include "signals.h"
 
@@ -181,6 +182,7 @@ double Engine::step(bool by_caller) {
 
 Status Engine::wait(int64_t handle, double timeout_seconds) {
   last_waited = handle;
+  caller_activity::BlockedScope blocked;  // for the stall inspector's deadlock test
   bool done = false;
   Status s = handles_->poll(handle, &done);
   if (!s.ok() || done || !backend_->callers_may_drive()) return handles_->wait(handle, timeout_seconds);

@@ -7,6 +7,7 @@
 #include <memory>
 #include <utility>
 
+#include "caller_activity.h"
 #include "cuda/runtime.h"
 #include "dtype.h"
 
@@ -214,10 +215,13 @@ Status Engine::enqueue(const unison_op_options& o, int64_t* handle) {
     auto group = open_groups_.find(std::this_thread::get_id());
     if (group != open_groups_.end()) {
       group->second.held.push_back(std::move(e));
+      caller_activity::note_enqueue(monotonic_seconds());
       return Status::OK();
     }
   }
-  queue_for_cycle(std::move(e), monotonic_seconds());
+  const double now = monotonic_seconds();
+  caller_activity::note_enqueue(now);
+  queue_for_cycle(std::move(e), now);
   wake_for(*handle);
   return Status::OK();
 }

@@ -65,6 +65,7 @@ struct CycleMessage {
     kShutdown = 2,      // this rank is shutting down
     kMoreQueued = 4,    // requests did not all fit; another cycle is needed
     kTuning = 8,        // rank 0 only: every rank switches to `tuning` now
+    kBlocked = 16,      // every thread that submits here is blocked waiting (caller_activity.h)
   };
   uint32_t flags = 0;
   std::vector<uint64_t> ready_bits;    // cache positions whose tensor is ready here

@@ -1,5 +1,6 @@
 #include "stall_inspector.h"
 
+#include <algorithm>
 #include <cstdio>
 
 #include "dtype.h"
@@ -26,20 +27,42 @@ bool StallInspector::due(double oldest_since, double now) const {
   if (!config_.stall_check_enabled) return false;
   const double age = now - oldest_since;  // -infinity when nothing waits
   if (age >= config_.stall_warning_seconds && now - last_report_ >= config_.stall_warning_seconds) return true;
+  // Past the warning time, every second (one control exchange) asks the
+  // ranks whether they are all blocked, so that a deadlock fails soon after
+  // the last rank blocked, not a warning period later.
+  if (age >= config_.stall_warning_seconds && now - last_inspected_ >= std::min(1.0, config_.stall_warning_seconds))
+    return true;
   return config_.stall_shutdown_seconds > 0 && age >= config_.stall_shutdown_seconds;
 }
 
 std::vector<std::pair<std::string, std::string>> StallInspector::inspect(
-    const std::vector<Waiting>& waiting, double now) {
+    const std::vector<Waiting>& waiting, double now, bool deadlocked) {
   std::vector<std::pair<std::string, std::string>> failures;
   if (!config_.stall_check_enabled) return failures;
+  last_inspected_ = now;
+  std::vector<std::string> lines;
+  for (const Waiting& w : waiting)
+    lines.push_back(std::string(op_name(w.op)) + " '" + w.name + "'" + set_label_ + " waited " +
+                    std::to_string((int)(now - w.since)) + " s: submitted by ranks " +
+                    ranks_where(w.submitted, true, rank_names_) + ", missing from ranks " +
+                    ranks_where(w.submitted, false, rank_names_));
+  if (deadlocked && !waiting.empty()) {
+    // No rank can submit the missing tensors: each names all of them, since
+    // the bug is usually where the ranks' paths parted, not in one tensor.
+    std::string message = "unison: deadlock: every rank is blocked waiting on a collective that another rank "
+                           "has not submitted, and none has started or finished one for " +
+                           std::to_string((int)config_.stall_warning_seconds) + " s, so these can never run:";
+    for (const std::string& line : lines) message += "\n  " + line;
+    message += "\nA rank took a different code path, or submitted these in another order "
+               "(UNISON_STALL_CHECK_DISABLE=1 waits instead).";
+    for (const Waiting& w : waiting) failures.emplace_back(w.name, message);
+    return failures;
+  }
   std::string report;
-  for (const Waiting& w : waiting) {
-    double age = now - w.since;
-    std::string line = std::string(op_name(w.op)) + " '" + w.name + "'" + set_label_ + " waited " +
-                       std::to_string((int)age) + " s: submitted by ranks " +
-                       ranks_where(w.submitted, true, rank_names_) + ", missing from ranks " +
-                       ranks_where(w.submitted, false, rank_names_);
+  for (size_t i = 0; i < waiting.size(); ++i) {
+    const Waiting& w = waiting[i];
+    const double age = now - w.since;
+    const std::string& line = lines[i];
     if (config_.stall_shutdown_seconds > 0 && age >= config_.stall_shutdown_seconds) {
       failures.emplace_back(w.name, "unison: stalled: " + line + " (failed after UNISON_STALL_SHUTDOWN_TIME_SECONDS=" +
                                         std::to_string((int)config_.stall_shutdown_seconds) + ")");

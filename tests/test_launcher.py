@@ -194,6 +194,106 @@ def test_stall_inspector_warns_then_fails_naming_the_missing_rank(tmp_path):
     assert "still usable 0" in out and "still usable 1" in out
 
 
+@pytest.mark.parametrize("np_", [2, 3])
+def test_ranks_blocked_on_different_tensors_fail_as_a_deadlock_then_go_on(tmp_path, np_):
+    # Rank 0 took a branch the others did not: it waits on 'extra', they wait
+    # on 'loss'. Horovod warns every minute and waits forever; here, once
+    # every rank is blocked and nothing moved for the warning time, every
+    # rank's op fails with the whole picture, and the job goes on.
+    proc = run(tmp_path, """
+        import time
+        import numpy as np
+        import unison, unison.numpy as unp
+        unison.init()
+        r = unison.rank()
+        unp.allreduce(np.ones(2), name="w")
+        try:
+            if r == 0:
+                unp.allreduce(np.ones(2), name="extra")
+            unp.allreduce(np.ones(2), name="loss")
+        except unison.StalledError as e:
+            print("rank %d: %s" % (r, e), flush=True)
+        total = unp.allreduce(np.full(2, r + 1.0), op=unison.Sum, name="after")
+        print("after", r, total.tolist(), flush=True)
+    """, np_=np_, extra=("--stall-check-warning-time-seconds", "1.5"))
+    out, err = proc.stdout.decode(), proc.stderr.decode()
+    assert proc.returncode == 0, out + err
+    others = "[%s]" % ", ".join(str(r) for r in range(1, np_))
+    for r in range(np_):
+        mine = "\n".join(line for line in out.splitlines() if line.startswith("[%d]<stdout>:" % r))
+        assert ("rank %d: unison: deadlock: every rank is blocked" % r) in mine, out
+        assert ("allreduce 'extra' waited 1 s: submitted by ranks [0], missing from ranks %s" % others) in mine, out
+        assert ("allreduce 'loss' waited 1 s: submitted by ranks %s, missing from ranks [0]" % others) in mine, out
+        assert "UNISON_STALL_CHECK_DISABLE=1 waits instead" in mine, out
+        assert ("after %d %s" % (r, [np_ * (np_ + 1) / 2] * 2)) in out, out
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_a_rank_whose_other_thread_is_busy_is_not_a_deadlock(tmp_path, np_):
+    # Rank 0's helper thread waits on 'a', which the others submit only after
+    # 'b'; rank 0's main thread, which has submitted before, is busy past the
+    # warning time and then submits 'b'. Every thread that waits is blocked,
+    # but rank 0's main thread is not: a slow job, which must finish.
+    proc = run(tmp_path, """
+        import threading, time
+        import numpy as np
+        import unison, unison.numpy as unp
+        unison.init()
+        r = unison.rank()
+        unp.allreduce(np.ones(2), name="w")
+        if r == 0:
+            got = []
+            helper = threading.Thread(target=lambda: got.append(unp.allreduce(np.ones(2), op=unison.Sum, name="a")))
+            helper.start()
+            time.sleep(3.5)
+            print("b", unp.allreduce(np.ones(2), op=unison.Sum, name="b"), flush=True)
+            helper.join()
+            print("a", got[0], flush=True)
+        else:
+            print("b", unp.allreduce(np.ones(2), op=unison.Sum, name="b"), flush=True)
+            print("a", unp.allreduce(np.ones(2), op=unison.Sum, name="a"), flush=True)
+    """, np_=np_, extra=("--stall-check-warning-time-seconds", "1"))
+    out, err = proc.stdout.decode(), proc.stderr.decode()
+    assert proc.returncode == 0, out + err
+    assert "deadlock" not in out + err, out + err
+    assert "some ranks have waited more than 1 s" in err, err
+    for r in range(np_):
+        for name in "ab":
+            assert ("[%d]<stdout>:%s [%d. %d.]" % (r, name, np_, np_)) in out, out
+
+
+def test_a_set_whose_members_are_blocked_waits_for_a_busy_rank_outside_it(tmp_path):
+    # Set {0, 1}: rank 0 has started the global 'x' and waits on the set's
+    # 'z'; rank 1 waits on 'x' before it submits 'z'; rank 2 is busy, then
+    # submits 'x'. Both of the set's members are blocked, but the job is not
+    # deadlocked: 'x' runs once rank 2 comes, and then 'z'.
+    proc = run(tmp_path, """
+        import time
+        import numpy as np
+        import unison, unison.numpy as unp
+        unison.init()
+        r = unison.rank()
+        pair = unison.add_process_set([0, 1])
+        if r == 0:
+            x = unp.allreduce_async(np.ones(2), op=unison.Sum, name="x")
+            print("z", unp.allreduce(np.ones(2), op=unison.Sum, name="z", process_set=pair), flush=True)
+            print("x", unp.synchronize(x), flush=True)
+        elif r == 1:
+            print("x", unp.allreduce(np.ones(2), op=unison.Sum, name="x"), flush=True)
+            print("z", unp.allreduce(np.ones(2), op=unison.Sum, name="z", process_set=pair), flush=True)
+        else:
+            time.sleep(3.5)
+            print("x", unp.allreduce(np.ones(2), op=unison.Sum, name="x"), flush=True)
+        unp.barrier()  # rank 2 stays until the set is done: a rank that shuts down ends every collective
+    """, np_=3, extra=("--stall-check-warning-time-seconds", "1"))
+    out, err = proc.stdout.decode(), proc.stderr.decode()
+    assert proc.returncode == 0, out + err
+    assert "deadlock" not in out + err, out + err
+    assert "[0]<stdout>:z [2. 2.]" in out and "[1]<stdout>:z [2. 2.]" in out, out
+    for r in range(3):
+        assert ("[%d]<stdout>:x [3. 3.]" % r) in out, out
+
+
 def test_log_level_error_silences_the_stall_warning_not_the_failure(tmp_path):
     proc = run(tmp_path, """
         import time
