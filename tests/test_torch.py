@@ -138,3 +138,54 @@ def test_rpc_suite_across_hosts(hosts, np_):
     host can reach, not the loopback a one-host job uses."""
     proc = unisonrun(["-np", str(np_), "-H", hosts], pytest_command("test_torch_rpc.py"), timeout=580)
     assert_every_rank_passed(proc, np_)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("np_", [2, 3])
+def test_a_rank_that_takes_another_branch_mid_training_fails_every_rank_instead_of_hanging(tmp_path, np_):
+    # Rank 0 averages a metric at step 2 that the others skip. They finish
+    # step 2 (rank 0's gradients were already in) and wait on step 3's in
+    # optimizer.step(); rank 0 waits on 'metric'. Every rank gets the
+    # deadlock report, the optimizers that failed are ready for another
+    # backward, and the job's collectives go on.
+    import textwrap
+    script = tmp_path / "branch.py"
+    script.write_text(textwrap.dedent("""
+        import torch
+        import unison
+        import unison.torch as hvd
+        torch.set_num_threads(1)
+        hvd.init()
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 1)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters())
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        for step in range(5):
+            opt.zero_grad()
+            model(torch.ones(2, 4) * (hvd.rank() + 1)).sum().backward()
+            try:
+                if step == 2 and hvd.rank() == 0:
+                    hvd.allreduce(torch.ones(1), name="metric")
+                opt.step()
+            except unison.StalledError as e:
+                print("rank %d step %d: %s" % (hvd.rank(), step, e), flush=True)
+                break
+        if hvd.rank() != 0:
+            opt.zero_grad()  # the failed step() left no allreduce in flight
+            print("rank %d zero_grad ok" % hvd.rank(), flush=True)
+        total = hvd.allreduce(torch.ones(1), op=hvd.Sum, name="after").item()
+        print("rank %d after: %s" % (hvd.rank(), total), flush=True)
+    """))
+    proc = run_job([sys.executable, "-m", "unison.run", "-np", str(np_), "--stall-check-warning-time-seconds",
+                    "1.5", sys.executable, str(script)], 100, cwd=str(tmp_path), stderr=subprocess.PIPE)
+    out, err = proc.stdout.decode(), proc.stderr.decode()
+    assert proc.returncode == 0, out + err
+    others = "[%s]" % ", ".join(str(r) for r in range(1, np_))
+    for r in range(np_):
+        assert ("rank %d step %d: unison: deadlock: every rank is blocked" % (r, 2 if r == 0 else 3)) in out, out
+        assert ("rank %d after: %d.0" % (r, np_)) in out, out
+        assert r == 0 or ("rank %d zero_grad ok" % r) in out, out
+    assert ("allreduce 'metric' waited 1 s: submitted by ranks [0], missing from ranks %s" % others) in out, out
+    assert ("allreduce 'allreduce.weight' waited 1 s: submitted by ranks %s, missing from ranks [0]"
+            % others) in out, out

@@ -135,9 +135,19 @@ class _DistributedOptimizer:
                     self._start_group(group)  # starts p and the rest of its group
                 else:
                     self._handles[p] = self._allreduce_grad_async(p)
+        # A failed allreduce (a peer died, a deadlock) fails this call, but
+        # only after every other one has finished with its gradient, and it
+        # leaves the optimizer ready for the next backward: a caller that
+        # handles the error can zero the gradients and go on.
+        failure = None
         for p in self._ordered:
             handle, ctx = self._handles[p]
-            result = _wait(handle)
+            self._allreduce_delay[p] = self.backward_passes_per_step
+            try:
+                result = _wait(handle)
+            except UnisonError as e:
+                failure = failure or e
+                continue
             if ctx == "sparse":
                 p.grad = result
             else:
@@ -145,8 +155,9 @@ class _DistributedOptimizer:
                 if restored.data_ptr() != p.grad.data_ptr():
                     with torch.no_grad():
                         p.grad.copy_(restored)
-            self._allreduce_delay[p] = self.backward_passes_per_step
         self._handles.clear()
+        if failure is not None:
+            raise failure
         self._synchronized = True
 
     @contextlib.contextmanager
