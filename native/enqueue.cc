@@ -211,16 +211,15 @@ Status Engine::enqueue(const unison_op_options& o, int64_t* handle) {
   *handle = e.handle;
   in_flight.insert(r.name);
   timeline_.begin(r.name, "QUEUED");
+  const double now = monotonic_seconds();
+  caller_activity::note_enqueue(now);
   if (carries_tensor) {
     auto group = open_groups_.find(std::this_thread::get_id());
     if (group != open_groups_.end()) {
       group->second.held.push_back(std::move(e));
-      caller_activity::note_enqueue(monotonic_seconds());
       return Status::OK();
     }
   }
-  const double now = monotonic_seconds();
-  caller_activity::note_enqueue(now);
   queue_for_cycle(std::move(e), now);
   wake_for(*handle);
   return Status::OK();
