@@ -11,7 +11,7 @@ from unison.basics import (  # noqa: F401
     nccl_built, rank, rocm_built, shutdown, size, start_timeline, stop_timeline, tuned_settings)
 from unison.exceptions import (  # noqa: F401
     HorovodInternalError, InvalidArgumentError, MismatchError, NotInitializedError,
-    RankFailedError, ShutDownError, StalledError, UnisonError, UnisonInternalError,
+    RankFailedError, ShutDownError, StalledError, DeadlockError, UnisonError, UnisonInternalError,
     UnsupportedError)
 from unison.process_sets import (  # noqa: F401
     ProcessSet, add_process_set, global_process_set, remove_process_set)

@@ -21,6 +21,7 @@ _ERRORS = {
     lib.UNISON_ERR_RANK_FAILED: exceptions.RankFailedError,
     lib.UNISON_ERR_SHUT_DOWN: exceptions.ShutDownError,
     lib.UNISON_ERR_STALLED: exceptions.StalledError,
+    lib.UNISON_ERR_DEADLOCK: exceptions.DeadlockError,
     lib.UNISON_ERR_UNSUPPORTED: exceptions.UnsupportedError,
     lib.UNISON_ERR_INTERNAL: exceptions.UnisonInternalError,
 }

@@ -44,4 +44,9 @@ class StalledError(UnisonInternalError):
     """The stall inspector failed an op that some ranks never submitted."""
 
 
+class DeadlockError(StalledError):
+    """Every rank was blocked waiting on an op that another rank never
+    submitted (a rank took another code path): none could ever run."""
+
+
 HorovodInternalError = UnisonInternalError

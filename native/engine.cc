@@ -368,12 +368,12 @@ Status Engine::negotiate(ProcessSetState& set, const std::vector<CycleMessage>& 
       for (const CycleMessage& m : all)
         for (const Request& r : m.requests) set.coordinator.add(r, now);
       if (set.stall_check) {
-        for (const auto& [name, message] : set.stall_inspector.inspect(stalled_candidates(set), now,
-                                                                       everyone_blocked_)) {
-          set.coordinator.fail(name, UNISON_ERR_STALLED, message);
+        for (const auto& [name, code, message] :
+             set.stall_inspector.inspect(stalled_candidates(set), now, everyone_blocked_)) {
+          set.coordinator.fail(name, code, message);
           for (auto it = set.partial_bits.begin(); it != set.partial_bits.end();) {
             if (it->second.name == name) {
-              decided.responses.push_back(error_response(name, UNISON_ERR_STALLED, message));
+              decided.responses.push_back(error_response(name, code, message));
               it = set.partial_bits.erase(it);
             } else {
               ++it;

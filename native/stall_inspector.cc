@@ -35,9 +35,9 @@ bool StallInspector::due(double oldest_since, double now) const {
   return config_.stall_shutdown_seconds > 0 && age >= config_.stall_shutdown_seconds;
 }
 
-std::vector<std::pair<std::string, std::string>> StallInspector::inspect(
-    const std::vector<Waiting>& waiting, double now, bool deadlocked) {
-  std::vector<std::pair<std::string, std::string>> failures;
+std::vector<StallInspector::Failure> StallInspector::inspect(const std::vector<Waiting>& waiting, double now,
+                                                             bool deadlocked) {
+  std::vector<Failure> failures;
   if (!config_.stall_check_enabled) return failures;
   last_inspected_ = now;
   std::vector<std::string> lines;
@@ -55,7 +55,7 @@ std::vector<std::pair<std::string, std::string>> StallInspector::inspect(
     for (const std::string& line : lines) message += "\n  " + line;
     message += "\nA rank took a different code path, or submitted these in another order "
                "(UNISON_STALL_CHECK_DISABLE=1 waits instead).";
-    for (const Waiting& w : waiting) failures.emplace_back(w.name, message);
+    for (const Waiting& w : waiting) failures.push_back({w.name, UNISON_ERR_DEADLOCK, message});
     return failures;
   }
   std::string report;
@@ -64,8 +64,9 @@ std::vector<std::pair<std::string, std::string>> StallInspector::inspect(
     const double age = now - w.since;
     const std::string& line = lines[i];
     if (config_.stall_shutdown_seconds > 0 && age >= config_.stall_shutdown_seconds) {
-      failures.emplace_back(w.name, "unison: stalled: " + line + " (failed after UNISON_STALL_SHUTDOWN_TIME_SECONDS=" +
-                                        std::to_string((int)config_.stall_shutdown_seconds) + ")");
+      failures.push_back({w.name, UNISON_ERR_STALLED,
+                          "unison: stalled: " + line + " (failed after UNISON_STALL_SHUTDOWN_TIME_SECONDS=" +
+                              std::to_string((int)config_.stall_shutdown_seconds) + ")"});
     } else if (age >= config_.stall_warning_seconds) {
       report += "  " + line + "\n";
     }

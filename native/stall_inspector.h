@@ -19,12 +19,16 @@ class StallInspector {
   // Whether a tensor waiting since `oldest_since` is old enough to look at
   // now. Asked on every engine wake-up, so it takes one number.
   bool due(double oldest_since, double now) const;
+  struct Failure {
+    std::string name;
+    int code;  // UNISON_ERR_DEADLOCK or UNISON_ERR_STALLED
+    std::string message;
+  };
   // Prints a warning for what waited past the warning time; returns the
-  // names to fail, with messages: all of them when `deadlocked` (every rank
-  // reported itself blocked), else those waiting past the shutdown time
-  // (when that is set).
-  std::vector<std::pair<std::string, std::string>> inspect(const std::vector<Waiting>& waiting, double now,
-                                                           bool deadlocked);
+  // tensors to fail: all of them when `deadlocked` (every rank reported
+  // itself blocked), else those waiting past the shutdown time (when that
+  // is set).
+  std::vector<Failure> inspect(const std::vector<Waiting>& waiting, double now, bool deadlocked);
   // For its reports: the global rank of each rank it watches, and the
   // process set they form (0: the global set).
   void set_rank_names(const std::vector<int>& global_ranks, int process_set_id);

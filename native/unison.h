@@ -32,7 +32,8 @@ enum {
   UNISON_ERR_SHUT_DOWN = 6,         /* a rank shut down while the op was pending */
   UNISON_ERR_STALLED = 7,           /* the stall inspector failed the op */
   UNISON_ERR_UNSUPPORTED = 8,       /* valid request this build cannot do */
-  UNISON_ERR_INTERNAL = 9
+  UNISON_ERR_INTERNAL = 9,
+  UNISON_ERR_DEADLOCK = 10          /* every rank waits on an op another never submits */
 };
 
 /* Element types. */

@@ -38,6 +38,26 @@ def test_object_state_survives_a_killed_worker(tmp_path, hosts, victim):
         assert e["step"] == STEPS and e["total"] == [expected] * 3, e
 
 
+@pytest.mark.parametrize("hosts", ["localhost:1,127.0.0.1:1", "localhost:2,127.0.0.1:1"], ids=["np2", "np3"])
+def test_a_deadlock_ends_an_elastic_job_instead_of_resetting_it(tmp_path, hosts):
+    # Rank 0 takes another branch at step 5. Every rank gets DeadlockError,
+    # which hvd.elastic.run passes on, as it does a mismatch: a reset would
+    # only replay the same code path into the same deadlock.
+    np_ = sum(int(h.split(":")[1]) for h in hosts.split(","))
+    proc, events = elastic_job(tmp_path, ["-np", str(np_), "--min-np", "1", "-H", hosts,
+                                          "--stall-check-warning-time-seconds", "1.5"], "train_numpy.py",
+                               env={"ELASTIC_BRANCH_AT": "5", "ELASTIC_STEPS": "20"})
+    output = proc.stdout.decode(errors="replace")
+    assert proc.returncode != 0, output[-6000:]
+    assert output.count("unison.exceptions.DeadlockError: unison: deadlock: every rank is blocked") == np_, \
+        output[-6000:]
+    assert "allreduce 'extra' waited 1 s: submitted by ranks [0]" in output, output[-6000:]
+    assert len(events) == np_, events
+    for worker in events.values():
+        assert [e["event"] for e in worker].count("sync") == 1, worker  # never reset
+        assert not [e for e in worker if e["event"] == "done"], worker
+
+
 def test_c_failures_past_the_reset_limit_end_the_job(tmp_path):
     # The host comes back after its cooldown, and its new worker fails again.
     proc, events = elastic_job(tmp_path, ["-np", "2", "--min-np", "1", "--reset-limit", "2",

@@ -211,7 +211,7 @@ def test_ranks_blocked_on_different_tensors_fail_as_a_deadlock_then_go_on(tmp_pa
             if r == 0:
                 unp.allreduce(np.ones(2), name="extra")
             unp.allreduce(np.ones(2), name="loss")
-        except unison.StalledError as e:
+        except unison.DeadlockError as e:
             print("rank %d: %s" % (r, e), flush=True)
         total = unp.allreduce(np.full(2, r + 1.0), op=unison.Sum, name="after")
         print("after", r, total.tolist(), flush=True)

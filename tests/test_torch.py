@@ -168,7 +168,7 @@ def test_a_rank_that_takes_another_branch_mid_training_fails_every_rank_instead_
                 if step == 2 and hvd.rank() == 0:
                     hvd.allreduce(torch.ones(1), name="metric")
                 opt.step()
-            except unison.StalledError as e:
+            except unison.DeadlockError as e:
                 print("rank %d step %d: %s" % (hvd.rank(), step, e), flush=True)
                 break
         if hvd.rank() != 0:

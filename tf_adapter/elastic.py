@@ -20,7 +20,7 @@ from unison.tensorflow.functions import broadcast_object, broadcast_variables
 # The unison errors a collective inside a tf.function can end with. TensorFlow
 # hands them back as its own OpError, naming ours in the message.
 _FAILURES = [exceptions.MismatchError, exceptions.RankFailedError, exceptions.ShutDownError,
-             exceptions.StalledError, exceptions.UnisonInternalError]
+             exceptions.DeadlockError, exceptions.StalledError, exceptions.UnisonInternalError]
 
 
 def _as_unison_error(error):

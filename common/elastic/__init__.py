@@ -20,7 +20,7 @@ import copy
 import functools
 
 from unison import basics, objects
-from unison.exceptions import MismatchError, UnisonInternalError
+from unison.exceptions import DeadlockError, MismatchError, UnisonInternalError
 from unison.elastic import worker
 
 
@@ -131,9 +131,10 @@ def run_fn(func, reset):
                 return func(state, *args, **kwargs)
             except HostsUpdatedInterrupt as interrupt:
                 skip_sync = interrupt.skip_sync
-            except MismatchError:
-                # Ranks disagreeing on a tensor is a bug in the program:
-                # rolling back would only meet it again.
+            except (MismatchError, DeadlockError):
+                # Ranks disagreeing on a tensor, or waiting on tensors the
+                # others never submit, is a bug in the program: rolling back
+                # would only meet it again.
                 raise
             except UnisonInternalError:
                 if not worker.in_elastic_job():

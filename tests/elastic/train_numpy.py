@@ -15,6 +15,9 @@ import unison.elastic  # noqa: E402
 import unison.numpy as unp  # noqa: E402
 
 STEPS = int(os.environ.get("ELASTIC_STEPS", "20"))
+# At this step rank 0 takes a branch the others do not (an extra allreduce):
+# a bug in the program, which no reset can mend.
+BRANCH_AT = int(os.environ.get("ELASTIC_BRANCH_AT", "-1"))
 
 
 def step_sum(step):
@@ -25,6 +28,8 @@ def step_sum(step):
     share = (step + 1) * (unison.rank() + 1) / (n * (n + 1) / 2)
     fault_at(step)
     try:
+        if step == BRANCH_AT and unison.rank() == 0:
+            unp.allreduce(np.ones(1), name="extra")
         return unp.allreduce(np.full(3, share), op=unison.Sum, name="share")
     except unison.UnisonInternalError as error:
         log(event="detected", step=step, error=str(error))
