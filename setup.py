@@ -29,6 +29,8 @@ setup(
     install_requires=["cffi>=1.15", "numpy"],
     extras_require={
         "examples": ["scikit-learn"],
+        # unisonrun --config-file in YAML, as horovodrun's (JSON needs nothing).
+        "yaml": ["pyyaml"],
         "test": ["pytest", "pytest-timeout"],
         "bench": ["torch==2.13.0", "matplotlib"],
         "torch": ["torch==2.13.0"],

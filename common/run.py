@@ -60,12 +60,34 @@ def _parse(argv):
                         "hierarchical allreduce during the first steps (not those set by an option or variable; "
                         "UNISON_AUTOTUNE_CACHE=0 leaves the cache out)")
     p.add_argument("--autotune-log-file", help="with --autotune: each setting tried and its score, as CSV")
+    p.add_argument("--autotune-warmup-samples", type=int,
+                   help="with --autotune: samples thrown away after each change (default 1)")
+    p.add_argument("--autotune-steps-per-sample", type=int,
+                   help="with --autotune: training steps in each sample (default 5)")
+    p.add_argument("--autotune-bayes-opt-max-samples", type=int,
+                   help="horovodrun's; no effect: unison's autotuner sweeps each setting in turn, without "
+                        "Bayesian optimisation (native/autotune.h says why)")
+    p.add_argument("--autotune-gaussian-process-noise", type=float,
+                   help="horovodrun's; no effect, as --autotune-bayes-opt-max-samples")
+    p.add_argument("--config-file",
+                   help="horovodrun's settings file (YAML, which needs PyYAML, or JSON); options given here win "
+                        "(common/run_config.py)")
     p.add_argument("--output-filename",
                    help="also write each rank's output to DIR/rank.N/stdout and stderr")
     p.add_argument("--verbose", action="store_true", help="print what the launcher does")
     p.add_argument("--log-level", type=str.lower, choices=["trace", "debug", "info", "warning", "error", "fatal"],
                    help="the core's messages on stderr: warning (default) prints its warnings, error silences "
                         "them, fatal its errors too (UNISON_LOG_LEVEL; the core has no info or debug messages)")
+    p.add_argument("--log-with-timestamp", "--log-hide-timestamp", dest="log_with_timestamp", action="store_true",
+                   help="horovodrun's; no effect: the core's few messages carry no timestamp")
+    p.add_argument("--mpi-threads-disable", action="store_true",
+                   help="horovodrun's; no effect: unison's engine thread calls MPI, so it needs at least "
+                        "MPI_THREAD_SERIALIZED and asks for MPI_THREAD_MULTIPLE (native/mpi/world.cc)")
+    p.add_argument("--num-nccl-streams", type=int,
+                   help="horovodrun's; no effect: unison runs NCCL on one stream per device")
+    p.add_argument("--tcp", dest="tcp_flag", action="store_true",
+                   help="horovodrun's: TCP only; unisonrun's data planes across hosts are TCP already unless "
+                        "--mpi is given")
     p.add_argument("--disable-cache", action="store_true",
                    help="horovodrun's: it caches its start-up checks; unisonrun runs them every time, so this "
                         "changes nothing (to turn off the response cache: --cache-capacity 0)")
@@ -94,6 +116,13 @@ def _parse(argv):
                            help="shared memory within each host, MPI across hosts (the default)")
     hierarchy.add_argument("--no-hierarchical-allreduce", dest="hierarchical", action="store_false",
                            help="every byte between ranks over MPI (flat)")
+    gather_hierarchy = cluster.add_mutually_exclusive_group()
+    gather_hierarchy.add_argument("--hierarchical-allgather", dest="hierarchical_allgather", action="store_true",
+                                  default=None,
+                                  help="horovodrun's; allgather follows the allreduce's layout "
+                                       "(--hierarchical-allreduce), which is hierarchical by default")
+    gather_hierarchy.add_argument("--no-hierarchical-allgather", dest="hierarchical_allgather",
+                                  action="store_false", help="as --hierarchical-allgather")
     elastic = p.add_argument_group("elastic (elastic_run.py): the job goes on when workers fail, and grows")
     elastic.add_argument("--min-np", "--min-num-proc", dest="min_np", type=int,
                          help="the fewest workers the job trains with (default: -np)")
@@ -118,6 +147,16 @@ def _parse(argv):
     args = p.parse_args(argv)
     if args.check_build:
         return args
+    if args.config_file:
+        from unison import run_config
+        try:
+            run_config.apply(args, args.config_file)
+        except ValueError as e:
+            p.error("--config-file %s: %s" % (args.config_file, e))
+    for flag, value in (("--autotune-warmup-samples", args.autotune_warmup_samples),
+                        ("--autotune-steps-per-sample", args.autotune_steps_per_sample)):
+        if value is not None and value < (0 if flag == "--autotune-warmup-samples" else 1):
+            p.error("%s %d: at least %d" % (flag, value, 0 if flag == "--autotune-warmup-samples" else 1))
     if args.np is None or args.np < 1:
         p.error("-np N (at least 1) is required")
     if not args.command:
@@ -201,6 +240,10 @@ def _settings(args):
         env["UNISON_AUTOTUNE"] = "1"
     if args.autotune_log_file:
         env["UNISON_AUTOTUNE_LOG"] = os.path.abspath(args.autotune_log_file)
+    if args.autotune_warmup_samples is not None:
+        env["UNISON_AUTOTUNE_WARMUP_SAMPLES"] = str(args.autotune_warmup_samples)
+    if args.autotune_steps_per_sample is not None:
+        env["UNISON_AUTOTUNE_STEPS_PER_SAMPLE"] = str(args.autotune_steps_per_sample)
     if args.timeline_filename:
         env["UNISON_TIMELINE"] = os.path.abspath(args.timeline_filename)
     if args.timeline_mark_cycles:

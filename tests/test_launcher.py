@@ -339,6 +339,103 @@ def test_horovodrun_flags(tmp_path):
     assert _parse(["-np", "2", "-hostfile", "hosts.txt", "true"]).hostfile == "hosts.txt"
 
 
+HOROVOD_CONFIG = """
+controller: gloo
+params:
+  fusion_threshold_mb: 32
+  cycle_time_ms: 2.5
+  cache_capacity: 512
+  hierarchical_allreduce: false
+  hierarchical_allgather: false
+autotune:
+  enabled: true
+  warmup_samples: 2
+  steps_per_sample: 3
+  bayes_opt_max_samples: 20
+  gaussian_process_noise: 0.8
+timeline:
+  filename: trace.json
+  mark_cycles: true
+stall_check:
+  enabled: true
+  warning_time_seconds: 30
+  shutdown_time_seconds: 120
+library_options:
+  mpi_threads_disable: true
+  num_nccl_streams: 2
+  ccl_bgt_affinity: 0
+  gloo_timeout_seconds: 45
+logging:
+  level: ERROR
+  with_timestamp: true
+"""
+
+
+def test_horovodrun_config_file_sets_what_the_command_line_leaves(tmp_path, monkeypatch):
+    # Horovod's own file, every section and key; -cycle-time-ms on the
+    # command line wins over the file's 2.5.
+    import json
+    import yaml
+    from unison.run import _parse, _settings
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "horovod.yaml").write_text(HOROVOD_CONFIG)
+    args = _parse(["-np", "2", "--config-file", "horovod.yaml", "--cycle-time-ms", "1", "python", "train.py"])
+    expected = {"UNISON_FUSION_THRESHOLD": str(32 * 1024 * 1024), "UNISON_CYCLE_TIME": "1.0",
+                "UNISON_CACHE_CAPACITY": "512", "UNISON_HIERARCHICAL_ALLREDUCE": "0", "UNISON_AUTOTUNE": "1",
+                "UNISON_AUTOTUNE_WARMUP_SAMPLES": "2", "UNISON_AUTOTUNE_STEPS_PER_SAMPLE": "3",
+                "UNISON_TIMELINE": str(tmp_path / "trace.json"), "UNISON_TIMELINE_MARK_CYCLES": "1",
+                "UNISON_STALL_CHECK_TIME_SECONDS": "30", "UNISON_STALL_SHUTDOWN_TIME_SECONDS": "120",
+                "UNISON_START_TIMEOUT": "45", "UNISON_LOG_LEVEL": "error"}
+    assert _settings(args) == expected
+    assert args.gloo and not args.mpi
+    # The same settings as JSON need no PyYAML.
+    (tmp_path / "horovod.json").write_text(json.dumps(yaml.safe_load(HOROVOD_CONFIG)))
+    monkeypatch.setitem(sys.modules, "yaml", None)
+    args = _parse(["-np", "2", "--config-file", "horovod.json", "--cycle-time-ms", "1", "python", "train.py"])
+    assert _settings(args) == expected
+    from unison import run_config
+    with pytest.raises(ValueError, match=r"it is not JSON, and reading YAML needs PyYAML \(pip install pyyaml\)"):
+        run_config.apply(args, "horovod.yaml")
+
+
+@pytest.mark.parametrize("content,message", [
+    ("params:\n  fusion_treshold_mb: 32\n", "unknown key params.fusion_treshold_mb (known: fusion_threshold_mb,"),
+    ("parameters:\n  cycle_time_ms: 1\n", "unknown section 'parameters'"),
+    ("params:\n  cycle_time_ms: fast\n", "params.cycle_time_ms: 'fast' is not a number"),
+    ("params:\n  cache_capacity: -1\n", "params.cache_capacity: -1 must be 0 or more"),
+    ("stall_check:\n  enabled: 1\n", "stall_check.enabled: 1 is not a boolean"),
+    ("controller: nccl\n", "controller: 'nccl' is not 'gloo' or 'mpi'"),
+    ("logging:\n  level: LOUD\n", "logging.level: 'LOUD' is not one of trace, debug"),
+])
+def test_a_bad_config_file_is_refused_naming_the_key(tmp_path, content, message):
+    (tmp_path / "bad.yaml").write_text(content)
+    proc = subprocess.run([sys.executable, "-m", "unison.run", "-np", "1", "--config-file", str(tmp_path / "bad.yaml"),
+                           "true"], stderr=subprocess.PIPE, timeout=60)
+    err = proc.stderr.decode()
+    assert proc.returncode == 2 and ("--config-file %s: %s" % (tmp_path / "bad.yaml", message)) in err, err
+
+
+def test_a_config_file_configures_the_job(tmp_path):
+    # End to end: the file's timeline and stall settings reach the ranks.
+    (tmp_path / "job.yaml").write_text("timeline:\n  filename: trace.json\nstall_check:\n"
+                                       "  warning_time_seconds: 1.5\n")
+    proc = run(tmp_path, """
+        import numpy as np
+        import unison, unison.numpy as unp
+        unison.init()
+        try:
+            if unison.rank() == 0:
+                unp.allreduce(np.ones(2), name="extra")
+            unp.allreduce(np.ones(2), name="loss")
+        except unison.DeadlockError as e:
+            print("rank %d: deadlock" % unison.rank(), flush=True)
+    """, extra=("--config-file", str(tmp_path / "job.yaml")))
+    out = proc.stdout.decode()
+    assert proc.returncode == 0, out + proc.stderr.decode()
+    assert "rank 0: deadlock" in out and "rank 1: deadlock" in out, out
+    assert (tmp_path / "trace.json").exists()
+
+
 @pytest.mark.parametrize("np_", [2, 3])
 def test_requests_and_responses_that_overflow_one_control_message(np_):
     # 4 KiB control messages: a thousand requests go out over several cycles,

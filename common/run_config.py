@@ -1,0 +1,128 @@
+"""unisonrun --config-file: horovodrun's settings file.
+
+The file has horovodrun's sections (controller, params, autotune, timeline,
+stall_check, library_options, logging) with horovodrun's keys, so a Horovod
+job's file works unchanged. An option given on the command line wins over
+the file. Unlike horovodrun, an unknown section or key is an error naming
+it: a misspelt key would otherwise leave a setting silently at its default.
+
+YAML needs PyYAML (`pip install pyyaml`); a file in JSON, which is YAML too,
+needs nothing.
+"""
+import json
+
+# section -> key -> (the launcher option's dest, the type its value must have).
+# A dest of None: a horovodrun setting with nothing to set here (see the
+# options' help), accepted so that a Horovod file loads.
+_NUMBER = (int, float)
+_SECTIONS = {
+    "params": {
+        "fusion_threshold_mb": ("fusion_threshold_mb", _NUMBER),
+        "cycle_time_ms": ("cycle_time_ms", _NUMBER),
+        "cache_capacity": ("cache_capacity", int),
+        "hierarchical_allreduce": ("hierarchical", bool),
+        "hierarchical_allgather": ("hierarchical_allgather", bool),
+    },
+    "autotune": {
+        "enabled": ("autotune", bool),
+        "log_file": ("autotune_log_file", str),
+        "warmup_samples": ("autotune_warmup_samples", int),
+        "steps_per_sample": ("autotune_steps_per_sample", int),
+        "bayes_opt_max_samples": ("autotune_bayes_opt_max_samples", int),
+        "gaussian_process_noise": ("autotune_gaussian_process_noise", _NUMBER),
+    },
+    "timeline": {
+        "filename": ("timeline_filename", str),
+        "mark_cycles": ("timeline_mark_cycles", bool),
+    },
+    "stall_check": {
+        "enabled": ("no_stall_check", bool),  # inverted below
+        "warning_time_seconds": ("stall_check_warning_time_seconds", _NUMBER),
+        "shutdown_time_seconds": ("stall_check_shutdown_time_seconds", _NUMBER),
+    },
+    "library_options": {
+        "mpi_threads_disable": ("mpi_threads_disable", bool),
+        "num_nccl_streams": ("num_nccl_streams", int),
+        "ccl_bgt_affinity": (None, int),
+        "gloo_timeout_seconds": ("start_timeout", _NUMBER),
+    },
+    "logging": {
+        "level": ("log_level", str),
+        "with_timestamp": ("log_with_timestamp", bool),
+    },
+}
+_LOG_LEVELS = ("trace", "debug", "info", "warning", "error", "fatal")
+
+
+def _load(path):
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError as e:
+        raise ValueError("cannot read it: %s" % e.strerror) from None
+    try:
+        return json.loads(text)
+    except ValueError:
+        pass
+    try:
+        import yaml
+    except ImportError:
+        raise ValueError("it is not JSON, and reading YAML needs PyYAML (pip install pyyaml)") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ValueError("not valid YAML: %s" % e) from None
+
+
+def _given(value):
+    """Whether an option was set on the command line: every option the file
+    can set defaults to None, or to False for a flag."""
+    return value is not None and value is not False
+
+
+def apply(args, path):
+    """Sets, from the file at `path`, every option of `args` the command line
+    left unset. Raises ValueError naming the key for anything wrong."""
+    config = _load(path)
+    if config is None:
+        return
+    if not isinstance(config, dict):
+        raise ValueError("it must be a mapping of sections, not %s" % type(config).__name__)
+    for section, values in config.items():
+        if section == "controller":
+            if not isinstance(values, str) or values.lower() not in ("gloo", "mpi"):
+                raise ValueError("controller: %r is not 'gloo' or 'mpi'" % (values,))
+            if not (args.gloo or args.mpi):
+                setattr(args, values.lower(), True)
+            continue
+        keys = _SECTIONS.get(section)
+        if keys is None:
+            raise ValueError("unknown section %r (known: controller, %s)" % (section, ", ".join(_SECTIONS)))
+        if not isinstance(values, dict):
+            raise ValueError("%s: must be a mapping of keys, not %r" % (section, values))
+        for key, value in values.items():
+            if key not in keys:
+                raise ValueError("unknown key %s.%s (known: %s)" % (section, key, ", ".join(keys)))
+            dest, kind = keys[key]
+            # bool is an int to Python; a number where a flag goes is a mistake.
+            if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+                raise ValueError("%s.%s: %r is not a %s" % (section, key, value, _kind_name(kind)))
+            if kind is not bool and kind is not str and value < 0:
+                raise ValueError("%s.%s: %r must be 0 or more" % (section, key, value))
+            if (section, key) == ("stall_check", "enabled"):
+                value = not value
+            if (section, key) == ("logging", "level"):
+                if value.lower() not in _LOG_LEVELS:
+                    raise ValueError("logging.level: %r is not one of %s" % (value, ", ".join(_LOG_LEVELS)))
+                value = value.lower()
+            if (section, key) == ("autotune", "gaussian_process_noise") and value > 1:
+                raise ValueError("autotune.gaussian_process_noise: %r must be within 0..1" % value)
+            # Paths are taken from the working directory, as horovodrun does.
+            if dest is not None and not _given(getattr(args, dest)):
+                setattr(args, dest, value)
+
+
+def _kind_name(kind):
+    if kind is _NUMBER:
+        return "number"
+    return {bool: "boolean", int: "whole number", str: "string"}[kind]
