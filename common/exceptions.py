@@ -4,7 +4,9 @@ Everything unison raises is a UnisonError. Failures of a collective after it
 was accepted (ranks disagreeing, a rank dying, a peer shutting down) are
 UnisonInternalError, which is also importable as HorovodInternalError so
 that code catching Horovod's error keeps working. Bad input caught before
-anything is sent is InvalidArgumentError, also a ValueError.
+anything is sent is InvalidArgumentError, also a ValueError. An elastic
+job's HostsUpdatedInterrupt is a signal, not an error: a RuntimeError, as
+in Horovod, importable from here as from horovod.common.exceptions.
 """
 
 
@@ -50,3 +52,15 @@ class DeadlockError(StalledError):
 
 
 HorovodInternalError = UnisonInternalError
+
+
+class HostsUpdatedInterrupt(RuntimeError):
+    """Elastic jobs: hosts were added or removed, and the job re-forms at
+    this commit (unison.elastic). skip_sync is True when hosts were only
+    removed, so that every remaining rank already holds the committed state
+    and no broadcast is needed. Here, beside HorovodInternalError, as in
+    horovod.common.exceptions."""
+
+    def __init__(self, skip_sync):
+        super().__init__("unison: the job's hosts changed")
+        self.skip_sync = skip_sync

@@ -72,10 +72,16 @@ std::vector<StallInspector::Failure> StallInspector::inspect(const std::vector<W
     }
   }
   if (!report.empty() && now - last_report_ >= config_.stall_warning_seconds) {
+    // Where the deadlock test cannot see (a rank busy outside unison, or
+    // collectives on a framework's worker threads), say how not to wait forever.
+    const char* remedy = config_.stall_shutdown_seconds > 0
+                             ? ""
+                             : "  (they wait for as long as it takes: UNISON_STALL_SHUTDOWN_TIME_SECONDS fails them "
+                               "after that many seconds)\n";
     log_message(LogLevel::warning,
                 "unison: warning: some ranks have waited more than %d s for others to submit "
-                "these tensors; a rank may have taken a different code path:\n%s",
-                (int)config_.stall_warning_seconds, report.c_str());
+                "these tensors; a rank may have taken a different code path:\n%s%s",
+                (int)config_.stall_warning_seconds, report.c_str(), remedy);
     last_report_ = now;
   }
   return failures;

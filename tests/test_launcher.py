@@ -191,6 +191,7 @@ def test_stall_inspector_warns_then_fails_naming_the_missing_rank(tmp_path):
         assert ("allreduce '%s' waited" % name) in out, out
     assert out.count("submitted by ranks [0], missing from ranks [1]") == 2, out
     assert "some ranks have waited more than 1 s" in err
+    assert "UNISON_STALL_SHUTDOWN_TIME_SECONDS fails them" not in err  # it is set
     assert "still usable 0" in out and "still usable 1" in out
 
 
@@ -257,6 +258,7 @@ def test_a_rank_whose_other_thread_is_busy_is_not_a_deadlock(tmp_path, np_):
     assert proc.returncode == 0, out + err
     assert "deadlock" not in out + err, out + err
     assert "some ranks have waited more than 1 s" in err, err
+    assert "UNISON_STALL_SHUTDOWN_TIME_SECONDS fails them after that many seconds" in err, err
     for r in range(np_):
         for name in "ab":
             assert ("[%d]<stdout>:%s [%d. %d.]" % (r, name, np_, np_)) in out, out

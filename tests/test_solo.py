@@ -122,3 +122,16 @@ def test_sizes_with_units_are_understood(monkeypatch, value):
     unison.init()
     np.testing.assert_array_equal(unp.allreduce(np.ones(3), name="with.units"), np.ones(3))
     unison.shutdown()
+
+
+def test_error_classes_where_horovod_users_import_them():
+    # horovod.common.exceptions has both; unison.exceptions is its place.
+    from unison import elastic
+    from unison.exceptions import HorovodInternalError, HostsUpdatedInterrupt
+    assert HorovodInternalError is unison.UnisonInternalError
+    assert HostsUpdatedInterrupt is elastic.HostsUpdatedInterrupt
+    assert issubclass(HostsUpdatedInterrupt, RuntimeError) and not issubclass(HostsUpdatedInterrupt, unison.UnisonError)
+    assert HostsUpdatedInterrupt(skip_sync=True).skip_sync
+    # A deadlock is a stall, and a Horovod-catchable failure of the op.
+    assert issubclass(unison.DeadlockError, unison.StalledError)
+    assert issubclass(unison.DeadlockError, HorovodInternalError)

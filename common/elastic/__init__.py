@@ -20,18 +20,8 @@ import copy
 import functools
 
 from unison import basics, objects
-from unison.exceptions import DeadlockError, MismatchError, UnisonInternalError
+from unison.exceptions import DeadlockError, HostsUpdatedInterrupt, MismatchError, UnisonInternalError  # noqa: F401
 from unison.elastic import worker
-
-
-class HostsUpdatedInterrupt(RuntimeError):
-    """Hosts were added or removed: the job re-forms at this commit.
-    skip_sync is True when hosts were only removed, so that every remaining
-    rank already holds the committed state and no broadcast is needed."""
-
-    def __init__(self, skip_sync):
-        super().__init__("unison: the job's hosts changed")
-        self.skip_sync = skip_sync
 
 
 class State:
