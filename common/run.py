@@ -147,23 +147,25 @@ def _parse(argv):
     args = p.parse_args(argv)
     if args.check_build:
         return args
+    # On the command line only: a file may keep an autotune section switched off.
+    if args.autotune_log_file and not args.autotune:
+        p.error("--autotune-log-file %s needs --autotune" % args.autotune_log_file)
     if args.config_file:
         from unison import run_config
         try:
             run_config.apply(args, args.config_file)
         except ValueError as e:
             p.error("--config-file %s: %s" % (args.config_file, e))
-    for flag, value in (("--autotune-warmup-samples", args.autotune_warmup_samples),
-                        ("--autotune-steps-per-sample", args.autotune_steps_per_sample)):
-        if value is not None and value < (0 if flag == "--autotune-warmup-samples" else 1):
-            p.error("%s %d: at least %d" % (flag, value, 0 if flag == "--autotune-warmup-samples" else 1))
     if args.np is None or args.np < 1:
         p.error("-np N (at least 1) is required")
     if not args.command:
         p.error("a command to run is required")
-    for flag, value in (("--min-np", args.min_np), ("--max-np", args.max_np), ("--slots", args.slots)):
+    for flag, value in (("--min-np", args.min_np), ("--max-np", args.max_np), ("--slots", args.slots),
+                        ("--autotune-steps-per-sample", args.autotune_steps_per_sample)):
         if value is not None and value < 1:
             p.error("%s %d: at least 1" % (flag, value))
+    if args.autotune_warmup_samples is not None and args.autotune_warmup_samples < 0:
+        p.error("--autotune-warmup-samples %d: at least 0" % args.autotune_warmup_samples)
     if args.min_np is not None and args.max_np is not None and args.min_np > args.max_np:
         p.error("--min-np %d is more than --max-np %d" % (args.min_np, args.max_np))
     if args.reset_limit is not None and args.reset_limit < 0:
@@ -182,8 +184,6 @@ def _parse(argv):
     cooldown = args.blacklist_cooldown_range
     if cooldown is not None and not 0 <= cooldown[0] <= cooldown[1]:
         p.error("--blacklist-cooldown-range %g %g: 0 <= LOW <= HIGH" % tuple(cooldown))
-    if args.autotune_log_file and not args.autotune:
-        p.error("--autotune-log-file %s needs --autotune" % args.autotune_log_file)
     if _elastic(args) and _through_mpirun(args):
         p.error("an elastic job (--min-np, --max-np, --host-discovery-script) runs over TCP, not --mpi")
     if args.gloo and args.simulate_hosts:
@@ -238,12 +238,12 @@ def _settings(args):
         env["UNISON_LOG_LEVEL"] = args.log_level
     if args.autotune:
         env["UNISON_AUTOTUNE"] = "1"
-    if args.autotune_log_file:
-        env["UNISON_AUTOTUNE_LOG"] = os.path.abspath(args.autotune_log_file)
-    if args.autotune_warmup_samples is not None:
-        env["UNISON_AUTOTUNE_WARMUP_SAMPLES"] = str(args.autotune_warmup_samples)
-    if args.autotune_steps_per_sample is not None:
-        env["UNISON_AUTOTUNE_STEPS_PER_SAMPLE"] = str(args.autotune_steps_per_sample)
+        if args.autotune_log_file:
+            env["UNISON_AUTOTUNE_LOG"] = os.path.abspath(args.autotune_log_file)
+        if args.autotune_warmup_samples is not None:
+            env["UNISON_AUTOTUNE_WARMUP_SAMPLES"] = str(args.autotune_warmup_samples)
+        if args.autotune_steps_per_sample is not None:
+            env["UNISON_AUTOTUNE_STEPS_PER_SAMPLE"] = str(args.autotune_steps_per_sample)
     if args.timeline_filename:
         env["UNISON_TIMELINE"] = os.path.abspath(args.timeline_filename)
     if args.timeline_mark_cycles:

@@ -398,6 +398,11 @@ def test_horovodrun_config_file_sets_what_the_command_line_leaves(tmp_path, monk
     from unison import run_config
     with pytest.raises(ValueError, match=r"it is not JSON, and reading YAML needs PyYAML \(pip install pyyaml\)"):
         run_config.apply(args, "horovod.yaml")
+    # A section switched off sets nothing, unless the command line switches it on.
+    (tmp_path / "off.json").write_text('{"autotune": {"enabled": false, "warmup_samples": 3}}')
+    assert _settings(_parse(["-np", "2", "--config-file", "off.json", "true"])) == {}
+    assert _settings(_parse(["-np", "2", "--autotune", "--config-file", "off.json", "true"])) == {
+        "UNISON_AUTOTUNE": "1", "UNISON_AUTOTUNE_WARMUP_SAMPLES": "3"}
 
 
 @pytest.mark.parametrize("content,message", [
