@@ -152,8 +152,12 @@ def _parse(argv):
         p.error("--autotune-log-file %s needs --autotune" % args.autotune_log_file)
     if args.config_file:
         from unison import run_config
+        # What parsing nothing gives (get_default would say True for a dest
+        # that a store_false shares with a store_true).
+        defaults = vars(p.parse_args([]))
+        given = {dest for dest, value in vars(args).items() if value != defaults[dest]}
         try:
-            run_config.apply(args, args.config_file)
+            run_config.apply(args, args.config_file, given)
         except ValueError as e:
             p.error("--config-file %s: %s" % (args.config_file, e))
     if args.np is None or args.np < 1:

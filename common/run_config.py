@@ -74,15 +74,10 @@ def _load(path):
         raise ValueError("not valid YAML: %s" % e) from None
 
 
-def _given(value):
-    """Whether an option was set on the command line: every option the file
-    can set defaults to None, or to False for a flag."""
-    return value is not None and value is not False
-
-
-def apply(args, path):
-    """Sets, from the file at `path`, every option of `args` the command line
-    left unset. Raises ValueError naming the key for anything wrong."""
+def apply(args, path, given):
+    """Sets, from the file at `path`, every option of `args` whose dest is not
+    in `given` (those set on the command line). Raises ValueError naming the
+    key for anything wrong."""
     config = _load(path)
     if config is None:
         return
@@ -118,7 +113,7 @@ def apply(args, path):
             if (section, key) == ("autotune", "gaussian_process_noise") and value > 1:
                 raise ValueError("autotune.gaussian_process_noise: %r must be within 0..1" % value)
             # Paths are taken from the working directory, as horovodrun does.
-            if dest is not None and not _given(getattr(args, dest)):
+            if dest is not None and dest not in given:
                 setattr(args, dest, value)
 
 

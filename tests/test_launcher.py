@@ -397,7 +397,11 @@ def test_horovodrun_config_file_sets_what_the_command_line_leaves(tmp_path, monk
     assert _settings(args) == expected
     from unison import run_config
     with pytest.raises(ValueError, match=r"it is not JSON, and reading YAML needs PyYAML \(pip install pyyaml\)"):
-        run_config.apply(args, "horovod.yaml")
+        run_config.apply(args, "horovod.yaml", set())
+    # A flag the command line gives either way wins, off as well as on.
+    (tmp_path / "flat.json").write_text('{"params": {"hierarchical_allreduce": true}}')
+    assert _parse(["-np", "2", "--no-hierarchical-allreduce", "--config-file", "flat.json", "true"]).hierarchical is False
+    assert _parse(["-np", "2", "--config-file", "flat.json", "true"]).hierarchical is True
     # A section switched off sets nothing, unless the command line switches it on.
     (tmp_path / "off.json").write_text('{"autotune": {"enabled": false, "warmup_samples": 3}}')
     assert _settings(_parse(["-np", "2", "--config-file", "off.json", "true"])) == {}
