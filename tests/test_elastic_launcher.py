@@ -3,6 +3,8 @@ numpy): a job that survives a failure ends with the exact sum of its
 committed steps; repeated failures past --reset-limit, and too few slots
 for longer than --elastic-timeout, end the job with the reason; bad
 elastic options are refused by name."""
+import re
+
 import pytest
 
 from jobs import discovery_script, elastic_job, unisonrun
@@ -51,7 +53,7 @@ def test_a_deadlock_ends_an_elastic_job_instead_of_resetting_it(tmp_path, hosts)
     assert proc.returncode != 0, output[-6000:]
     assert output.count("unison.exceptions.DeadlockError: unison: deadlock: every rank is blocked") == np_, \
         output[-6000:]
-    assert "allreduce 'extra' waited 1 s: submitted by ranks [0]" in output, output[-6000:]
+    assert re.search(r"allreduce 'extra' waited \d+ s: submitted by ranks \[0\]", output), output[-6000:]
     assert len(events) == np_, events
     for worker in events.values():
         assert [e["event"] for e in worker].count("sync") == 1, worker  # never reset

@@ -1,5 +1,6 @@
 """unison.torch in one process without the launcher (rank 0 of 1), and
 misuse outside a job."""
+import re
 import subprocess
 import sys
 
@@ -186,6 +187,8 @@ def test_a_rank_that_takes_another_branch_mid_training_fails_every_rank_instead_
         assert ("rank %d step %d: unison: deadlock: every rank is blocked" % (r, 2 if r == 0 else 3)) in out, out
         assert ("rank %d after: %d.0" % (r, np_)) in out, out
         assert r == 0 or ("rank %d zero_grad ok" % r) in out, out
-    assert ("allreduce 'metric' waited 1 s: submitted by ranks [0], missing from ranks %s" % others) in out, out
-    assert ("allreduce 'allreduce.weight' waited 1 s: submitted by ranks %s, missing from ranks [0]"
-            % others) in out, out
+    # The ages depend on when each rank last moved: any will do.
+    assert re.search(r"allreduce 'metric' waited \d+ s: submitted by ranks \[0\], missing from ranks "
+                     + re.escape(others), out), out
+    assert re.search(r"allreduce 'allreduce.weight' waited \d+ s: submitted by ranks " + re.escape(others)
+                     + r", missing from ranks \[0\]", out), out
