@@ -26,10 +26,10 @@ void StallInspector::set_rank_names(const std::vector<int>& global_ranks, int pr
 bool StallInspector::due(double oldest_since, double now) const {
   if (!config_.stall_check_enabled) return false;
   const double age = now - oldest_since;  // -infinity when nothing waits
-  if (age >= config_.stall_warning_seconds && now - last_report_ >= config_.stall_warning_seconds) return true;
   // Past the warning time, every second (one control exchange) asks the
   // ranks whether they are all blocked, so that a deadlock fails soon after
-  // the last rank blocked, not a warning period later.
+  // the last rank blocked, not a warning period later; inspect() prints the
+  // warning once a warning period.
   if (age >= config_.stall_warning_seconds && now - last_inspected_ >= std::min(1.0, config_.stall_warning_seconds))
     return true;
   return config_.stall_shutdown_seconds > 0 && age >= config_.stall_shutdown_seconds;
