@@ -489,6 +489,7 @@ void Engine::remove_process_set(int id) {
   std::lock_guard<std::mutex> lock(queue_mutex_);
   set_ranks_.erase(id);
   in_flight_.erase(id);
+  unnamed_ops_.erase(id);
 }
 
 void Engine::complete(ProcessSetState& set, const std::string& name, const Status& status, OpResult result) {

@@ -196,7 +196,9 @@ class Engine {
     std::vector<Entry> held;
   };
   std::map<std::thread::id, OpenGroup> open_groups_;
-  uint64_t unnamed_ops_ = 0;
+  // Unnamed ops numbered by process set: a set's members number their
+  // unnamed ops alike, whatever other sets the others have run them in.
+  std::map<int, uint64_t> unnamed_ops_;
   std::atomic<bool> stop_requested_{false};
 
   // The engine thread's own state. Declared after backend_, so the sets'

@@ -201,7 +201,7 @@ Status Engine::enqueue(const unison_op_options& o, int64_t* handle) {
   } else if (o.op == UNISON_JOIN) {
     r.name = "join";
   } else {
-    r.name = std::string(op_name(o.op)) + ".noname." + std::to_string(++unnamed_ops_);
+    r.name = std::string(op_name(o.op)) + ".noname." + std::to_string(++unnamed_ops_[o.process_set_id]);
   }
   std::unordered_set<std::string>& in_flight = in_flight_[o.process_set_id];
   if (in_flight.count(r.name))

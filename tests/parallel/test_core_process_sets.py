@@ -216,6 +216,22 @@ def test_a_set_of_one_rank(sets):
             unison.remove_process_set(s)
 
 
+def test_unnamed_ops_in_a_set_leave_the_numbering_of_the_others_in_step(sets):
+    """Unnamed ops are numbered per process set: ops in a set only its
+    members run must not shift the names of later unnamed ops elsewhere,
+    or the global set's next unnamed op would pair with nothing."""
+    me, n = unison.rank(), unison.size()
+    low = sets["low"]
+    for round_ in range(3):
+        if low.included():
+            out = unp.allreduce(np.full(2, me + round_, np.int64), op=unison.Sum, process_set=low)
+            np.testing.assert_array_equal(out, np.full(2, sum(r + round_ for r in low.ranks), np.int64))
+        out = unp.allreduce(np.full(2, me, np.int64), op=unison.Sum)
+        np.testing.assert_array_equal(out, np.full(2, n * (n - 1) // 2, np.int64))
+        rows = unp.allgather(np.full((1, 2), me, np.int64))
+        np.testing.assert_array_equal(rows[:, 0], np.arange(n))
+
+
 def test_static_sets_through_init_then_reinit():
     """init(process_sets=[...]) registers the sets in list order (ids 1, 2);
     shutdown forgets them, and a plain init() starts clean."""
