@@ -28,6 +28,9 @@ class _Scratch(threading.local):
     def __init__(self):
         self.handle = ffi.new("unison_handle*")
         self.prepared = {}  # key (see enqueue) -> (options, the C memory it points to...)
+        # The same for in-place allreduces, keyed by the front end
+        # (FrontEnd.allreduce_async_), which checks each distinct op once.
+        self.in_place = {}
         self.group = None  # inside enqueued_together(): the handle ids enqueued so far
 
 
@@ -36,7 +39,7 @@ _MAX_DIMS = lib.UNISON_MAX_DIMS
 _KEPT = 4096  # prepared ops kept per thread; beyond, built per call
 
 
-def _prepare(op, name, dtype, shape, reduce_op, prescale_factor, postscale_factor, root_rank, splits,
+def prepare(op, name, dtype, shape, reduce_op, prescale_factor, postscale_factor, root_rank, splits,
              process_set, device):
     """A filled options struct, with the C memory it points to."""
     ndim = len(shape)
@@ -91,7 +94,7 @@ def enqueue(op, name, dtype=0, shape=(), input=NULL, output=NULL, reduce_op=0,
     else:
         prepared = None
     if prepared is None:
-        prepared = _prepare(op, name, dtype, shape, reduce_op, prescale_factor, postscale_factor, root_rank,
+        prepared = prepare(op, name, dtype, shape, reduce_op, prescale_factor, postscale_factor, root_rank,
                             splits, process_set, device)
         if key is not None and len(scratch.prepared) < _KEPT:
             scratch.prepared[key] = prepared
@@ -101,6 +104,12 @@ def enqueue(op, name, dtype=0, shape=(), input=NULL, output=NULL, reduce_op=0,
     options.output_bytes = output_bytes
     options.input_ready = input_ready
     options.stream = placement[1]
+    return start(options)
+
+
+def start(options):
+    """Hands a filled options struct to the core; returns the handle id."""
+    scratch = _scratch
     handle = scratch.handle
     code = lib.unison_enqueue(options, handle)
     if code:
@@ -108,6 +117,17 @@ def enqueue(op, name, dtype=0, shape=(), input=NULL, output=NULL, reduce_op=0,
     if scratch.group is not None:
         scratch.group.append(handle[0])
     return handle[0]
+
+
+def in_place_options(key):
+    """This thread's prepared in-place allreduce for `key`, or None."""
+    return _scratch.in_place.get(key)
+
+
+def keep_in_place_options(key, prepared):
+    kept = _scratch.in_place
+    if len(kept) < _KEPT:
+        kept[key] = prepared
 
 
 @contextlib.contextmanager

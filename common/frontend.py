@@ -19,7 +19,7 @@ from unison import handles as _handles
 from unison.arguments import Adasum, Average
 from unison.exceptions import InvalidArgumentError
 from unison.handles import Handle, HandleGroup
-from unison.process_sets import size_of
+from unison.process_sets import process_set_id, size_of
 from unison._native import lib
 
 _ALLREDUCE, _ALLGATHER, _BROADCAST, _ALLTOALL, _REDUCESCATTER = (
@@ -71,6 +71,16 @@ class Tensors:
         the result back when the buffer is a copy; None when the buffer is
         the caller's tensor itself."""
         raise NotImplementedError
+
+    def in_place(self, tensor, name):
+        """(buffer, finisher, dtype key, shape, pointer, placement) of an
+        in-place op on a checked `tensor`: check(), writable() and the rest
+        of the buffer's description in one call, because every gradient
+        makes it every step. Adapters give a faster one for their common
+        case, and fall back to this."""
+        self.check(tensor, name)
+        buffer, finish = self.writable(tensor, name)
+        return buffer, finish, self.dtype_key(buffer), self.shape(buffer), self.pointer(buffer), self.placement(buffer)
 
     def adopt(self, owned, nbytes, shape, like):
         """A tensor of `like`'s dtype over the core-allocated `owned` memory."""
@@ -141,19 +151,39 @@ class FrontEnd:
 
     def allreduce_async_(self, tensor, name=None, op=Average, prescale_factor=1.0, postscale_factor=1.0,
                          process_set=None):
-        """`tensor` itself, reduced across ranks in place."""
-        code = self.dtype_code(tensor, name)
-        if op not in _PLAIN_ALLREDUCE_OPS:
-            arguments.check_reduce("allreduce", op, prescale_factor, postscale_factor, name)
-        t = self.tensors
-        buffer, finish = t.writable(tensor, name)
-        pointer = t.pointer(buffer)
-        handle_id = collective.enqueue(_ALLREDUCE, name, code, t.shape(buffer), pointer, pointer,
-                                       op, prescale_factor, postscale_factor, 0, None, process_set,
-                                       t.placement(buffer))
+        """`tensor` itself, reduced across ranks in place.
+
+        Every gradient takes this path every step, so a repeat costs one
+        adapter call, one lookup and the core's enqueue: each distinct op
+        (name, dtype, shape, op, factors, process set, device) is checked
+        and its options filled once per thread, then only pointed at this
+        call's memory and stream."""
+        buffer, finish, dtype_key, shape, pointer, placement = self.tensors.in_place(tensor, name)
+        set_id = 0 if process_set is None else process_set_id(process_set)
+        key = (name, dtype_key, shape, op, prescale_factor, postscale_factor, set_id, placement[0])
+        prepared = collective.in_place_options(key)
+        if prepared is None:
+            prepared = self._in_place_allreduce(buffer, key)
+        options = prepared[0]
+        options.input = pointer
+        options.output = pointer
+        options.stream = placement[1]
+        handle_id = collective.start(options)
         if finish is None:
             return Handle(handle_id, name, (tensor, buffer), None, tensor)
         return Handle(handle_id, name, (tensor, buffer), finish)
+
+    def _in_place_allreduce(self, buffer, key):
+        """The checked, filled options of a new in-place allreduce (see
+        allreduce_async_), kept for its repeats."""
+        name, _, shape, op, prescale_factor, postscale_factor, set_id, device = key
+        code = self.dtype_code(buffer, name)
+        if op not in _PLAIN_ALLREDUCE_OPS:
+            arguments.check_reduce("allreduce", op, prescale_factor, postscale_factor, name)
+        prepared = collective.prepare(_ALLREDUCE, name, code, shape, op, prescale_factor, postscale_factor, 0,
+                                      None, set_id, device)
+        collective.keep_in_place_options(key, prepared)
+        return prepared
 
     def grouped_allreduce_async(self, tensors, name=None, op=Average, prescale_factor=1.0, postscale_factor=1.0,
                                 process_set=None, in_place=False):

@@ -15,6 +15,9 @@ from unison.exceptions import InvalidArgumentError
 from unison.handles import Handle, poll, synchronize  # noqa: F401
 from unison._native import ffi
 
+_HOST = collective.HOST
+
+
 class NumpyTensors(frontend.Tensors):
     """numpy arrays for the shared front end."""
 
@@ -47,6 +50,13 @@ class NumpyTensors(frontend.Tensors):
             return array, None
         raise InvalidArgumentError(
             "unison: in-place op on %r needs a writable C-contiguous numpy array" % (name or "(unnamed)"))
+
+    def in_place(self, array, name):
+        if type(array) is np.ndarray:   # subclasses take the general path
+            flags = array.flags
+            if flags.c_contiguous and flags.writeable:
+                return array, None, array.dtype, array.shape, ffi.from_buffer(array) if array.size else ffi.NULL, _HOST
+        return super().in_place(array, name)
 
     def adopt(self, owned, nbytes, shape, like):
         if nbytes == 0:

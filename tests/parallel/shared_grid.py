@@ -244,6 +244,30 @@ def test_allreduce_every_form(fw, reduce_dtype):
             assert_exact(fw, out, reduced(op, inputs, reduce_dtype, n))
 
 
+def test_one_name_reused_with_another_dtype_shape_op_scale_or_set(fw, part):
+    """Front ends keep each distinct op's checked options for its repeats
+    (frontend.FrontEnd.allreduce_async_): a name reused with anything else
+    changed must run as the new op, and the old one must still run as it
+    was. Unnamed ops too."""
+    n, me = unison.size(), unison.rank()
+    float_dtype = "float32" if "float32" in fw.reduce_dtypes else fw.reduce_dtypes[0]
+    int_dtype = "int32" if "int32" in fw.reduce_dtypes else fw.reduce_dtypes[-1]
+    cases = [(float_dtype, (3,), "Sum", 1.0, 1.0, None), (int_dtype, (3,), "Sum", 1.0, 1.0, None),
+             (float_dtype, (2, 2), "Sum", 1.0, 1.0, None), (float_dtype, (3,), "Max", 1.0, 1.0, None),
+             (float_dtype, (3,), "Sum", 2.0, 0.25, None), (float_dtype, (3,), "Sum", 1.0, 1.0, part)]
+    for name in ["reused", None]:
+        for form, allreduce in fw.allreduce_forms().items():
+            for dtype, shape, op, pre, post, process_set in cases + cases[:1]:
+                ranks = range(n) if process_set is None or process_set.ranks is None else process_set.ranks
+                inputs = {r: rank_values(shape, dtype, r) for r in ranks}
+                out = allreduce(fw.tensor(inputs[me]), getattr(fw.api, op), name, pre, post, process_set)
+                expected = reduced(op, [inputs[r] for r in ranks], dtype, len(ranks))
+                if pre != 1.0 or post != 1.0:
+                    expected = (reduced(op, [inputs[r] for r in ranks], "float64", len(ranks)) * pre * post
+                                ).astype(np_dtype(dtype))
+                assert_exact(fw, out, expected)
+
+
 def test_allreduce_bool_means_any_or_all(fw):
     n, me = unison.size(), unison.rank()
     inputs = [rank_values((9,), "bool", r) for r in range(n)]
