@@ -202,6 +202,12 @@ int unison_wait(unison_handle handle, double timeout_seconds) {
   return report(current->wait(handle, timeout_seconds));
 }
 
+int unison_wait_release(unison_handle handle, double timeout_seconds) {
+  std::shared_ptr<Engine> current = std::atomic_load(&engine);
+  if (current == nullptr) return report(handles.wait(handle, timeout_seconds, true));
+  return report(current->wait(handle, timeout_seconds, true));
+}
+
 int unison_handle_error(unison_handle handle, char* buffer, int64_t capacity) {
   if (buffer == nullptr || capacity <= 0)
     return report(Status::Error(UNISON_ERR_INVALID_ARGUMENT, "unison: no buffer for the error message"));

@@ -81,8 +81,8 @@ class Engine {
   void group_end(bool discard);
   // Waits for an op of this process, driving the engine from this thread
   // while it waits where the backend allows it; UNISON_ERR_TIMEOUT after
-  // `timeout_seconds` (< 0: no limit).
-  Status wait(int64_t handle, double timeout_seconds);
+  // `timeout_seconds` (< 0: no limit). release_if_ok: HandleTable::wait's.
+  Status wait(int64_t handle, double timeout_seconds, bool release_if_ok = false);
   // Tells every rank this one is leaving, then stops the thread.
   void stop();
   // Rank 0 writes the timeline; on other ranks these do nothing.

@@ -180,12 +180,12 @@ double Engine::step(bool by_caller) {
   return waiting_for_data_.empty() ? look_again : std::min(look_again, kDataPollSeconds);
 }
 
-Status Engine::wait(int64_t handle, double timeout_seconds) {
+Status Engine::wait(int64_t handle, double timeout_seconds, bool release_if_ok) {
   last_waited = handle;
   caller_activity::BlockedScope blocked;  // for the stall inspector's deadlock test
   bool done = false;
   Status s = handles_->poll(handle, &done);
-  if (!s.ok() || done || !backend_->callers_may_drive()) return handles_->wait(handle, timeout_seconds);
+  if (!s.ok() || done || !backend_->callers_may_drive()) return handles_->wait(handle, timeout_seconds, release_if_ok);
   const double deadline = timeout_seconds < 0 ? -1 : monotonic_seconds() + timeout_seconds;
   auto remaining = [&] { return deadline < 0 ? kIdleWakeSeconds : deadline - monotonic_seconds(); };
 
@@ -212,7 +212,7 @@ Status Engine::wait(int64_t handle, double timeout_seconds) {
   caller_left_at_.store(monotonic_seconds());
   callers_driving_.fetch_sub(1);
   if (work_left || stop_requested_.load()) park_bell_.ring();
-  return handles_->wait(handle, deadline < 0 ? -1.0 : std::max(remaining(), 0.0));
+  return handles_->wait(handle, deadline < 0 ? -1.0 : std::max(remaining(), 0.0), release_if_ok);
 }
 
 }  // namespace unison

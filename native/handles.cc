@@ -60,7 +60,7 @@ Status HandleTable::poll(int64_t handle, bool* done) {
   return Status::OK();
 }
 
-Status HandleTable::wait(int64_t handle, double timeout_seconds) {
+Status HandleTable::wait(int64_t handle, double timeout_seconds, bool release_if_ok) {
   std::unique_lock<std::mutex> lock(mutex_);
   auto it = states_.find(handle);
   if (it == states_.end()) return unknown(handle);
@@ -75,7 +75,10 @@ Status HandleTable::wait(int64_t handle, double timeout_seconds) {
   }
   it = states_.find(handle);
   if (it == states_.end()) return unknown(handle);
-  return it->second.status;
+  if (!release_if_ok || !it->second.status.ok()) return it->second.status;
+  if (it->second.result.core_allocated) free_result_memory(it->second.result.data);
+  states_.erase(it);
+  return Status::OK();
 }
 
 Status HandleTable::release(int64_t handle) {

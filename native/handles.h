@@ -43,8 +43,10 @@ class HandleTable {
   void complete(int64_t handle, const Status& status, OpResult result = OpResult());
   // UNISON_ERR_INVALID_ARGUMENT for an unknown handle.
   Status poll(int64_t handle, bool* done);
-  // The op's status, or UNISON_ERR_TIMEOUT while it still runs.
-  Status wait(int64_t handle, double timeout_seconds);
+  // The op's status, or UNISON_ERR_TIMEOUT while it still runs. With
+  // release_if_ok, a handle whose op succeeded is released in the same
+  // call (and any result the core allocated freed).
+  Status wait(int64_t handle, double timeout_seconds, bool release_if_ok = false);
   // Reads a completed op's result under the lock; fn(status, result).
   template <typename Fn>
   Status with_result(int64_t handle, Fn&& fn) {

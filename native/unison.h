@@ -183,6 +183,10 @@ int unison_poll(unison_handle handle, int* done);
 /* Waits up to timeout_seconds (negative: forever). Returns the op's status,
    UNISON_ERR_TIMEOUT if it is still running. Releases no resources. */
 int unison_wait(unison_handle handle, double timeout_seconds);
+/* unison_wait, and when the op succeeded also unison_release, in one call:
+   for ops whose result the caller already holds (in place, or into its
+   own output). A failed op's handle stays for unison_handle_error. */
+int unison_wait_release(unison_handle handle, double timeout_seconds);
 /* Copies the failed op's message (NUL-terminated, truncated to capacity). */
 int unison_handle_error(unison_handle handle, char* buffer, int64_t capacity);
 /* The result of a completed op: data, its byte count and its shape.

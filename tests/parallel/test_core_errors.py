@@ -144,3 +144,22 @@ def test_bad_handle():
         unp.poll(unp.Handle(10 ** 9, "fake", (), None))
     lib.unison_release(10 ** 9)
 
+
+
+def test_an_in_place_op_is_released_by_the_wait_that_ends_it_and_a_failed_one_keeps_its_message():
+    """synchronize() waits for an op whose result the caller holds with
+    unison_wait_release: one call ends it and frees its handle. A failed
+    op's handle must stay for its message, then go."""
+    me = unison.rank()
+    x = np.full(3, me + 1, np.int64)
+    done = unp.allreduce_async_(x, op=unison.Sum, name="released.ok")
+    assert unp.synchronize(done) is x
+    np.testing.assert_array_equal(x, np.full(3, sum(range(1, unison.size() + 1))))
+    assert lib.unison_release(done.id) == lib.UNISON_ERR_INVALID_ARGUMENT   # released already
+    assert "unknown handle %d" % done.id in ffi.string(lib.unison_last_error()).decode()
+
+    failed = unp.allreduce_async_(np.ones(2 + me), name="released.bad.shape")
+    with pytest.raises(unison.MismatchError, match=r"'released.bad.shape'.*rank 0 \[2\], rank 1 \[3\]"):
+        unp.synchronize(failed)
+    assert lib.unison_release(failed.id) == lib.UNISON_ERR_INVALID_ARGUMENT   # released after the message
+    assert lib.unison_wait_release(failed.id, 0.0) == lib.UNISON_ERR_INVALID_ARGUMENT
