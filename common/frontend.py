@@ -19,7 +19,7 @@ from unison import handles as _handles
 from unison.arguments import Adasum, Average
 from unison.exceptions import InvalidArgumentError
 from unison.handles import Handle, HandleGroup
-from unison.process_sets import process_set_id, size_of
+from unison.process_sets import global_process_set, process_set_id, size_of
 from unison._native import lib
 
 _ALLREDUCE, _ALLGATHER, _BROADCAST, _ALLTOALL, _REDUCESCATTER = (
@@ -159,7 +159,7 @@ class FrontEnd:
         and its options filled once per thread, then only pointed at this
         call's memory and stream."""
         buffer, finish, dtype_key, shape, pointer, placement = self.tensors.in_place(tensor, name)
-        set_id = 0 if process_set is None else process_set_id(process_set)
+        set_id = 0 if process_set is None or process_set is global_process_set else process_set_id(process_set)
         key = (name, dtype_key, shape, op, prescale_factor, postscale_factor, set_id, placement[0])
         prepared = collective.in_place_options(key)
         if prepared is None:
