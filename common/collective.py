@@ -40,7 +40,7 @@ _KEPT = 4096  # prepared ops kept per thread; beyond, built per call
 
 
 def prepare(op, name, dtype, shape, reduce_op, prescale_factor, postscale_factor, root_rank, splits,
-             process_set, device):
+            process_set, device):
     """A filled options struct, with the C memory it points to."""
     ndim = len(shape)
     if ndim > _MAX_DIMS:
@@ -95,7 +95,7 @@ def enqueue(op, name, dtype=0, shape=(), input=NULL, output=NULL, reduce_op=0,
         prepared = None
     if prepared is None:
         prepared = prepare(op, name, dtype, shape, reduce_op, prescale_factor, postscale_factor, root_rank,
-                            splits, process_set, device)
+                           splits, process_set, device)
         if key is not None and len(scratch.prepared) < _KEPT:
             scratch.prepared[key] = prepared
     options = prepared[0]
