@@ -13,8 +13,14 @@ figure is the median over blocks of the slowest rank. The ceiling is a
 third copy that every rank trains at the same time with a plain optimizer and
 no communication at all, timed in the same rotation: N independent processes
 on the same machine, which is what data parallelism would cost if it cost
-nothing. Also reported: one process alone on the same per-rank batch while
-the others wait, for scaling.
+nothing. Two more copies in the rotation say how much of that ceiling a
+synchronous step can reach on this machine at all: "meeting every step" is
+the independent copy with a barrier between backward and the optimizer's
+step, where an allreduce would wait for the slowest rank; "the floor" adds
+one in-place pass over the gradients after the barrier, the least any
+allreduce that leaves its result in them must do (read every byte, write
+every byte). Also reported: one process alone on the same per-rank batch
+while the others wait, for scaling.
 """
 import argparse
 import hashlib
@@ -70,19 +76,35 @@ def main():
     alone_model = make_model(args.width, args.depth)
     alone_opt = torch.optim.SGD(alone_model.parameters(), lr=0.01)
 
-    def train(model, optimizer):
+    def train(model, optimizer, between=None):
         def run():
             for _ in range(args.steps):
                 optimizer.zero_grad()
                 torch.nn.functional.cross_entropy(model(x), y).backward()
+                if between is not None:
+                    between(model)
                 optimizer.step()
         return run
 
+    def meet(model):
+        hvd.barrier()
+
+    def meet_and_touch(model):
+        hvd.barrier()
+        for p in model.parameters():
+            p.grad.mul_(0.5)
+
     independent_model = make_model(args.width, args.depth)
     independent_opt = torch.optim.SGD(independent_model.parameters(), lr=0.01)
+    meeting_model = make_model(args.width, args.depth)
+    meeting_opt = torch.optim.SGD(meeting_model.parameters(), lr=0.01)
+    floor_model = make_model(args.width, args.depth)
+    floor_opt = torch.optim.SGD(floor_model.parameters(), lr=0.01)
     runs = {"unison": train(unison_model, unison_opt), "zero": train(zero_model, zero_opt),
             "ddp": train(ddp_model, ddp_opt),
-            "independent": train(independent_model, independent_opt)}
+            "independent": train(independent_model, independent_opt),
+            "meeting": train(meeting_model, meeting_opt, meet),
+            "floor": train(floor_model, floor_opt, meet_and_touch)}
     for run in runs.values():
         run()  # warm-up
     times = {name: [] for name in runs}
@@ -107,6 +129,8 @@ def main():
         z = size * samples / statistics.median(times["zero"])
         d = size * samples / statistics.median(times["ddp"])
         c = size * samples / statistics.median(times["independent"])
+        m = size * samples / statistics.median(times["meeting"])
+        f = size * samples / statistics.median(times["floor"])
         a = samples / alone
         print("MLP %dx%d: %d parameter tensors, %.1f M parameters; batch %d per rank; %d ranks"
               % (args.depth, args.width, tensors, params / 1e6, args.batch_size, size))
@@ -116,6 +140,9 @@ def main():
         print("| unison ZeroRedundancyOptimizer | %.0f | %.2fx | %.2fx |" % (z, z / d, z / c))
         print("| DDP (gloo) | %.0f | 1.00x | %.2fx |" % (d, d / c))
         print("| %d independent processes (the ceiling) | %.0f | %.2fx | 1.00x |" % (size, c, c / d))
+        print("| independent, meeting every step (no data) | %.0f | %.2fx | %.2fx |" % (m, m / d, m / c))
+        print("| independent, meeting, one pass over the gradients (the floor) | %.0f | %.2fx | %.2fx |"
+              % (f, f / d, f / c))
         print("| one process alone | %.0f | %.2fx | %.2fx |" % (a, a / d, a / c))
         for what, value, target in (("DDP's samples/s", u / d, 1.5),
                                     ("the independent processes' samples/s", u / c, 0.9),

@@ -29,9 +29,13 @@ def framework_of(suite):
 # The shared grid (parallel/shared_grid.py) also runs on one rank, where
 # every collective must still give the single-process answer; so do the GPU
 # suites, where one rank is the NCCL path (more ranks share the one GPU).
+# The reduction kernel has a path per input count up to 8 and one beyond
+# (test_core_wide.py).
 def sizes(suite):
     if "process_sets" in suite:
         return [2, 3, 4]
+    if suite == "test_core_wide.py":
+        return [2, 3, 5, 8, 9]
     if suite.endswith("_grid.py") or suite.endswith("_cuda.py"):
         return [1, 2, 3]
     return [2, 3]
