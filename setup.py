@@ -32,7 +32,7 @@ setup(
         # unisonrun --config-file in YAML, as horovodrun's (JSON needs nothing).
         "yaml": ["pyyaml"],
         "test": ["pytest", "pytest-timeout"],
-        "bench": ["torch==2.13.0", "matplotlib"],
+        "bench": ["torch==2.13.0", "matplotlib", "ml_dtypes"],
         "torch": ["torch==2.13.0"],
         # MXNet 1.9.1 imports only with numpy up to 1.23.5.
         "mxnet": ["mxnet==1.9.1", "numpy==1.23.5"],

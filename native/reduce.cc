@@ -6,6 +6,7 @@
 #include <type_traits>
 
 #include "dtype.h"
+#include "reduce_f16c.h"
 
 namespace unison {
 namespace {
@@ -122,59 +123,92 @@ void reduce_typed(const ReduceSpec& spec, const void* const* inputs, int n_input
   }
 }
 
-// The gradients' case in one pass: floating-point values computed as
-// stored, Sum or an Average by a power of two, no scale factors, up to
-// eight inputs. Each element is read from every input, combined in
-// registers and written to both outputs in the same loop, so the memory
-// streams run side by side. The blocked kernel above makes one pass per
-// input over an L1 block instead; on this project's 2-core VM it took
-// 1.4-1.6x as long for a 2-input float32 Sum of 19 MB whose first input came
-// from DRAM (the shared-memory allreduce's REDUCE step), 1.9x for an
-// Average, and 1.2-2.3x in L1 and L2. Inputs are still combined in rank
-// order, and multiplying by 1 (Sum) or by the reciprocal of a power of two
-// (Average) changes no bits, so the results are those of the blocked kernel.
-template <typename T, int N>
-void sum_in_one_pass(const void* const* inputs, T factor, void* out, size_t count, void* also_out) {
+// Sum and Average in one pass, for the types computed in floating point
+// (float, double, bfloat16; half goes to reduce_f16c.cc's kernel where the
+// CPU has one) and up to eight inputs. Each element is read from every
+// input, combined in registers and written to both outputs in the same
+// loop, so the memory streams run side by side. The blocked kernel above
+// makes one pass per input over an L1 block instead; on this project's
+// 2-core VM it took 1.4-1.6x as long for a 2-input float32 Sum of 19 MB
+// whose first input came from DRAM (the shared-memory allreduce's REDUCE
+// step), 1.9x for an Average, and 1.2-2.3x in L1 and L2. The steps are the
+// blocked kernel's, in its order (inputs in rank order, an Average by a
+// power of two as a multiply by its reciprocal), so are the bits.
+// `kPlain` (no scale factors, no division) is the loop every gradient takes.
+template <typename Codec, int N, bool kPlain>
+void sum_in_one_pass(const ReduceSpec& spec, const void* const* inputs, void* out, size_t count,
+                     void* also_out) {
+  using T = typename Codec::Storage;
+  using C = typename Codec::Compute;
+  const bool average = spec.reduce_op == UNISON_AVERAGE && spec.ranks > 1;
+  const bool divide = average && (spec.ranks & (spec.ranks - 1)) != 0;
+  const C factor = average && !divide ? (C)1 / (C)spec.ranks : (C)1;  // 1 changes no bits
+  const C ranks = (C)spec.ranks;
+  const C pre = (C)spec.prescale, post = (C)spec.postscale;
+  const bool prescale = !kPlain && spec.prescale != 1.0, postscale = !kPlain && spec.postscale != 1.0;
   const T* in[N];
   for (int k = 0; k < N; ++k) in[k] = static_cast<const T*>(inputs[k]);
   T* o = static_cast<T*>(out);
   T* also = static_cast<T*>(also_out);
+  auto element = [&](size_t j) {
+    C v = Codec::load(in[0][j]);
+    if (prescale) v = v * pre;
+    for (int k = 1; k < N; ++k) {
+      C w = Codec::load(in[k][j]);
+      if (prescale) w = w * pre;
+      v = v + w;
+    }
+    v = !kPlain && divide ? v / ranks : v * factor;
+    if (postscale) v = v * post;
+    return Codec::store(v);
+  };
   if (also != nullptr) {
     for (size_t j = 0; j < count; ++j) {
-      T v = in[0][j];
-      for (int k = 1; k < N; ++k) v = v + in[k][j];
-      v = v * factor;
+      const T v = element(j);
       o[j] = v;
       also[j] = v;
     }
   } else {
-    for (size_t j = 0; j < count; ++j) {
-      T v = in[0][j];
-      for (int k = 1; k < N; ++k) v = v + in[k][j];
-      o[j] = v * factor;
-    }
+    for (size_t j = 0; j < count; ++j) o[j] = element(j);
   }
 }
 
-// Runs sum_in_one_pass where it applies; false where the blocked kernel must.
+template <typename Codec, bool kPlain>
+bool sum_in_one_pass_of(const ReduceSpec& spec, const void* const* inputs, int n, void* out, size_t count,
+                        void* also) {
+  switch (n) {
+    case 2: sum_in_one_pass<Codec, 2, kPlain>(spec, inputs, out, count, also); return true;
+    case 3: sum_in_one_pass<Codec, 3, kPlain>(spec, inputs, out, count, also); return true;
+    case 4: sum_in_one_pass<Codec, 4, kPlain>(spec, inputs, out, count, also); return true;
+    case 5: sum_in_one_pass<Codec, 5, kPlain>(spec, inputs, out, count, also); return true;
+    case 6: sum_in_one_pass<Codec, 6, kPlain>(spec, inputs, out, count, also); return true;
+    case 7: sum_in_one_pass<Codec, 7, kPlain>(spec, inputs, out, count, also); return true;
+    case 8: sum_in_one_pass<Codec, 8, kPlain>(spec, inputs, out, count, also); return true;
+  }
+  return false;
+}
+
+// Runs a one-pass Sum or Average where one applies; false where the blocked
+// kernel must (integers, whose Average truncates; more than eight inputs).
 template <typename Codec>
 bool summed_in_one_pass(const ReduceSpec& spec, const void* const* inputs, int n, void* out, size_t count,
                         void* also) {
-  using T = typename Codec::Storage;
-  if constexpr (std::is_floating_point_v<T> && std::is_same_v<T, typename Codec::Compute>) {
-    const bool average = spec.reduce_op == UNISON_AVERAGE && spec.ranks > 1;
-    if (spec.prescale != 1.0 || spec.postscale != 1.0 || (average && (spec.ranks & (spec.ranks - 1)) != 0))
-      return false;
-    const T factor = average ? (T)1 / (T)spec.ranks : (T)1;
-    switch (n) {
-      case 2: sum_in_one_pass<T, 2>(inputs, factor, out, count, also); return true;
-      case 3: sum_in_one_pass<T, 3>(inputs, factor, out, count, also); return true;
-      case 4: sum_in_one_pass<T, 4>(inputs, factor, out, count, also); return true;
-      case 5: sum_in_one_pass<T, 5>(inputs, factor, out, count, also); return true;
-      case 6: sum_in_one_pass<T, 6>(inputs, factor, out, count, also); return true;
-      case 7: sum_in_one_pass<T, 7>(inputs, factor, out, count, also); return true;
-      case 8: sum_in_one_pass<T, 8>(inputs, factor, out, count, also); return true;
+  if constexpr (std::is_same_v<Codec, HalfCodec>) {
+    const size_t done = sum_halves_with_f16c(spec, inputs, n, out, count, also);
+    if (done == 0) return false;
+    if (done < count) {  // the last few elements, portably
+      const void* rest[8];
+      for (int k = 0; k < n; ++k) rest[k] = static_cast<const uint16_t*>(inputs[k]) + done;
+      reduce_typed<HalfCodec, Sum>(spec, rest, n, static_cast<uint16_t*>(out) + done, count - done,
+                                   also != nullptr ? static_cast<uint16_t*>(also) + done : nullptr);
     }
+    return true;
+  } else if constexpr (std::is_floating_point_v<typename Codec::Compute>) {
+    const bool average = spec.reduce_op == UNISON_AVERAGE && spec.ranks > 1;
+    const bool plain = spec.prescale == 1.0 && spec.postscale == 1.0 &&
+                       !(average && (spec.ranks & (spec.ranks - 1)) != 0);
+    return plain ? sum_in_one_pass_of<Codec, true>(spec, inputs, n, out, count, also)
+                 : sum_in_one_pass_of<Codec, false>(spec, inputs, n, out, count, also);
   }
   return false;
 }

@@ -1,14 +1,20 @@
 """More ranks on one host than the other suites use (test_parallel.py runs
-this at 5, 8 and 9): the reduction kernel combines one input per rank, in
-one pass for 2 to 8 inputs and in L1 blocks beyond (native/reduce.cc).
-Every rank computes, in rank order, what the kernel must give bit for bit,
-small (every rank reduces everything) and large (each rank reduces its
-chunk, across shared-memory rounds)."""
+this at 2, 3, 5, 8 and 9): the reduction kernel combines one input per
+rank, in one pass for 2 to 8 inputs and in L1 blocks beyond, and half
+precision through F16C where the CPU has it (native/reduce.cc,
+reduce_f16c.cc). Every rank computes, in rank order, what the kernel must
+give bit for bit: halves and bfloat16 are summed in float and rounded once.
+Small tensors (every rank reduces everything) and large ones (each rank
+reduces its chunk, across shared-memory rounds); counts that are not a
+multiple of 8 leave a tail for the portable kernel."""
+import ml_dtypes
 import numpy as np
 import pytest
 
 import unison
 import unison.numpy as unp
+
+DTYPES = [np.float32, np.float64, np.float16, ml_dtypes.bfloat16]
 
 
 def contribution(rank, count, dtype):
@@ -18,32 +24,39 @@ def contribution(rank, count, dtype):
     return (rng.standard_normal(count) * 10.0 ** rng.integers(-3, 4, count)).astype(dtype)
 
 
-def in_rank_order(count, dtype):
-    total = contribution(0, count, dtype)
+def widened(x):
+    return x.astype(np.float64 if x.dtype == np.float64 else np.float32)
+
+
+def expected_result(count, dtype, scale=1.0, divisor=1):
+    # The kernel's steps: widen, scale each input, add in rank order,
+    # divide, round back once.
+    wide = widened(np.zeros(1, dtype)).dtype
+    total = widened(contribution(0, count, dtype)) * wide.type(scale)
     for r in range(1, unison.size()):
-        total = total + contribution(r, count, dtype)
-    return total
+        total = total + widened(contribution(r, count, dtype)) * wide.type(scale)
+    return (total / wide.type(divisor)).astype(dtype)
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def name(what, dtype, count):
+    return "wide.%s.%s.%d" % (what, np.dtype(dtype).name, count)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("count", [1, 1031, 700_001], ids=["one", "small", "rounds"])
 def test_sum_and_average_are_combined_in_rank_order(dtype, count):
     n = unison.size()
     mine = contribution(unison.rank(), count, dtype)
-    expected = in_rank_order(count, dtype)
     x = mine.copy()
-    assert unp.allreduce_(x, op=unison.Sum, name="wide.sum.%s.%d" % (np.dtype(dtype).name, count)) is x
-    np.testing.assert_array_equal(x, expected)
-    average = unp.allreduce(mine, op=unison.Average, name="wide.avg.%s.%d" % (np.dtype(dtype).name, count))
-    np.testing.assert_array_equal(average, expected / dtype(n))
+    assert unp.allreduce_(x, op=unison.Sum, name=name("sum", dtype, count)) is x
+    np.testing.assert_array_equal(x.view(np.uint8), expected_result(count, dtype).view(np.uint8))
+    average = unp.allreduce(mine, op=unison.Average, name=name("avg", dtype, count))
+    np.testing.assert_array_equal(average.view(np.uint8), expected_result(count, dtype, divisor=n).view(np.uint8))
 
 
-def test_scaled_sum_takes_the_blocked_kernel_with_the_same_order():
-    n = unison.size()
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+def test_scaled_sum_keeps_the_same_steps(dtype):
     count = 70_001
-    mine = contribution(unison.rank(), count, np.float32)
-    out = unp.allreduce(mine, op=unison.Sum, prescale_factor=0.5, name="wide.scaled")
-    expected = contribution(0, count, np.float32) * np.float32(0.5)
-    for r in range(1, n):
-        expected = expected + contribution(r, count, np.float32) * np.float32(0.5)
-    np.testing.assert_array_equal(out, expected)
+    mine = contribution(unison.rank(), count, dtype)
+    out = unp.allreduce(mine, op=unison.Sum, prescale_factor=0.5, name=name("scaled", dtype, count))
+    np.testing.assert_array_equal(out.view(np.uint8), expected_result(count, dtype, scale=0.5).view(np.uint8))
