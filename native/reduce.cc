@@ -123,6 +123,17 @@ void reduce_typed(const ReduceSpec& spec, const void* const* inputs, int n_input
   }
 }
 
+// x86-64 builds target the baseline CPU, so the one-pass loops below also
+// get an AVX2 clone, which the loader picks where the CPU has AVX2 (no FMA:
+// the same roundings, the same bits). bfloat16's conversions run twice as
+// fast in it (a 2-input Average of 19 MB: 4.8-5.2 ms against 10.2-10.4);
+// float and double, bound by memory, do not change.
+#if defined(__x86_64__)
+#define WITH_AN_AVX2_CLONE __attribute__((target_clones("avx2", "default")))
+#else
+#define WITH_AN_AVX2_CLONE
+#endif
+
 // Sum and Average in one pass, for the types computed in floating point
 // (float, double, bfloat16; half goes to reduce_f16c.cc's kernel where the
 // CPU has one) and up to eight inputs. Each element is read from every
@@ -136,7 +147,7 @@ void reduce_typed(const ReduceSpec& spec, const void* const* inputs, int n_input
 // power of two as a multiply by its reciprocal), so are the bits.
 // `kPlain` (no scale factors, no division) is the loop every gradient takes.
 template <typename Codec, int N, bool kPlain>
-void sum_in_one_pass(const ReduceSpec& spec, const void* const* inputs, void* out, size_t count,
+WITH_AN_AVX2_CLONE void sum_in_one_pass(const ReduceSpec& spec, const void* const* inputs, void* out, size_t count,
                      void* also_out) {
   using T = typename Codec::Storage;
   using C = typename Codec::Compute;
