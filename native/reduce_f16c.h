@@ -12,9 +12,9 @@
 
 namespace unison {
 
-// Reduces the leading elements of `count` halves (a multiple of 8) as
-// reduce() would, bit for bit, and returns how many; 0 where this CPU has
-// no F16C, or for more than eight inputs. The caller reduces the rest.
+// Reduces the first count / 8 * 8 of `count` halves as reduce() would, bit
+// for bit, and returns how many it did: 0 where this CPU has no F16C, and
+// for fewer than two or more than eight inputs. The caller reduces the rest.
 size_t sum_halves_with_f16c(const ReduceSpec& spec, const void* const* inputs, int n_inputs, void* out,
                             size_t count, void* also_out);
 
