@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "copy.h"
 #include "dtype.h"
 
 namespace unison {
@@ -121,13 +122,13 @@ class Stream {
   }
   void gather_inputs(char* into) const {
     for (size_t t = 0; t < tensors_.size(); ++t)
-      if (tensors_[t].bytes > 0) std::memcpy(into + first_[t] * element_, tensors_[t].input, tensors_[t].bytes);
+      if (tensors_[t].bytes > 0) copy_bytes(into + first_[t] * element_, tensors_[t].input, tensors_[t].bytes);
   }
   // Writes `count` elements of the stream, starting at element `begin`,
   // into the tensors' outputs.
   void write_outputs(size_t begin, const char* from, size_t count) const {
     each_tensor_in(begin, begin + count, [&](size_t t, size_t b, size_t e) {
-      std::memmove(static_cast<char*>(tensors_[t].output) + (b - first_[t]) * element_,
+      move_bytes(static_cast<char*>(tensors_[t].output) + (b - first_[t]) * element_,
                    from + (b - begin) * element_, (e - b) * element_);
     });
   }
@@ -148,7 +149,7 @@ Status adasum_allreduce(Backend& backend, int dtype, const std::vector<Segment>&
   // Every rank has the same tensors, so every rank takes this exit or none.
   if (size == 1 || total == 0) {
     for (const Segment& t : tensors)
-      if (t.bytes > 0 && t.output != t.input) std::memcpy(t.output, t.input, t.bytes);
+      if (t.bytes > 0 && t.output != t.input) copy_bytes(t.output, t.input, t.bytes);
     return Status::OK();
   }
   const Kernels kernels = kernels_for(dtype);

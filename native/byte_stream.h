@@ -11,6 +11,8 @@
 #include <cstring>
 #include <vector>
 
+#include "copy.h"
+
 namespace unison {
 
 struct Span {
@@ -42,12 +44,12 @@ class ByteStream {
   // Copies stream[lo, hi) to dst.
   void read(size_t lo, size_t hi, void* dst) const {
     char* out = static_cast<char*>(dst);
-    for_each(lo, hi, [&](size_t at, char* p, size_t n) { std::memcpy(out + (at - lo), p, n); });
+    for_each(lo, hi, [&](size_t at, char* p, size_t n) { copy_bytes(out + (at - lo), p, n); });
   }
   // Copies src into stream[lo, hi).
   void write(size_t lo, size_t hi, const void* src) const {
     const char* in = static_cast<const char*>(src);
-    for_each(lo, hi, [&](size_t at, char* p, size_t n) { std::memcpy(p, in + (at - lo), n); });
+    for_each(lo, hi, [&](size_t at, char* p, size_t n) { copy_bytes(p, in + (at - lo), n); });
   }
 
  private:

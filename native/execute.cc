@@ -13,6 +13,7 @@
 #include <tuple>
 
 #include "adasum.h"
+#include "copy.h"
 #include "dtype.h"
 
 namespace unison {
@@ -78,7 +79,7 @@ class GroupMemory {
 
   void copy(void* to, const void* from, size_t bytes) {
     if (plane_ == nullptr) {
-      std::memcpy(to, from, bytes);
+      copy_bytes(to, from, bytes);
     } else {
       Status s = plane_->copy(to, from, bytes);
       if (failure_.ok()) failure_ = s;

@@ -26,6 +26,7 @@
 #include <cstring>
 
 #include "byte_stream.h"
+#include "copy.h"
 #include "dtype.h"
 #include "futex.h"
 
@@ -223,7 +224,7 @@ class HierarchicalBackend final : public Backend {
       size_t written = 0;
       for (int r = 0; r < config_.size; ++r) {
         const size_t n = t.bytes_per_rank[r];
-        if (n > 0) std::memcpy(static_cast<char*>(t.output) + written, everything_.data() + where[i][r], n);
+        if (n > 0) copy_bytes(static_cast<char*>(t.output) + written, everything_.data() + where[i][r], n);
         written += n;
       }
     }

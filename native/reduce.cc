@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "copy.h"
 #include "dtype.h"
 #include "reduce_f16c.h"
 
@@ -119,7 +120,7 @@ void reduce_typed(const ReduceSpec& spec, const void* const* inputs, int n_input
     if (postscale) for (size_t j = 0; j < m; ++j) acc[j] = scale(acc[j], spec.postscale);
     T* o = static_cast<T*>(out) + base;
     for (size_t j = 0; j < m; ++j) o[j] = Codec::store(acc[j]);
-    if (also_out != nullptr) std::memcpy(static_cast<T*>(also_out) + base, o, m * sizeof(T));
+    if (also_out != nullptr) copy_bytes(static_cast<T*>(also_out) + base, o, m * sizeof(T));
   }
 }
 

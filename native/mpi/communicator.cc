@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "../byte_stream.h"
+#include "../copy.h"
 #include "../dtype.h"
 #include "../futex.h"
 #include "../reduce.h"
@@ -295,7 +296,7 @@ Status MpiCommunicator::allgather(const AllgatherOptions& o) {
   send_.resize(stream[rank_] + 1);
   size_t at = 0;
   for (const auto& t : o.tensors) {
-    if (t.bytes_per_rank[rank_] > 0) std::memcpy(send_.data() + at, t.input, t.bytes_per_rank[rank_]);
+    if (t.bytes_per_rank[rank_] > 0) copy_bytes(send_.data() + at, t.input, t.bytes_per_rank[rank_]);
     at += t.bytes_per_rank[rank_];
   }
   receive_.resize(total + 1);
@@ -309,7 +310,7 @@ Status MpiCommunicator::allgather(const AllgatherOptions& o) {
     size_t written = 0;
     for (int r = 0; r < size_; ++r) {
       const size_t n = t.bytes_per_rank[r];
-      if (n > 0) std::memcpy(static_cast<char*>(t.output) + written, receive_.data() + read[r], n);
+      if (n > 0) copy_bytes(static_cast<char*>(t.output) + written, receive_.data() + read[r], n);
       read[r] += n;
       written += n;
     }
@@ -363,7 +364,7 @@ Status MpiCommunicator::reducescatter(const ReducescatterOptions& o) {
     size_t read = 0;
     for (int r = 0; r < size_; ++r) {
       const size_t n = t.bytes_per_rank[r];
-      if (n > 0) std::memcpy(send_.data() + write[r], static_cast<const char*>(t.input) + read, n);
+      if (n > 0) copy_bytes(send_.data() + write[r], static_cast<const char*>(t.input) + read, n);
       write[r] += n;
       read += n;
     }

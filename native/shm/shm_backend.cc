@@ -33,6 +33,7 @@
 
 #include "../backend.h"
 #include "../byte_stream.h"
+#include "../copy.h"
 #include "../dtype.h"
 #include "../timeline.h"
 #include "segment.h"
@@ -249,10 +250,10 @@ class ShmBackend final : public Backend {
     for (size_t lo = 0; lo < o.bytes; lo += half_bytes_) {
       const size_t n = std::min(o.bytes - lo, half_bytes_);
       const int half = next_slot_half();
-      if (rank_ == o.root) std::memcpy(segment_.slot(rank_, half), buffer + lo, n);
+      if (rank_ == o.root) copy_bytes(segment_.slot(rank_, half), buffer + lo, n);
       Status s = arrive_and_wait();
       if (!s.ok()) return s;
-      if (rank_ != o.root) std::memcpy(buffer + lo, segment_.slot(o.root, half), n);
+      if (rank_ != o.root) copy_bytes(buffer + lo, segment_.slot(o.root, half), n);
     }
     return Status::OK();
   }
@@ -275,13 +276,13 @@ class ShmBackend final : public Backend {
     const char* input = static_cast<const char*>(o.input);
     char* output = static_cast<char*>(o.output);
     if (bytes(rank_, rank_) > 0)
-      std::memmove(output + receive_offset[rank_], input + send_offset[rank_], bytes(rank_, rank_));
+      move_bytes(output + receive_offset[rank_], input + send_offset[rank_], bytes(rank_, rank_));
     const size_t longest = *std::max_element(stream_bytes.begin(), stream_bytes.end());
     for (size_t lo = 0; lo < longest; lo += half_bytes_) {
       const size_t hi = std::min(longest, lo + half_bytes_);
       const int half = next_slot_half();
       if (lo < stream_bytes[rank_])
-        std::memcpy(segment_.slot(rank_, half), input + lo, std::min(hi, stream_bytes[rank_]) - lo);
+        copy_bytes(segment_.slot(rank_, half), input + lo, std::min(hi, stream_bytes[rank_]) - lo);
       Status s = arrive_and_wait();
       if (!s.ok()) return s;
       for (size_t sender = 0; sender < n; ++sender) {
@@ -289,7 +290,7 @@ class ShmBackend final : public Backend {
         const size_t begin = std::max(lo, send_offset[sender]);
         const size_t end = std::min(hi, send_offset[sender] + bytes(sender, rank_));
         if (begin < end)
-          std::memcpy(output + receive_offset[sender] + (begin - send_offset[sender]),
+          copy_bytes(output + receive_offset[sender] + (begin - send_offset[sender]),
                       segment_.slot(sender, half) + (begin - lo), end - begin);
       }
     }
@@ -419,7 +420,7 @@ class ShmBackend final : public Backend {
   void copy_own_part(const ByteStream& from, const ByteStream& to) {
     from.for_each(0, from.size(), [&](size_t at, char* p, size_t n) {
       to.for_each(at, at + n, [&](size_t at2, char* q, size_t m) {
-        if (q != p + (at2 - at)) std::memmove(q, p + (at2 - at), m);
+        if (q != p + (at2 - at)) move_bytes(q, p + (at2 - at), m);
       });
     });
   }

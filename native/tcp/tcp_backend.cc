@@ -27,6 +27,7 @@
 #include <cstring>
 
 #include "../backend.h"
+#include "../copy.h"
 #include "../dtype.h"
 #include "../hierarchical.h"
 #include "../log.h"
@@ -138,7 +139,7 @@ class TcpBackend final : public Backend {
       for (const Segment& s : o.segments) {
         const void* source = s.input;
         if (in_spec.prescale != 1.0) reduce(in_spec, &source, 1, work + at, s.bytes / element);
-        else if (work + at != s.input) std::memcpy(work + at, s.input, s.bytes);
+        else if (work + at != s.input) copy_bytes(work + at, s.input, s.bytes);
         at += s.bytes;
       }
     }
@@ -153,7 +154,7 @@ class TcpBackend final : public Backend {
     TimelinePhase phase("UNPACK");
     at = 0;
     for (const Segment& seg : o.segments) {
-      std::memcpy(seg.output, work + at, seg.bytes);
+      copy_bytes(seg.output, work + at, seg.bytes);
       at += seg.bytes;
     }
     return s;
@@ -166,7 +167,7 @@ class TcpBackend final : public Backend {
       for (int i = 0; i < size(); ++i) {
         char* place = static_cast<char*>(t.output) + at;
         if (i == me_) {
-          if (place != t.input && t.bytes_per_rank[i] > 0) std::memcpy(place, t.input, t.bytes_per_rank[i]);
+          if (place != t.input && t.bytes_per_rank[i] > 0) copy_bytes(place, t.input, t.bytes_per_rank[i]);
           for (int j = 0; j < size(); ++j)
             if (j != me_) moves.send(members_[j], t.input, t.bytes_per_rank[i]);
         } else {
@@ -198,7 +199,7 @@ class TcpBackend final : public Backend {
       const char* from = static_cast<const char*>(o.input) + sent;
       char* into = static_cast<char*>(o.output) + received;
       if (i == me_) {
-        if (out_bytes > 0) std::memmove(into, from, out_bytes);
+        if (out_bytes > 0) move_bytes(into, from, out_bytes);
       } else {
         moves.send(members_[i], from, out_bytes);
         moves.receive(members_[i], into, in_bytes);

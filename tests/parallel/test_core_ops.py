@@ -121,6 +121,64 @@ def test_broadcast_in_place_large():
     unp.broadcast_(x, 1, name="bc.inplace")
     np.testing.assert_array_equal(x, np.ones(2_500_000))
 
+# Buffers placed a chosen number of bytes past a page boundary: the data
+# planes copy with their own loop where memcpy would crawl, when the
+# destination lies 1 to 63 bytes past the source modulo 4 KiB
+# (native/copy.h). The shared slots start on page boundaries, so a buffer
+# `offset` bytes into a page puts the copies out of the slots at that distance.
+def at_page_offset(offset, count, dtype):
+    itemsize = np.dtype(dtype).itemsize
+    raw = np.zeros(count * itemsize + 2 * 4096, dtype=np.uint8)
+    start = (-raw.ctypes.data) % 4096 + offset
+    buffer = raw[start:start + count * itemsize].view(dtype)
+    assert buffer.ctypes.data % 4096 == offset
+    return buffer
+
+
+def test_broadcast_into_buffers_at_every_short_distance_from_a_page():
+    # Bytes, so every distance from 0 to 64 is one; an odd length leaves a
+    # tail after the loop's 64-byte steps.
+    count = 100_003
+    root = unison.size() - 1
+    sent = (np.arange(count) * 7 % 251).astype(np.uint8)
+    for offset in range(65):
+        x = at_page_offset(offset, count, np.uint8)
+        if unison.rank() == root:
+            x[:] = sent
+        unp.broadcast_(x, root, name="bc.offset.%d" % offset)
+        np.testing.assert_array_equal(x, sent, err_msg="offset %d" % offset)
+
+
+@pytest.mark.parametrize("offset", [0, 4, 16, 28, 60, 2052])
+def test_allreduce_and_allgather_of_buffers_off_a_page_boundary(offset):
+    # Large (each rank reduces a chunk, across shared-memory rounds) and fused
+    # with a tensor of odd length in front, which shifts the next one's
+    # place in the stream off the page grid.
+    n, rank = unison.size(), unison.rank()
+    count = 700_001
+    x = at_page_offset(offset, count, np.float32)
+    x[:] = np.arange(count) % 1000 + rank
+    assert unp.allreduce_(x, op=unison.Sum, name="off.large.%d" % offset) is x
+    np.testing.assert_array_equal(x, (np.arange(count) % 1000) * n + n * (n - 1) / 2)
+    odd = np.full(3, rank + 1, dtype=np.float32)
+    y = at_page_offset(offset, 50_001, np.float32)
+    y[:] = np.arange(50_001) % 500 * (rank + 1)
+    handles = [unp.allreduce_async_(odd, op=unison.Sum, name="off.odd.%d" % offset),
+               unp.allreduce_async_(y, op=unison.Sum, name="off.fused.%d" % offset)]
+    for h in handles:
+        unp.synchronize(h)
+    np.testing.assert_array_equal(odd, np.full(3, n * (n + 1) / 2))
+    np.testing.assert_array_equal(y, np.arange(50_001) % 500 * (n * (n + 1) / 2))
+    # Ranks send different row counts, so each rank's rows land in the
+    # output at offsets that are not whole pages apart.
+    rows = at_page_offset(offset, (rank + 1) * 1001, np.float32).reshape(rank + 1, 1001)
+    rows[:] = rank * 10_000 + np.arange(1001)
+    gathered = unp.allgather(rows, name="off.gather.%d" % offset)
+    expected = np.concatenate([np.tile(r * 10_000 + np.arange(1001, dtype=np.float32), (r + 1, 1))
+                               for r in range(n)])
+    np.testing.assert_array_equal(gathered, expected)
+
+
 
 def test_reducescatter_average_default():
     n = unison.size()
