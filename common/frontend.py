@@ -158,6 +158,28 @@ class FrontEnd:
         (name, dtype, shape, op, factors, process set, device) is checked
         and its options filled once per thread, then only pointed at this
         call's memory and stream."""
+        handle_id, buffer, finish = self._start_in_place(tensor, name, op, prescale_factor, postscale_factor,
+                                                         process_set)
+        if finish is None:
+            return Handle(handle_id, name, (tensor, buffer), None, tensor)
+        return Handle(handle_id, name, (tensor, buffer), finish)
+
+    def allreduce_(self, tensor, name=None, op=Average, prescale_factor=1.0, postscale_factor=1.0,
+                   process_set=None):
+        """allreduce_async_ and synchronize in one call. A blocking call
+        needs no Handle: nobody else can wait for the op or drop it, so it
+        waits on the core's handle id directly (handles.wait_in_place),
+        which saves about a fifth of a small allreduce's Python cost."""
+        handle_id, buffer, finish = self._start_in_place(tensor, name, op, prescale_factor, postscale_factor,
+                                                         process_set)
+        if finish is not None:  # the buffer is a copy, to be copied back
+            return _handles.synchronize(Handle(handle_id, name, (tensor, buffer), finish))
+        _handles.wait_in_place(handle_id, name, (tensor, buffer))
+        return tensor
+
+    def _start_in_place(self, tensor, name, op, prescale_factor, postscale_factor, process_set):
+        """Enqueues an in-place allreduce: (handle id, the buffer the core
+        reduces, its finisher or None: see Tensors.writable)."""
         buffer, finish, dtype_key, shape, pointer, placement = self.tensors.in_place(tensor, name)
         set_id = 0 if process_set is None or process_set is global_process_set else process_set_id(process_set)
         key = (name, dtype_key, shape, op, prescale_factor, postscale_factor, set_id, placement[0])
@@ -168,10 +190,7 @@ class FrontEnd:
         options.input = pointer
         options.output = pointer
         options.stream = placement[1]
-        handle_id = collective.start(options)
-        if finish is None:
-            return Handle(handle_id, name, (tensor, buffer), None, tensor)
-        return Handle(handle_id, name, (tensor, buffer), finish)
+        return collective.start(options), buffer, finish
 
     def _in_place_allreduce(self, buffer, key):
         """The checked, filled options of a new in-place allreduce (see

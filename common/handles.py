@@ -90,15 +90,39 @@ def synchronize(handle):
         return handle._result
     try:
         if code != _OK:
-            message = ffi.new("char[]", 4096)
-            lib.unison_handle_error(handle_id, message, 4096)
-            raise basics.error_for(code, ffi.string(message).decode(errors="replace"))
+            raise _failure(handle_id, code)
         handle._result = finish(handle_id)
         handle._done = True
         return handle._result
     finally:
         handle._buffers = None
         lib.unison_release(handle_id)
+
+
+def wait_in_place(handle_id, name, buffers):
+    """synchronize() for a blocking op whose result is in the caller's own
+    buffers, without a Handle: the caller holds `buffers` until this
+    returns. Interrupted (Ctrl-C between wait slices) with the op still
+    running, it leaves a Handle in flight, so the buffers outlive the op."""
+    try:
+        code = _wait_release(handle_id, 0.2)
+        while code == _TIMEOUT:
+            code = _wait_release(handle_id, 0.2)
+    except BaseException:
+        Handle(handle_id, name, buffers, None)
+        raise
+    if code != _OK:
+        try:
+            raise _failure(handle_id, code)
+        finally:
+            lib.unison_release(handle_id)
+
+
+def _failure(handle_id, code):
+    """The exception for a failed op, with the core's message."""
+    message = ffi.new("char[]", 4096)
+    lib.unison_handle_error(handle_id, message, 4096)
+    return basics.error_for(code, ffi.string(message).decode(errors="replace"))
 
 
 def forget(handle_id):

@@ -26,6 +26,19 @@ def test_allreduce_mismatched_shapes_names_every_rank():
         assert "rank %d [%d]" % (r, 2 + r) in message
 
 
+def test_blocking_in_place_allreduce_mismatch_raises_and_the_name_stays_usable():
+    me, n = unison.rank(), unison.size()
+    with pytest.raises(unison.MismatchError) as error:
+        unp.allreduce_(np.ones(2 + me), name="bad.in_place")
+    message = str(error.value)
+    assert "'bad.in_place'" in message
+    for r in range(n):
+        assert "rank %d [%d]" % (r, 2 + r) in message
+    x = np.full(4, me + 1.0)
+    assert unp.allreduce_(x, op=unison.Sum, name="bad.in_place") is x
+    assert (x == n * (n + 1) / 2).all()
+
+
 def test_allreduce_mismatched_dtypes():
     dtype = np.float32 if unison.rank() == 0 else np.int32
     with pytest.raises(unison.MismatchError, match=r"dtype: rank 0 float32, rank 1 int32"):

@@ -49,6 +49,11 @@ def test_allreduce_async_in_place_and_non_contiguous():
     y = torch.ones(5)
     assert hvd.allreduce_(y, op=hvd.Sum, name="ar.inplace") is y
     exact(y, torch.full((5,), float(n)))
+    # The blocking form on a non-contiguous tensor reduces a contiguous
+    # copy and writes it back.
+    again = base.clone().t()
+    assert hvd.allreduce_(again, op=hvd.Sum, name="ar.noncontig.blocking") is again
+    exact(again, expected)
 
 
 def test_alltoall_even_returns_output_only():
