@@ -1,5 +1,7 @@
 #include "config.h"
 
+#include <sched.h>
+
 #include <cctype>
 #include <cerrno>
 #include <cmath>
@@ -205,6 +207,12 @@ Status read_launcher_identity(Config* c) {
 
 }  // namespace
 
+int usable_cores() {
+  cpu_set_t cpus;
+  if (sched_getaffinity(0, sizeof(cpus), &cpus) != 0) return 1;
+  return CPU_COUNT(&cpus);
+}
+
 Status Config::from_environment(Config* out) {
   Config c;
   Settings read;
@@ -254,6 +262,7 @@ Status Config::from_environment(Config* out) {
   read(read_size(&c.control_message_bytes, "UNISON_CONTROL_MESSAGE_BYTES", nullptr, 4096));
   read(read_size(&c.small_allreduce_bytes, "UNISON_SMALL_ALLREDUCE_BYTES"));
   read(read_double(&c.spin_microseconds, "UNISON_SPIN_MICROSECONDS"));
+  c.spin_yields_core = c.local_size > usable_cores();
   if (const char* v = lookup("UNISON_OVERLAP", nullptr)) {
     bool on = false;
     if (trimmed(v) == "auto")

@@ -117,6 +117,10 @@ struct Config {
   // spin_microseconds. Not a user setting: a backend that must poll
   // something else while idle (MPI across hosts) does its own spinning.
   double idle_spin_microseconds = -1.0;
+  // Whether those spins yield the core at every look (futex.h, spin_step):
+  // set when the ranks on this host outnumber the cores this process may
+  // run on, as `unisonrun -np 3` on two cores does.
+  bool spin_yields_core = false;
 
   // UNISON_OVERLAP: whether an async op starts at once, on the engine's
   // thread, overlapping the caller's compute (1), or waits for a caller to
@@ -151,5 +155,8 @@ struct Config {
   // variable and its value; nothing set is silently ignored.
   static Status from_environment(Config* out);
 };
+
+// The CPUs this process may run on (its affinity mask).
+int usable_cores();
 
 }  // namespace unison

@@ -48,8 +48,6 @@
 // elsewhere callers wait for the thread, as before.
 #include <pthread.h>
 
-#include <sched.h>
-
 #include <chrono>
 #include <mutex>
 
@@ -73,12 +71,6 @@ constexpr double kUnclaimedSeconds = 0.01;
 // another. Handles are unique in the process, engines or not.
 thread_local int64_t last_enqueued = 0;
 thread_local int64_t last_waited = -1;
-
-int usable_cores() {
-  cpu_set_t cpus;
-  if (sched_getaffinity(0, sizeof(cpus), &cpus) != 0) return 1;
-  return CPU_COUNT(&cpus);
-}
 
 }  // namespace
 

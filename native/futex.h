@@ -7,6 +7,7 @@
 #include <linux/futex.h>
 #include <sys/syscall.h>
 #include <time.h>
+#include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -39,6 +40,18 @@ inline void cpu_relax() {
 #endif
 }
 
+// One step of a spinning wait. `yield_core` (Config::spin_yields_core):
+// with more ranks on the host than cores, the rank being waited for may be
+// queued for this very core, so the step hands the core over instead of
+// holding it. A pause-only spin there made a 4 KiB allreduce at 3 ranks on 2
+// cores take 150 us; spinning on sched_yield, 26-50 us; not spinning, 60 us.
+inline void spin_step(bool yield_core) {
+  if (yield_core)
+    sched_yield();
+  else
+    cpu_relax();
+}
+
 inline double monotonic_seconds() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
@@ -62,12 +75,12 @@ struct Doorbell {
   }
 };
 
-// Waits until `arrived()` or `timeout_seconds`: spins for `spin_seconds`,
-// then calls `sleep(pause)` (which may end early) with pauses doubling to
+// Waits until `arrived()` or `timeout_seconds`: spins for `spin_seconds`
+// (spin_step(yield_core)), then calls `sleep(pause)` (which may end early) with pauses doubling to
 // 1 ms. That bounds what a lone op pays when every other rank is idle, at a
 // cost of a thousand wake-ups a second for an idle engine.
 template <typename Arrived, typename Sleep>
-void poll_with_backoff(Arrived arrived, Sleep sleep, double timeout_seconds, double spin_seconds) {
+void poll_with_backoff(Arrived arrived, Sleep sleep, double timeout_seconds, double spin_seconds, bool yield_core) {
   constexpr double kLongestPause = 1e-3;
   const double start = monotonic_seconds();
   double pause = 20e-6;
@@ -76,7 +89,7 @@ void poll_with_backoff(Arrived arrived, Sleep sleep, double timeout_seconds, dou
     const double waited = monotonic_seconds() - start;
     if (waited >= timeout_seconds) return;
     if (waited < spin_seconds) {
-      cpu_relax();
+      spin_step(yield_core);
       continue;
     }
     sleep(std::min(pause, timeout_seconds - waited));

@@ -139,7 +139,7 @@ class HierarchicalBackend final : public Backend {
           return relay() > before || local_->activity_token() != token;
         },
         [&](double pause) { local_->wait_for_activity(token, pause); }, timeout_seconds,
-        config_.spin_microseconds * 1e-6);
+        config_.spin_microseconds * 1e-6, config_.spin_yields_core);
   }
   void wake() override { local_->wake(); }
 

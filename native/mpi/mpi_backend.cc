@@ -101,7 +101,7 @@ class MpiBackend final : public Backend {
     const uint64_t before = requested_;
     poll_with_backoff([&] { return requested_cycles() > before || doorbell_.token() != token; },
                       [&](double pause) { doorbell_.sleep(token, pause); }, timeout_seconds,
-                      config_.spin_microseconds * 1e-6);
+                      config_.spin_microseconds * 1e-6, config_.spin_yields_core);
   }
   void wake() override { doorbell_.ring(); }  // any thread: no MPI here
 

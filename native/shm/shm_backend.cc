@@ -128,7 +128,7 @@ class ShmBackend final : public Backend {
     while (monotonic_seconds() < spin_until) {
       for (int i = 0; i < 64; ++i) {
         if (me_->bell.token() != token) return;
-        cpu_relax();
+        spin_step(config_.spin_yields_core);
       }
     }
     me_->bell.sleep(token, timeout_seconds);
@@ -454,7 +454,7 @@ class ShmBackend final : public Backend {
     while (monotonic_seconds() < spin_until) {
       for (int i = 0; i < 32; ++i) {
         if (everyone_arrived()) return Status::OK();
-        cpu_relax();
+        spin_step(config_.spin_yields_core);
       }
     }
     Doorbell& bell = segment_.header()->barrier_bell;
