@@ -263,6 +263,15 @@ Status Config::from_environment(Config* out) {
   read(read_size(&c.small_allreduce_bytes, "UNISON_SMALL_ALLREDUCE_BYTES"));
   read(read_double(&c.spin_microseconds, "UNISON_SPIN_MICROSECONDS"));
   c.spin_yields_core = c.local_size > usable_cores();
+  if (const char* v = lookup("UNISON_SPIN_YIELD", nullptr)) {
+    bool on = false;
+    if (trimmed(v) == "auto")
+      ;  // as above
+    else if (read_flag(&on, "UNISON_SPIN_YIELD").ok())
+      c.spin_yields_core = on;
+    else
+      read(bad_setting("UNISON_SPIN_YIELD", v, "auto or a flag (1, 0, true, false, yes, no, on or off)"));
+  }
   if (const char* v = lookup("UNISON_OVERLAP", nullptr)) {
     bool on = false;
     if (trimmed(v) == "auto")

@@ -117,9 +117,10 @@ struct Config {
   // spin_microseconds. Not a user setting: a backend that must poll
   // something else while idle (MPI across hosts) does its own spinning.
   double idle_spin_microseconds = -1.0;
-  // Whether those spins yield the core at every look (futex.h, spin_step):
-  // set when the ranks on this host outnumber the cores this process may
-  // run on, as `unisonrun -np 3` on two cores does.
+  // Whether those spins yield the core at every look (futex.h, spin_step).
+  // UNISON_SPIN_YIELD: auto (the default) yields where the ranks on this
+  // host outnumber the cores this process may run on, as `unisonrun -np 3`
+  // on two cores does; a flag forces it either way.
   bool spin_yields_core = false;
 
   // UNISON_OVERLAP: whether an async op starts at once, on the engine's

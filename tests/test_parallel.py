@@ -156,6 +156,17 @@ def test_suite_with_overlap_forced_on(suite, np_):
     run_suite(suite, np_, {"UNISON_OVERLAP": "1"})
 
 
+# A spinning wait yields its core where ranks outnumber cores
+# (UNISON_SPIN_YIELD=auto, config.cc): on CI's 2 cores the 3-rank runs
+# above yield and the 2-rank runs do not; on a larger machine none would.
+# These force each way, so both waits run wherever the tests do.
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("suite", ["test_core_ops.py", "test_core_grid.py"])
+@pytest.mark.parametrize("np_,spin_yield", [(2, "1"), (3, "0")], ids=["np2-yield", "np3-pause"])
+def test_suite_with_spin_yield_forced(suite, np_, spin_yield):
+    run_suite(suite, np_, {"UNISON_SPIN_YIELD": spin_yield})
+
+
 def run_suite(suite, np_, env=None, launcher=(), wrapper=()):
     if suite.endswith("_cuda.py"):
         skip_without_cuda()

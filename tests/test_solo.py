@@ -80,6 +80,7 @@ def test_background_thread_leaves_signals_to_the_main_thread(solo):
     ("UNISON_PEER_TIMEOUT_SECONDS", "-3", "a non-negative number"),
     ("UNISON_HIERARCHICAL_ALLREDUCE", "maybe", "a flag"),
     ("UNISON_OVERLAP", "sometimes", "auto or a flag"),
+    ("UNISON_SPIN_YIELD", "often", "auto or a flag"),
     ("UNISON_SHM_SLOT_BYTES", "1KiB", "at least 4096"),
     # kB is 1000 bytes, so 4kB is under the 4096-byte minimum where 4KiB is not.
     ("UNISON_SHM_SLOT_BYTES", "4kB", "at least 4096"),
