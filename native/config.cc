@@ -137,6 +137,20 @@ Status read_flag(bool* field, const char* unison_name, const char* horovod_name 
   return Status::OK();
 }
 
+// A setting that is `auto` or a flag: *field becomes -1 for auto, else 1 or 0.
+Status read_auto_or_flag(int* field, const char* name) {
+  const char* v = lookup(name, nullptr);
+  if (v == nullptr) return Status::OK();
+  if (trimmed_lower(v) == "auto") {
+    *field = -1;
+    return Status::OK();
+  }
+  bool on = false;
+  if (!read_flag(&on, name).ok()) return bad_setting(name, v, "auto or a flag (1, 0, true, false, yes, no, on or off)");
+  *field = on ? 1 : 0;
+  return Status::OK();
+}
+
 // Keeps the first failure of a sequence of reads, so that init reports the
 // first bad setting and every read stays one line.
 struct Settings {
@@ -262,25 +276,10 @@ Status Config::from_environment(Config* out) {
   read(read_size(&c.control_message_bytes, "UNISON_CONTROL_MESSAGE_BYTES", nullptr, 4096));
   read(read_size(&c.small_allreduce_bytes, "UNISON_SMALL_ALLREDUCE_BYTES"));
   read(read_double(&c.spin_microseconds, "UNISON_SPIN_MICROSECONDS"));
-  c.spin_yields_core = c.local_size > usable_cores();
-  if (const char* v = lookup("UNISON_SPIN_YIELD", nullptr)) {
-    bool on = false;
-    if (trimmed(v) == "auto")
-      ;  // as above
-    else if (read_flag(&on, "UNISON_SPIN_YIELD").ok())
-      c.spin_yields_core = on;
-    else
-      read(bad_setting("UNISON_SPIN_YIELD", v, "auto or a flag (1, 0, true, false, yes, no, on or off)"));
-  }
-  if (const char* v = lookup("UNISON_OVERLAP", nullptr)) {
-    bool on = false;
-    if (trimmed(v) == "auto")
-      c.overlap = -1;
-    else if (read_flag(&on, "UNISON_OVERLAP").ok())
-      c.overlap = on ? 1 : 0;
-    else
-      read(bad_setting("UNISON_OVERLAP", v, "auto or a flag (1, 0, true, false, yes, no, on or off)"));
-  }
+  int spin_yield = -1;
+  read(read_auto_or_flag(&spin_yield, "UNISON_SPIN_YIELD"));
+  c.spin_yields_core = spin_yield < 0 ? c.local_size > usable_cores() : spin_yield == 1;
+  read(read_auto_or_flag(&c.overlap, "UNISON_OVERLAP"));
   if (const char* v = lookup("UNISON_GPU_DATA_PLANE", nullptr)) {
     const std::string plane = trimmed(v);
     if (plane == "auto" || plane == "nccl" || plane == "staging")

@@ -76,8 +76,8 @@ struct Doorbell {
 };
 
 // Waits until `arrived()` or `timeout_seconds`: spins for `spin_seconds`
-// (spin_step(yield_core)), then calls `sleep(pause)` (which may end early) with pauses doubling to
-// 1 ms. That bounds what a lone op pays when every other rank is idle, at a
+// (spin_step), then calls `sleep(pause)` (which may end early) with pauses
+// doubling to 1 ms. That bounds what a lone op pays when every other rank is idle, at a
 // cost of a thousand wake-ups a second for an idle engine.
 template <typename Arrived, typename Sleep>
 void poll_with_backoff(Arrived arrived, Sleep sleep, double timeout_seconds, double spin_seconds, bool yield_core) {
