@@ -1,11 +1,14 @@
 // The single-process backend: a null object, so that a script run without
 // the launcher (rank 0 of 1) goes through the same engine with no
 // `if size == 1` anywhere. Every collective is a local copy, with the
-// reduction's scaling still applied.
+// reduction's scaling still applied. Unscaled, a reduction of one rank is
+// its input: nothing to do in place, which is every gradient of a script
+// run alone. (Reducing them anyway read and wrote every byte: 200 gradients
+// of 40 KB took the engine 320 us of a core a step, for nothing.)
 #include <atomic>
-#include <cstring>
 
 #include "../backend.h"
+#include "../copy.h"
 #include "../dtype.h"
 #include "../futex.h"
 
@@ -13,8 +16,10 @@ namespace unison {
 namespace {
 
 void copy_if_distinct(void* out, const void* in, size_t bytes) {
-  if (out != in && bytes > 0) std::memcpy(out, in, bytes);
+  if (out != in && bytes > 0) move_bytes(out, in, bytes);
 }
+
+bool unscaled(const ReduceSpec& spec) { return spec.prescale == 1.0 && spec.postscale == 1.0; }
 
 class SoloBackend final : public Backend {
  public:
@@ -47,7 +52,10 @@ class SoloBackend final : public Backend {
     const size_t element = dtype_size(o.reduce.dtype);
     for (const Segment& s : o.segments) {
       const void* inputs[1] = {s.input};
-      reduce(o.reduce, inputs, 1, s.output, s.bytes / element);
+      if (unscaled(o.reduce))
+        copy_if_distinct(s.output, s.input, s.bytes);
+      else
+        reduce(o.reduce, inputs, 1, s.output, s.bytes / element);
     }
     return Status::OK();
   }
@@ -64,7 +72,10 @@ class SoloBackend final : public Backend {
     const size_t element = dtype_size(o.reduce.dtype);
     for (const auto& t : o.tensors) {
       const void* inputs[1] = {t.input};
-      reduce(o.reduce, inputs, 1, t.output, t.bytes_per_rank[0] / element);
+      if (unscaled(o.reduce))
+        copy_if_distinct(t.output, t.input, t.bytes_per_rank[0]);
+      else
+        reduce(o.reduce, inputs, 1, t.output, t.bytes_per_rank[0] / element);
     }
     return Status::OK();
   }
