@@ -19,7 +19,16 @@ void copy_if_distinct(void* out, const void* in, size_t bytes) {
   if (out != in && bytes > 0) move_bytes(out, in, bytes);
 }
 
-bool unscaled(const ReduceSpec& spec) { return spec.prescale == 1.0 && spec.postscale == 1.0; }
+// One rank's reduction of `bytes` from `in` into `out`: its input scaled,
+// or, unscaled, its input itself (a copy, or nothing in place).
+void reduce_alone(const ReduceSpec& spec, const void* in, void* out, size_t bytes) {
+  if (spec.prescale == 1.0 && spec.postscale == 1.0) {
+    copy_if_distinct(out, in, bytes);
+    return;
+  }
+  const void* inputs[1] = {in};
+  reduce(spec, inputs, 1, out, bytes / dtype_size(spec.dtype));
+}
 
 class SoloBackend final : public Backend {
  public:
@@ -49,14 +58,7 @@ class SoloBackend final : public Backend {
   bool callers_may_drive() const override { return true; }
 
   Status allreduce(const AllreduceOptions& o) override {
-    const size_t element = dtype_size(o.reduce.dtype);
-    for (const Segment& s : o.segments) {
-      const void* inputs[1] = {s.input};
-      if (unscaled(o.reduce))
-        copy_if_distinct(s.output, s.input, s.bytes);
-      else
-        reduce(o.reduce, inputs, 1, s.output, s.bytes / element);
-    }
+    for (const Segment& s : o.segments) reduce_alone(o.reduce, s.input, s.output, s.bytes);
     return Status::OK();
   }
   Status allgather(const AllgatherOptions& o) override {
@@ -69,14 +71,7 @@ class SoloBackend final : public Backend {
     return Status::OK();
   }
   Status reducescatter(const ReducescatterOptions& o) override {
-    const size_t element = dtype_size(o.reduce.dtype);
-    for (const auto& t : o.tensors) {
-      const void* inputs[1] = {t.input};
-      if (unscaled(o.reduce))
-        copy_if_distinct(t.output, t.input, t.bytes_per_rank[0]);
-      else
-        reduce(o.reduce, inputs, 1, t.output, t.bytes_per_rank[0] / element);
-    }
+    for (const auto& t : o.tensors) reduce_alone(o.reduce, t.input, t.output, t.bytes_per_rank[0]);
     return Status::OK();
   }
   Status check_peers() override { return Status::OK(); }
