@@ -35,6 +35,7 @@ class _Scratch(threading.local):
 
 
 _scratch = _Scratch()
+_enqueue = lib.unison_enqueue
 _MAX_DIMS = lib.UNISON_MAX_DIMS
 _KEPT = 4096  # prepared ops kept per thread; beyond, built per call
 
@@ -111,7 +112,7 @@ def start(options):
     """Hands a filled options struct to the core; returns the handle id."""
     scratch = _scratch
     handle = scratch.handle
-    code = lib.unison_enqueue(options, handle)
+    code = _enqueue(options, handle)
     if code:
         basics.check(code)
     if scratch.group is not None:
@@ -119,15 +120,30 @@ def start(options):
     return handle[0]
 
 
-def in_place_options(key):
-    """This thread's prepared in-place allreduce for `key`, or None."""
-    return _scratch.in_place.get(key)
-
-
-def keep_in_place_options(key, prepared):
-    kept = _scratch.in_place
-    if len(kept) < _KEPT:
-        kept[key] = prepared
+def start_in_place(key, pointer, stream, prepared=None):
+    """Starts this thread's prepared in-place allreduce `key` on the memory
+    at `pointer`, produced on `stream` (NULL for host memory), and returns
+    the core's handle id; None when this thread has not prepared `key`.
+    `prepared` (from prepare()) is used instead, and kept for the key's
+    repeats. Every gradient comes here every step, so it is one Python
+    call: the lookup, three fields and the core's enqueue."""
+    scratch = _scratch
+    if prepared is None:
+        prepared = scratch.in_place.get(key)
+        if prepared is None:
+            return None
+    elif len(scratch.in_place) < _KEPT:
+        scratch.in_place[key] = prepared
+    options = prepared[0]
+    options.input = options.output = pointer
+    options.stream = stream
+    handle = scratch.handle
+    code = _enqueue(options, handle)
+    if code:
+        basics.check(code)
+    if scratch.group is not None:
+        scratch.group.append(handle[0])
+    return handle[0]
 
 
 @contextlib.contextmanager

@@ -160,9 +160,9 @@ class FrontEnd:
         call's memory and stream."""
         handle_id, buffer, finish = self._start_in_place(tensor, name, op, prescale_factor, postscale_factor,
                                                          process_set)
-        if finish is None:
-            return Handle(handle_id, name, (tensor, buffer), None, tensor)
-        return Handle(handle_id, name, (tensor, buffer), finish)
+        # Usually the buffer is the caller's tensor: then it is all the handle keeps.
+        return Handle(handle_id, name, tensor if buffer is tensor else (tensor, buffer), finish,
+                      tensor if finish is None else None)
 
     def allreduce_(self, tensor, name=None, op=Average, prescale_factor=1.0, postscale_factor=1.0,
                    process_set=None):
@@ -183,14 +183,10 @@ class FrontEnd:
         buffer, finish, dtype_key, shape, pointer, placement = self.tensors.in_place(tensor, name)
         set_id = 0 if process_set is None or process_set is global_process_set else process_set_id(process_set)
         key = (name, dtype_key, shape, op, prescale_factor, postscale_factor, set_id, placement[0])
-        prepared = collective.in_place_options(key)
-        if prepared is None:
-            prepared = self._in_place_allreduce(buffer, key)
-        options = prepared[0]
-        options.input = pointer
-        options.output = pointer
-        options.stream = placement[1]
-        return collective.start(options), buffer, finish
+        handle_id = collective.start_in_place(key, pointer, placement[1])
+        if handle_id is None:  # this thread's first op of this kind: checked once, kept
+            handle_id = collective.start_in_place(key, pointer, placement[1], self._in_place_allreduce(buffer, key))
+        return handle_id, buffer, finish
 
     def _in_place_allreduce(self, buffer, key):
         """The checked, filled options of a new in-place allreduce (see
@@ -199,10 +195,8 @@ class FrontEnd:
         code = self.dtype_code(buffer, name)
         if op not in _PLAIN_ALLREDUCE_OPS:
             arguments.check_reduce("allreduce", op, prescale_factor, postscale_factor, name)
-        prepared = collective.prepare(_ALLREDUCE, name, code, shape, op, prescale_factor, postscale_factor, 0,
-                                      None, set_id, device)
-        collective.keep_in_place_options(key, prepared)
-        return prepared
+        return collective.prepare(_ALLREDUCE, name, code, shape, op, prescale_factor, postscale_factor, 0,
+                                  None, set_id, device)
 
     def grouped_allreduce_async(self, tensors, name=None, op=Average, prescale_factor=1.0, postscale_factor=1.0,
                                 process_set=None, in_place=False):

@@ -222,7 +222,8 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                      postscale_factor=1.0, process_set=global_process_set):
     """Starts an in-place allreduce of `tensor`; returns a handle."""
-    op = arguments.resolve_op(op, average)
+    if op is None or average is not None:  # a gradient's call names its op
+        op = arguments.resolve_op(op, average)
     return _front.allreduce_async_(tensor, name, op, prescale_factor, postscale_factor, process_set)
 
 

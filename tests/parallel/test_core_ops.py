@@ -90,6 +90,23 @@ def test_one_name_reused_with_other_dtype_shape_op_and_factors():
             np.testing.assert_array_equal(result, expected.astype(dtype))
 
 
+def test_in_place_ops_beyond_those_a_thread_keeps_prepared(monkeypatch):
+    # A thread keeps the filled options of at most collective._KEPT distinct
+    # in-place ops; the ones past that are built per call and still run.
+    from unison import collective
+    monkeypatch.setattr(collective, "_KEPT", len(collective._scratch.in_place) + 2)
+    n, rank = unison.size(), unison.rank()
+    for repeat in range(2):
+        arrays = [np.full(5, rank + i, dtype=np.int64) for i in range(6)]
+        handles = [unp.allreduce_async_(a, op=unison.Sum, name="beyond.kept.%d" % i) for i, a in enumerate(arrays)]
+        for i, (a, h) in enumerate(zip(arrays, handles)):
+            assert unp.synchronize(h) is a
+            np.testing.assert_array_equal(a, np.full(5, n * i + n * (n - 1) // 2))
+        x = np.full(3, float(rank), dtype=np.float32)
+        assert unp.allreduce_(x, op=unison.Max, name="beyond.kept.blocking") is x
+        np.testing.assert_array_equal(x, np.full(3, n - 1.0, dtype=np.float32))
+
+
 def test_thousand_small_async_allreduces_fused():
     n = unison.size()
     handles = [unp.allreduce_async(np.full(7, i + unison.rank(), dtype=np.float32), op=unison.Sum,
