@@ -41,6 +41,8 @@ import torch.distributed as dist
 
 import unison
 import unison.numpy as unp
+from unison import basics, collective, dtypes
+from unison._native import ffi, lib
 from timing import agree, timed
 
 SIZES = [("4 KiB", 4 << 10), ("64 KiB", 64 << 10), ("256 KiB", 256 << 10), ("1 MiB", 1 << 20), ("4 MiB", 4 << 20),
@@ -301,14 +303,35 @@ def main():
         for w in [dist.all_reduce(a, async_op=True) for a in small_t]:
             w.wait()
 
-    many, one = alternate([unison_many, lambda: unp.allreduce_(big, op=unison.Sum, name="bench.one")],
-                          10, args.blocks)
+    # The same 200 through the core's C API alone, with their options filled
+    # beforehand: a Python loop of two cffi calls a tensor, unison.h's
+    # unison_enqueue and unison_wait_release. The core's share of the case,
+    # apart from the front end's per-tensor Python.
+    core_options = [collective.prepare(lib.UNISON_ALLREDUCE, nm, dtypes.code_of("float32", nm), a.shape,
+                                       unison.Sum, 1.0, 1.0, 0, None, 0, lib.UNISON_CPU_DEVICE) for a, nm in
+                    zip(small, ["bench.core.%d" % i for i in range(count)])]
+    for (options, *_), a in zip(core_options, small):
+        options.input = options.output = ffi.from_buffer(a)
+    core_handle = ffi.new("unison_handle*")
+
+    def core_many():
+        started = []
+        for options, *_ in core_options:
+            basics.check(lib.unison_enqueue(options, core_handle))
+            started.append(core_handle[0])
+        for handle_id in started:
+            basics.check(lib.unison_wait_release(handle_id, 60.0))
+
+    many, core, one = alternate([unison_many, core_many,
+                                 lambda: unp.allreduce_(big, op=unison.Sum, name="bench.one")], 10, args.blocks)
     gloo_many_t = gloo_only(gloo_many, 10, args.blocks)
     say()
     say("200 x 40 KB async: unison %.2f ms, gloo %.2f ms; one 8 MB allreduce: unison %.2f ms; "
         "200 small / one large = %.2fx" % (many * 1e3, gloo_many_t * 1e3, one * 1e3, many / one))
     say("  of which starting them (allreduce_async_ in a Python loop): %.2f us a tensor"
         % (statistics.median(enqueue_seconds) / count * 1e6))
+    say("  the same 200 through the C API alone (the core's share): %.2f ms, %.2fx one large"
+        % (core * 1e3, core / one))
 
     say()
     say("targets: 16 and 64 MiB >= 3x gloo bandwidth; 4 KiB <= 1/4 of gloo latency; 200 small within 1.5x "
