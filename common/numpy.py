@@ -95,7 +95,8 @@ def allreduce(tensor, average=None, name=None, op=None, prescale_factor=1.0,
 
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                postscale_factor=1.0, process_set=None):
-    op = arguments.resolve_op(op, average)
+    if op is None or average is not None:
+        op = arguments.resolve_op(op, average)
     return front_end.allreduce_(tensor, name, op, prescale_factor, postscale_factor, process_set)
 
 

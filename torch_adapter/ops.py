@@ -237,7 +237,8 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
 
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                postscale_factor=1.0, process_set=global_process_set):
-    op = arguments.resolve_op(op, average)
+    if op is None or average is not None:
+        op = arguments.resolve_op(op, average)
     return _front.allreduce_(tensor, name, op, prescale_factor, postscale_factor, process_set)
 
 

@@ -107,6 +107,42 @@ def test_in_place_ops_beyond_those_a_thread_keeps_prepared(monkeypatch):
         np.testing.assert_array_equal(x, np.full(3, n - 1.0, dtype=np.float32))
 
 
+def test_interrupted_blocking_allreduce_leaves_its_array_to_the_running_op():
+    # Ctrl-C (here a signal whose handler raises) while a blocking in-place
+    # allreduce_ waits for a late peer: the op still runs, so a handle stays
+    # in flight holding the array, and the result lands in live memory.
+    import os
+    import signal
+    from unison import handles
+
+    class Interrupted(Exception):
+        pass
+
+    def interrupt(signum, frame):
+        raise Interrupted()
+
+    n, rank = unison.size(), unison.rank()
+    x = np.full(8, rank + 1.0)
+    if rank == 0:
+        previous = signal.signal(signal.SIGUSR1, interrupt)
+        timer = threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGUSR1))
+        timer.start()
+        try:
+            with pytest.raises(Interrupted):
+                unp.allreduce_(x, op=unison.Sum, name="interrupted.in_place")
+        finally:
+            timer.cancel()
+            signal.signal(signal.SIGUSR1, previous)
+        left = [h for h in handles._in_flight.values() if h.name == "interrupted.in_place"]
+        assert len(left) == 1
+        unp.allreduce(np.zeros(1), name="interrupted.go")
+        unp.synchronize(left[0])
+    else:
+        unp.allreduce(np.zeros(1), name="interrupted.go")
+        unp.allreduce_(x, op=unison.Sum, name="interrupted.in_place")
+    np.testing.assert_array_equal(x, np.full(8, n * (n + 1) / 2))
+
+
 def test_thousand_small_async_allreduces_fused():
     n = unison.size()
     handles = [unp.allreduce_async(np.full(7, i + unison.rank(), dtype=np.float32), op=unison.Sum,
