@@ -125,8 +125,8 @@ def start_in_place(key, pointer, stream, prepared=None):
     at `pointer`, produced on `stream` (NULL for host memory), and returns
     the core's handle id; None when this thread has not prepared `key`.
     `prepared` (from prepare()) is used instead, and kept for the key's
-    repeats. Every gradient comes here every step, so it is one Python
-    call: the lookup, three fields and the core's enqueue."""
+    repeats. Every gradient comes here every step: a lookup, three fields
+    and the core's enqueue."""
     scratch = _scratch
     if prepared is None:
         prepared = scratch.in_place.get(key)
@@ -137,13 +137,7 @@ def start_in_place(key, pointer, stream, prepared=None):
     options = prepared[0]
     options.input = options.output = pointer
     options.stream = stream
-    handle = scratch.handle
-    code = _enqueue(options, handle)
-    if code:
-        basics.check(code)
-    if scratch.group is not None:
-        scratch.group.append(handle[0])
-    return handle[0]
+    return start(options)
 
 
 @contextlib.contextmanager
