@@ -22,8 +22,6 @@ from unison.handles import Handle, HandleGroup
 from unison.process_sets import global_process_set, process_set_id, size_of
 from unison._native import lib
 
-_wait_release, _OK = lib.unison_wait_release, lib.UNISON_OK
-
 _ALLREDUCE, _ALLGATHER, _BROADCAST, _ALLTOALL, _REDUCESCATTER = (
     lib.UNISON_ALLREDUCE, lib.UNISON_ALLGATHER, lib.UNISON_BROADCAST, lib.UNISON_ALLTOALL,
     lib.UNISON_REDUCESCATTER)
@@ -176,13 +174,7 @@ class FrontEnd:
                                                          process_set)
         if finish is not None:  # the buffer is a copy, to be copied back
             return _handles.synchronize(Handle(handle_id, name, (tensor, buffer), finish))
-        try:  # the first slice of handles.wait_in_place, here: most small ops end within it
-            code = _wait_release(handle_id, 0.2)
-        except BaseException:
-            Handle(handle_id, name, (tensor, buffer), None)  # keeps the buffers for the running op
-            raise
-        if code != _OK:
-            _handles.wait_in_place(handle_id, name, (tensor, buffer), code)
+        _handles.wait_in_place(handle_id, name, (tensor, buffer))
         return tensor
 
     def _start_in_place(self, tensor, name, op, prescale_factor, postscale_factor, process_set):

@@ -99,13 +99,13 @@ def synchronize(handle):
         lib.unison_release(handle_id)
 
 
-def wait_in_place(handle_id, name, buffers, code=_TIMEOUT):
+def wait_in_place(handle_id, name, buffers):
     """synchronize() for a blocking op whose result is in the caller's own
     buffers, without a Handle: the caller holds `buffers` until this
     returns. Interrupted (Ctrl-C between wait slices) with the op still
-    running, it leaves a Handle in flight, so the buffers outlive the op.
-    `code` is what a wait the caller already made returned."""
+    running, it leaves a Handle in flight, so the buffers outlive the op."""
     try:
+        code = _wait_release(handle_id, 0.2)
         while code == _TIMEOUT:
             code = _wait_release(handle_id, 0.2)
     except BaseException:

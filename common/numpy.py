@@ -81,8 +81,7 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                      postscale_factor=1.0, process_set=None):
-    if op is None or average is not None:  # a gradient's call names its op
-        op = arguments.resolve_op(op, average)
+    op = arguments.resolve_op(op, average)
     return front_end.allreduce_async_(tensor, name, op, prescale_factor, postscale_factor, process_set)
 
 
@@ -95,8 +94,7 @@ def allreduce(tensor, average=None, name=None, op=None, prescale_factor=1.0,
 
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                postscale_factor=1.0, process_set=None):
-    if op is None or average is not None:
-        op = arguments.resolve_op(op, average)
+    op = arguments.resolve_op(op, average)
     return front_end.allreduce_(tensor, name, op, prescale_factor, postscale_factor, process_set)
 
 

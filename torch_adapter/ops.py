@@ -222,8 +222,7 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                      postscale_factor=1.0, process_set=global_process_set):
     """Starts an in-place allreduce of `tensor`; returns a handle."""
-    if op is None or average is not None:  # a gradient's call names its op
-        op = arguments.resolve_op(op, average)
+    op = arguments.resolve_op(op, average)
     return _front.allreduce_async_(tensor, name, op, prescale_factor, postscale_factor, process_set)
 
 
@@ -237,8 +236,7 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
 
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                postscale_factor=1.0, process_set=global_process_set):
-    if op is None or average is not None:
-        op = arguments.resolve_op(op, average)
+    op = arguments.resolve_op(op, average)
     return _front.allreduce_(tensor, name, op, prescale_factor, postscale_factor, process_set)
 
 
