@@ -3,6 +3,7 @@ UNISON_SHM_SLOT_BYTES values, side by side in one run.
 
     unisonrun -np 2 python benchmarks/round_size.py
     unisonrun -np 2 python benchmarks/round_size.py --slots 16M,4M --blocks 9
+    unisonrun -np 3 python benchmarks/round_size.py --sizes 256K,4M,38M
 
 A collective larger than half a slot moves in rounds of half a slot. The
 slot size is read when unison starts, so the ranks shut unison down and
@@ -20,7 +21,7 @@ import numpy as np
 import unison
 import unison.numpy as unp
 
-SIZES = [("1 MiB", 1 << 20), ("16 MiB", 16 << 20), ("64 MiB", 64 << 20)]
+SIZES = "1M,16M,64M"
 
 
 def parse_bytes(text):
@@ -45,9 +46,11 @@ def block(nbytes, seconds_of_data=0.05):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--slots", default="16M,8M,4M,2M,1M", help="slot sizes to compare (bytes, or with K/M/G)")
+    parser.add_argument("--sizes", default=SIZES, help="allreduce sizes to time (bytes, or with K/M/G)")
     parser.add_argument("--blocks", type=int, default=5)
     args = parser.parse_args()
     slots = [(label, parse_bytes(label)) for label in args.slots.split(",")]
+    sizes = [(_human(parse_bytes(label)), parse_bytes(label)) for label in args.sizes.split(",")]
     results = {}
     rank = size = None
     for _ in range(args.blocks):
@@ -55,17 +58,17 @@ def main():
             os.environ["UNISON_SHM_SLOT_BYTES"] = str(slot)
             unison.init()
             rank, size = unison.rank(), unison.size()
-            for size_label, nbytes in SIZES:
+            for size_label, nbytes in sizes:
                 results.setdefault((label, size_label), []).append(block(nbytes))
             unison.shutdown()
     if rank == 0:
         print("allreduce of float32 at %d ranks, algorithm bandwidth in GB/s, median of %d blocks"
               % (size, args.blocks))
         print()
-        print("| UNISON_SHM_SLOT_BYTES (round) | " + " | ".join(s for s, _ in SIZES) + " |")
-        print("| --- |" + " --- |" * len(SIZES))
+        print("| UNISON_SHM_SLOT_BYTES (round) | " + " | ".join(s for s, _ in sizes) + " |")
+        print("| --- |" + " --- |" * len(sizes))
         for label, slot in slots:
-            cells = ["%.2f" % statistics.median(results[(label, s)]) for s, _ in SIZES]
+            cells = ["%.2f" % statistics.median(results[(label, s)]) for s, _ in sizes]
             print("| %s (%s rounds) | %s |" % (label, _human(slot // 2), " | ".join(cells)))
 
 

@@ -95,12 +95,14 @@ struct Config {
 
   // Shared-memory staging area per rank. It is split into two halves so
   // one round can be filled while the previous one is still being read;
-  // a collective larger than a half moves in rounds. 2 MiB halves keep a
-  // round's data in cache while it is staged, reduced and gathered: on the
-  // 2-core VM, 8 MiB halves ran 16 and 64 MiB allreduces 30-55% slower.
-  // Smaller still adds barriers, which cost most when ranks outnumber cores
-  // (benchmarks/README.md, "Round size").
-  size_t shm_slot_bytes = 4u << 20;
+  // a collective larger than a half moves in rounds. 1 MiB halves keep a
+  // round's data in cache while it is staged, reduced and gathered, even
+  // where the last-level cache is shared with busy neighbours: on a 2-core
+  // EPYC VM whose L3 was, 2 MiB halves ran 4-38 MiB allreduces 1.2-1.7x
+  // slower at 2 ranks and 1.4-1.5x slower at 3 and 4; on a quieter one the
+  // two were within that VM's noise. Smaller still adds barriers, which
+  // cost most when ranks outnumber cores (benchmarks/README.md, "Round size").
+  size_t shm_slot_bytes = 2u << 20;
 
   // Control messages (requests, responses) per rank per cycle.
   size_t control_message_bytes = 1u << 20;
