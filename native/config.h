@@ -99,9 +99,10 @@ struct Config {
   // round's data in cache while it is staged, reduced and gathered, even
   // where the last-level cache is shared with busy neighbours: on a 2-core
   // EPYC VM whose L3 was, 2 MiB halves ran 4-38 MiB allreduces 1.2-1.7x
-  // slower at 2 ranks and 1.4-1.5x slower at 3 and 4; on a quieter one the
-  // two were within that VM's noise. Smaller still adds barriers, which
-  // cost most when ranks outnumber cores (benchmarks/README.md, "Round size").
+  // slower at 2 ranks, 1.4x at 3 and 1.5-1.7x at 4 (with its L3 taken by
+  // others, up to 8% faster at 2 ranks, still 1.4x slower at 3); on session
+  // 6's VM the two were within its noise. Smaller still adds barriers,
+  // which cost most when ranks outnumber cores (benchmarks/README.md).
   size_t shm_slot_bytes = 2u << 20;
 
   // Control messages (requests, responses) per rank per cycle.
