@@ -9,16 +9,17 @@ from concurrent.futures import ThreadPoolExecutor
 from setuptools import setup
 from setuptools.command.build_ext import build_ext
 
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 os.chdir(HERE)  # cffi resolves the native sources relative to the project root
 
+
 class BuildExtInParallel(build_ext):
-    """Compiles the core's sources one per core at a time. setuptools
-    compiles an extension's sources one after another, and the core is
-    some forty files: a serial build took 2.5 minutes on a 2-core machine,
-    and CI builds the core seven times (its own package, the two MPI envs,
-    and the MPI rebuild test). `build_ext -j N` sets the number of jobs."""
+    """Compiles the core's sources in parallel, one job per usable core
+    (`build_ext -j N` for N jobs). setuptools compiles an extension's
+    sources one after another, and the core is some forty files: a serial
+    build took 2.5 minutes on a 2-core machine, a parallel one 80 s, and CI
+    builds the core several times (its package, each MPI env, and twice in
+    the MPI rebuild test)."""
 
     def build_extension(self, ext):
         compile_serially = self.compiler.compile
