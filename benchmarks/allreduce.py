@@ -41,9 +41,7 @@ import torch.distributed as dist
 
 import unison
 import unison.numpy as unp
-from unison import basics, collective, dtypes
-from unison._native import ffi, lib
-from timing import agree, timed
+from timing import agree, core_allreduces, timed
 
 SIZES = [("4 KiB", 4 << 10), ("64 KiB", 64 << 10), ("256 KiB", 256 << 10), ("1 MiB", 1 << 20), ("4 MiB", 4 << 20),
          ("16 MiB", 16 << 20), ("64 MiB", 64 << 20)]
@@ -307,20 +305,7 @@ def main():
     # beforehand: a Python loop of two cffi calls a tensor, unison.h's
     # unison_enqueue and unison_wait_release. The core's share of the case,
     # apart from the front end's per-tensor Python.
-    core_options = [collective.prepare(lib.UNISON_ALLREDUCE, nm, dtypes.code_of("float32", nm), a.shape,
-                                       unison.Sum, 1.0, 1.0, 0, None, 0, lib.UNISON_CPU_DEVICE) for a, nm in
-                    zip(small, ["bench.core.%d" % i for i in range(count)])]
-    for (options, *_), a in zip(core_options, small):
-        options.input = options.output = ffi.from_buffer(a)
-    core_handle = ffi.new("unison_handle*")
-
-    def core_many():
-        started = []
-        for options, *_ in core_options:
-            basics.check(lib.unison_enqueue(options, core_handle))
-            started.append(core_handle[0])
-        for handle_id in started:
-            basics.check(lib.unison_wait_release(handle_id, 60.0))
+    core_many = core_allreduces(small, ["bench.core.%d" % i for i in range(count)])
 
     many, core, one = alternate([unison_many, core_many,
                                  lambda: unp.allreduce_(big, op=unison.Sum, name="bench.one")], 10, args.blocks)

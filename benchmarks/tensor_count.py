@@ -18,8 +18,7 @@ import time
 import numpy as np
 
 import unison
-from unison import basics, collective, dtypes
-from unison._native import ffi, lib
+from timing import core_allreduces
 
 
 def main():
@@ -30,41 +29,22 @@ def main():
     args = parser.parse_args()
     unison.init()
     counts = [int(c) for c in args.counts.split(",")]
-    float32 = dtypes.code_of("float32", "tensor_count")
-    handle = ffi.new("unison_handle*")
-    variants = []
+    variants = []  # (count, its arrays, the function that allreduces them)
     for count in counts:
         each = int(args.megabytes * 1e6) // 4 // count
         arrays = [np.ones(each, dtype=np.float32) for _ in range(count)]
-        options = []
-        for i, a in enumerate(arrays):
-            prepared = collective.prepare(lib.UNISON_ALLREDUCE, "count%d.%d" % (count, i), float32, a.shape,
-                                          unison.Sum, 1.0, 1.0, 0, None, 0, lib.UNISON_CPU_DEVICE)
-            prepared[0].input = prepared[0].output = ffi.from_buffer(a)
-            options.append(prepared)  # keeps the struct's C memory alive
-        variants.append((count, arrays, options))
-
-    def run(options):
-        started = []
-        begun = time.perf_counter()
-        for o, *_ in options:
-            basics.check(lib.unison_enqueue(o, handle))
-            started.append(handle[0])
-        enqueued = time.perf_counter() - begun
-        for handle_id in started:
-            basics.check(lib.unison_wait_release(handle_id, 60.0))
-        return enqueued
+        variants.append((count, arrays, core_allreduces(arrays, ["count%d.%d" % (count, i) for i in range(count)])))
 
     wall = {count: [] for count in counts}
     cpu = dict.fromkeys(counts, 0.0)
     enqueue = {count: [] for count in counts}
     for _ in range(3):
-        for _, _, options in variants:
-            run(options)
+        for _, _, run in variants:
+            run()
     for _ in range(args.repetitions):
-        for count, _, options in variants:
+        for count, _, run in variants:
             cpu_before, before = time.process_time(), time.perf_counter()
-            enqueue[count].append(run(options))
+            enqueue[count].append(run())
             wall[count].append(time.perf_counter() - before)
             cpu[count] += time.process_time() - cpu_before
     base = statistics.median(wall[counts[0]])

@@ -5,6 +5,8 @@ import numpy as np
 
 import unison
 import unison.numpy as unp
+from unison import basics, collective, dtypes
+from unison._native import ffi, lib
 
 
 def timed(fn, iterations):
@@ -18,3 +20,30 @@ def timed(fn, iterations):
 def agree(seconds):
     """The slowest rank's time, so every rank reports the same figure."""
     return float(unp.allreduce(np.array(seconds), op=unison.Max, name="bench.agree"))
+
+
+def core_allreduces(arrays, names):
+    """A function that Sum-allreduces the float32 `arrays` in place through
+    the core's C API alone (unison.h's unison_enqueue, then
+    unison_wait_release for each), their options filled once here: what
+    the core costs, apart from any front end. It returns the seconds its
+    loop of enqueues took."""
+    prepared = []  # each options struct with the C memory it points to
+    for a, name in zip(arrays, names):
+        p = collective.prepare(lib.UNISON_ALLREDUCE, name, dtypes.code_of("float32", name), a.shape, unison.Sum,
+                               1.0, 1.0, 0, None, 0, lib.UNISON_CPU_DEVICE)
+        p[0].input = p[0].output = ffi.from_buffer(a)
+        prepared.append(p)
+    handle = ffi.new("unison_handle*")
+
+    def run():
+        started = []
+        begun = time.perf_counter()
+        for options, *_ in prepared:
+            basics.check(lib.unison_enqueue(options, handle))
+            started.append(handle[0])
+        enqueued = time.perf_counter() - begun
+        for handle_id in started:
+            basics.check(lib.unison_wait_release(handle_id, 60.0))
+        return enqueued
+    return run
