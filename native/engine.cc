@@ -113,7 +113,7 @@ void Engine::warn_of_late_data(double now) {
 
 void Engine::take_new_requests() {
   // Ops whose data has come go first: they were enqueued before the queue's.
-  std::vector<Entry> fresh;
+  std::vector<Entry>& fresh = taken_;  // empty: cleared at the end of the last call
   if (!waiting_for_data_.empty()) {
     std::vector<Entry> still_waiting;
     for (Entry& e : waiting_for_data_) (input_ready(e) ? fresh : still_waiting).push_back(std::move(e));
@@ -122,7 +122,7 @@ void Engine::take_new_requests() {
   {
     std::lock_guard<std::mutex> lock(queue_mutex_);
     if (fresh.empty()) {
-      fresh.swap(queue_);
+      fresh.swap(queue_);  // queue_ gets last cycle's buffer, at its capacity
     } else {
       for (Entry& e : queue_) fresh.push_back(std::move(e));
       queue_.clear();
@@ -170,6 +170,9 @@ void Engine::take_new_requests() {
     }
     set.pending.emplace(name, std::move(e));
   }
+  fresh.clear();
+  // A burst of tens of thousands of ops should not pin its memory for good.
+  if (fresh.capacity() > kKeptQueueCapacity) std::vector<Entry>().swap(fresh);
 }
 
 void Engine::build_message(ProcessSetState& set, CycleMessage* message, double now) {

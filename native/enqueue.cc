@@ -203,13 +203,12 @@ Status Engine::enqueue(const unison_op_options& o, int64_t* handle) {
   } else {
     r.name = std::string(op_name(o.op)) + ".noname." + std::to_string(++unnamed_ops_[o.process_set_id]);
   }
-  std::unordered_set<std::string>& in_flight = in_flight_[o.process_set_id];
-  if (in_flight.count(r.name))
+  // One hash of the name: the insert is the check.
+  if (!in_flight_[o.process_set_id].insert(r.name).second)
     return invalid(std::string(op_name(o.op)) + " '" + r.name + "': a tensor of this name is already in flight on rank " +
                    std::to_string(my_rank) + "; wait for it, or give the new one another name");
   e.handle = handles_->create();
   *handle = e.handle;
-  in_flight.insert(r.name);
   timeline_.begin(r.name, "QUEUED");
   const double now = monotonic_seconds();
   caller_activity::note_enqueue(now);
