@@ -156,6 +156,19 @@ def test_thousand_small_async_allreduces_fused():
         np.testing.assert_array_equal(unp.synchronize(h), np.full(7, n * i, dtype=np.float32))
 
 
+def test_bursts_past_the_queue_kept_capacity():
+    # Grouped, the 5000 reach the engine's queue at once and one cycle takes
+    # them all: more than the 4096 entries the queue keeps between cycles
+    # (Engine::take_new_requests), so its buffer is let go, then regrown by
+    # the second burst.
+    n = unison.size()
+    for burst in range(2):
+        arrays = [np.full(3, i + burst + unison.rank(), dtype=np.int32) for i in range(5000)]
+        results = unp.synchronize(unp.grouped_allreduce_async(arrays, op=unison.Sum, name="burst%d" % burst))
+        for i, x in enumerate(results):
+            np.testing.assert_array_equal(x, np.full(3, n * (i + burst) + n * (n - 1) // 2, dtype=np.int32))
+
+
 def test_ranks_enqueue_names_in_different_orders():
     names = ["order.%d" % i for i in range(20)]
     rng = np.random.default_rng(unison.rank() + 7)
