@@ -185,7 +185,7 @@ class Engine {
   // What the engine took from queue_ last cycle, emptied. The two swap
   // every cycle and both keep their capacity: a queue grown from nothing
   // each burst reallocated and moved every Entry at 1, 2, 4, ... 256 ops,
-  // a sixth of what an enqueue cost in a burst of 200 (take_new_requests).
+  // a fifth of what an enqueue cost in a burst of 200 (take_new_requests).
   std::vector<Entry> taken_;
   static constexpr size_t kKeptQueueCapacity = 4096;
   double queued_since_ = 0;      // when queue_ last became non-empty
