@@ -140,7 +140,7 @@ void Engine::take_new_requests() {
                                                                           std::to_string(e.process_set) + " was removed"));
       continue;
     }
-    const std::string name = e.request.name;
+    const std::string& name = e.request.name;  // e's own: used only before e is moved
     const bool waited_for_data = e.data_wait_since >= 0;
     if (!waited_for_data && !input_ready(e)) {
       e.data_wait_since = monotonic_seconds();
@@ -168,7 +168,9 @@ void Engine::take_new_requests() {
       if (found == ResponseCache::Lookup::kStale) set_bit(&set.invalid_bits, position);
       set.to_send.push_back(name);
     }
-    set.pending.emplace(name, std::move(e));
+    // try_emplace copies the key before it moves the entry, so the key may
+    // be the entry's own name: one copy of it instead of two.
+    set.pending.try_emplace(name, std::move(e));
   }
   fresh.clear();
   // A burst of tens of thousands of ops should not pin its memory for good.
