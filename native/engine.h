@@ -182,12 +182,6 @@ class Engine {
   // Shared with calling threads, under queue_mutex_.
   std::mutex queue_mutex_;
   std::vector<Entry> queue_;
-  // What the engine took from queue_ last cycle, emptied. The two swap
-  // every cycle and both keep their capacity: a queue grown from nothing
-  // each burst reallocated and moved every Entry at 1, 2, 4, ... 256 ops,
-  // a fifth of what an enqueue cost in a burst of 200 (take_new_requests).
-  std::vector<Entry> taken_;
-  static constexpr size_t kKeptQueueCapacity = 4096;
   double queued_since_ = 0;      // when queue_ last became non-empty
   double last_enqueued_at_ = 0;  // the latest op's enqueue
   static constexpr double kUnclaimedAtMostFactor = 10;  // see has_local_work
@@ -217,6 +211,13 @@ class Engine {
   // once it has; the driver looks at least every kDataPollSeconds.
   std::vector<Entry> waiting_for_data_;
   static constexpr double kDataPollSeconds = 1e-4;
+  // The batch a cycle takes from queue_ (take_new_requests), empty between
+  // cycles. It and queue_ swap buffers every cycle and both keep their
+  // capacity: a queue grown from nothing each burst reallocated and moved
+  // every Entry at 1, 2, 4, ... 256 ops, a fifth of what an enqueue cost in
+  // a burst of 200.
+  std::vector<Entry> taken_;
+  static constexpr size_t kKeptQueueCapacity = 4096;
   std::vector<Completion> finished_;                // completed, not yet published
   std::vector<std::pair<int, std::string>> finished_names_;  // (process set, name)
   uint64_t cycles_done_ = 0;
