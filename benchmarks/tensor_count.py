@@ -29,20 +29,20 @@ def main():
     args = parser.parse_args()
     unison.init()
     counts = [int(c) for c in args.counts.split(",")]
-    variants = []  # (count, its arrays, the function that allreduces them)
+    variants = []  # (count, the function that allreduces that many arrays)
     for count in counts:
         each = int(args.megabytes * 1e6) // 4 // count
         arrays = [np.ones(each, dtype=np.float32) for _ in range(count)]
-        variants.append((count, arrays, core_allreduces(arrays, ["count%d.%d" % (count, i) for i in range(count)])))
+        variants.append((count, core_allreduces(arrays, ["count%d.%d" % (count, i) for i in range(count)])))
 
     wall = {count: [] for count in counts}
     cpu = dict.fromkeys(counts, 0.0)
     enqueue = {count: [] for count in counts}
     for _ in range(3):
-        for _, _, run in variants:
+        for _, run in variants:
             run()
     for _ in range(args.repetitions):
-        for count, _, run in variants:
+        for count, run in variants:
             cpu_before, before = time.process_time(), time.perf_counter()
             enqueue[count].append(run())
             wall[count].append(time.perf_counter() - before)

@@ -27,13 +27,13 @@ def core_allreduces(arrays, names):
     the core's C API alone (unison.h's unison_enqueue, then
     unison_wait_release for each), their options filled once here: what
     the core costs, apart from any front end. It returns the seconds its
-    loop of enqueues took."""
-    prepared = []  # each options struct with the C memory it points to
+    loop of enqueues took. It holds the arrays: the structs point into them."""
+    prepared = []  # each options struct with the C memory it points to, and its array
     for a, name in zip(arrays, names):
         p = collective.prepare(lib.UNISON_ALLREDUCE, name, dtypes.code_of("float32", name), a.shape, unison.Sum,
                                1.0, 1.0, 0, None, 0, lib.UNISON_CPU_DEVICE)
         p[0].input = p[0].output = ffi.from_buffer(a)
-        prepared.append(p)
+        prepared.append((*p, a))
     handle = ffi.new("unison_handle*")
 
     def run():
