@@ -300,6 +300,57 @@ def test_a_set_whose_members_are_blocked_waits_for_a_busy_rank_outside_it(tmp_pa
         assert ("[%d]<stdout>:x [3. 3.]" % r) in out, out
 
 
+@pytest.mark.parametrize("np_", [3, 4])
+def test_a_set_member_quiet_in_its_set_for_the_peer_timeout_is_alive_and_a_dead_one_is_named(tmp_path, np_):
+    # Sets {0, 1} and {1, ..., n-1}, both older than the peer timeout. Each
+    # cycle rank 1 runs a large allreduce in the pair before the small one
+    # in the rest, so the rest's other members wait for it in the rest's
+    # segment long enough to look at their peers. Rank 1 had never waited
+    # there: a set's own heartbeats called it dead after the peer timeout.
+    # Then rank n-1 dies, and every survivor names it.
+    proc = run(tmp_path, """
+        import os, time
+        import numpy as np
+        import unison, unison.numpy as unp
+        unison.init()
+        r, n = unison.rank(), unison.size()
+        pair = unison.add_process_set([0, 1])
+        rest = unison.add_process_set(list(range(1, n)))
+        big = np.full(1 << 24, float(r + 1), dtype=np.float32)
+        time.sleep(2.5)
+        for step in range(3):
+            handles = []
+            if pair.included():
+                handles.append(unp.allreduce_async(big, op=unison.Sum, name="big.%d" % step, process_set=pair))
+            if rest.included():
+                handles.append(unp.allreduce_async(np.array([r + 1]), op=unison.Sum, name="small.%d" % step,
+                                                   process_set=rest))
+            results = [unp.synchronize(h) for h in handles]
+            if pair.included():
+                assert (results[0] == 3.0).all(), results[0][:4]
+            if rest.included():
+                assert results[-1].tolist() == [n * (n + 1) // 2 - 1], results[-1]
+        print("rank %d: alive" % r, flush=True)
+        unp.barrier()
+        if r == n - 1:
+            os._exit(3)
+        try:
+            if rest.included():
+                unp.allreduce(np.ones(1), name="after", process_set=rest)
+            else:
+                unp.barrier()
+        except unison.HorovodInternalError as e:
+            print("rank %d: %s" % (r, e), flush=True)
+    """, np_=np_, extra=("--peer-timeout-seconds", "1"))
+    out, err = proc.stdout.decode(), proc.stderr.decode()
+    for r in range(np_):
+        assert "[%d]<stdout>:rank %d: alive" % (r, r) in out, out + err
+    assert "no sign of life" not in out + err, out + err
+    for r in range(np_ - 1):
+        assert re.search(r"\[%d\]<stdout>:rank %d: unison: rank %d \(pid \d+\) exited" % (r, r, np_ - 1), out), out + err
+    assert "unisonrun: job failed: rank %d exited with status 3" % (np_ - 1) in err, out + err
+
+
 def test_log_level_error_silences_the_stall_warning_not_the_failure(tmp_path):
     proc = run(tmp_path, """
         import time

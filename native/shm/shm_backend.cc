@@ -65,9 +65,10 @@ class ShmBackend final : public Backend {
     me_ = segment_.rank_area(rank_);
     // Peer exits are noticed through pidfds, which become readable the
     // moment a process ends, child of ours or not. Kernels without them
-    // fall back to kill(pid, 0) and the heartbeat.
+    // fall back to kill(pid, 0) and the heartbeat. A set asks the job's
+    // backend instead (job_).
     pidfds_.assign(size_, -1);
-    for (int r = 0; r < size_; ++r)
+    for (int r = 0; r < size_ && job_ == nullptr; ++r)
       if (r != rank_) pidfds_[r] = (int)syscall(SYS_pidfd_open, segment_.rank_area(r)->pid.load(), 0);
     return Status::OK();
   }
@@ -144,6 +145,13 @@ class ShmBackend final : public Backend {
   Status check_peers() override {
     if (!broken_.ok()) return broken_;
     beat();
+    if (job_ != nullptr) {
+      // A set: whether a member lives is the job's segment's to say, and
+      // the set's to say only whether a member has left it.
+      Status s = job_->check_peers();
+      if (!s.ok()) return broken_ = s;
+      return check_left();
+    }
     // Name every peer that has exited, not just the first found: when one
     // rank dies, the survivors that notice first exit too, and a slower
     // survivor must still name the rank that started it.
@@ -162,12 +170,8 @@ class ShmBackend final : public Backend {
       if (exited[r]) dead += (dead.empty() ? "" : ", ") + describe(r);
     }
     if (!dead.empty()) return fail(dead + " exited");
-    for (int r = 0; r < size_; ++r)
-      if (r != rank_ && segment_.rank_area(r)->left.load()) {
-        broken_ = Status::Error(UNISON_ERR_SHUT_DOWN, "unison: " + describe(r) +
-                                                          " has shut down; no more collectives can run with it");
-        return broken_;
-      }
+    Status s = check_left();
+    if (!s.ok()) return s;
     const int64_t now = monotonic_nanoseconds();
     for (int r = 0; r < size_; ++r) {
       if (r == rank_) continue;
@@ -180,7 +184,8 @@ class ShmBackend final : public Backend {
   }
 
   // A set's members map a segment of their own, named after the set; the
-  // other ranks have nothing to do.
+  // other ranks have nothing to do. Sets are removed before the job's
+  // backend (Engine::sets_), so job_ outlives every set made from it.
   Status split(const std::vector<int>& members, int set_id, std::unique_ptr<Backend>* out) override {
     out->reset();
     auto me = std::find(members.begin(), members.end(), rank_);
@@ -191,7 +196,12 @@ class ShmBackend final : public Backend {
     sub.host_ranks.clear();
     for (int r : members) sub.host_ranks.push_back(config_.host_ranks.empty() ? r : config_.host_ranks[r]);
     sub.job_id += "-set" + std::to_string(set_id);
-    return make_shm_backend(sub, generation_, out);
+    auto set = std::make_unique<ShmBackend>(sub);
+    set->job_ = job_ != nullptr ? job_ : this;
+    Status s = set->start(generation_);
+    if (!s.ok()) return s;
+    *out = std::move(set);
+    return Status::OK();
   }
 
   // ---- data plane ----------------------------------------------------------
@@ -470,6 +480,16 @@ class ShmBackend final : public Backend {
 
   void beat() { me_->heartbeat_ns.store(monotonic_nanoseconds(), std::memory_order_relaxed); }
 
+  Status check_left() {
+    for (int r = 0; r < size_; ++r)
+      if (r != rank_ && segment_.rank_area(r)->left.load()) {
+        broken_ = Status::Error(UNISON_ERR_SHUT_DOWN, "unison: " + describe(r) +
+                                                          " has shut down; no more collectives can run with it");
+        return broken_;
+      }
+    return Status::OK();
+  }
+
   std::string describe(int rank) const {
     const int global = config_.host_ranks.empty() ? rank : config_.host_ranks[rank];
     return "rank " + std::to_string(global) + " (pid " + std::to_string(segment_.rank_area(rank)->pid.load()) + ")";
@@ -487,6 +507,14 @@ class ShmBackend final : public Backend {
 
   Config config_;
   int generation_ = 0;
+  // A set's segment: the job's backend, whose segment says which ranks
+  // live. The set's own heartbeats would not: a rank beats a segment only
+  // while it waits in it, so a member that had not waited in its set for
+  // the peer timeout looked dead to one that had (trainers in a set older
+  // than 10 s, on a loaded machine, failed as "no sign of life"). The job's
+  // segment is beaten by every rank's engine while it idles, and by any of
+  // its sets' waits through this. Null for the job's own.
+  ShmBackend* job_ = nullptr;
   ShmSegment segment_;
   int rank_ = 0;
   int size_ = 1;
