@@ -1,6 +1,7 @@
 """What the tests that start whole jobs share: running unisonrun, running a
 suite of tests/parallel inside every rank, and small rank scripts."""
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -28,7 +29,7 @@ def run_job(command, timeout, env=None, cwd=HERE, stderr=subprocess.STDOUT):
             out, err = proc.communicate()
         printed = (out or b"").decode(errors="replace") + (err or b"").decode(errors="replace")
         raise AssertionError("%s\nran past its %d s and was ended; what it printed:\n%s"
-                             % (" ".join(command), timeout, printed[-20000:])) from None
+                             % (" ".join(command), timeout, failure_digest(printed))) from None
     return subprocess.CompletedProcess(command, proc.returncode, out, err)
 
 
@@ -49,8 +50,45 @@ def pytest_command(suite):
 def assert_every_rank_passed(proc, ranks):
     output = proc.stdout.decode(errors="replace")
     summaries = [line for line in output.splitlines() if " passed" in line or " failed" in line]
-    assert proc.returncode == 0, output[-20000:]
-    assert len([s for s in summaries if "passed" in s and "failed" not in s]) == ranks, output[-5000:]
+    assert proc.returncode == 0, failure_digest(output)
+    assert len([s for s in summaries if "passed" in s and "failed" not in s]) == ranks, failure_digest(output)
+
+
+# tests/parallel/conftest.py prints each failure as it happens, under this
+# header; unisonrun puts "[rank]<stdout>:" before each line of a rank.
+_REPORT = re.compile(r"^(\[\d+\]<std\w+>:)?unison test: \S+ failed in \w+ on rank (\S+):")
+_KEPT = re.compile(r"^(E |\S+\.py:\d+: )")
+
+
+def failure_digest(output, tail=8000):
+    """What a failed job's assertion shows: each rank's first failure,
+    cut to its error lines and the places they were raised, then the end of
+    the output. The end alone is not enough: when one rank fails, the
+    others fail after it in the collective it left (their reports come
+    last and are long), and the first failure, the cause, scrolls out of
+    what CI prints."""
+    lines = output.splitlines()
+    digests, ranks_seen = [], set()
+    for i, line in enumerate(lines):
+        found = _REPORT.match(line)
+        if not found or found.group(2) in ranks_seen:
+            continue
+        ranks_seen.add(found.group(2))
+        prefix = found.group(1) or ""  # without one (plain mpirun), the next lines may be any rank's
+        kept = []
+        for text in lines[i + 1:i + 600]:
+            if not text.startswith(prefix):
+                continue
+            text = text[len(prefix):]
+            if text.startswith("=====") or _REPORT.match(text):  # pytest's own summary, or the next report
+                break
+            if _KEPT.match(text):
+                kept.append(text)
+        digests.append(line[len(prefix):] + "\n" + "\n".join(kept[-40:]))
+    if not digests:
+        return output[-tail:]
+    return ("each rank's first failure, in the order they were printed:\n\n" + "\n\n".join(digests) +
+            "\n\n---- the last %d characters of the output ----\n" % tail + output[-tail:])
 
 
 # Each rank prints its identity (rank, local rank, local size, cross rank,

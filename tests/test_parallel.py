@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from jobs import pytest_command, run_job
+from jobs import failure_digest, pytest_command, run_job
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SUITES = sorted(f for f in os.listdir(os.path.join(HERE, "parallel")) if f.startswith("test_"))
@@ -178,5 +178,5 @@ def run_suite(suite, np_, env=None, launcher=(), wrapper=()):
     output = proc.stdout.decode(errors="replace")
     summaries = [line for line in output.splitlines() if " passed" in line or " failed" in line]
     print("\n".join(summaries))
-    assert proc.returncode == 0, output[-20000:]
-    assert len([s for s in summaries if "passed" in s and "failed" not in s]) == np_, output[-5000:]
+    assert proc.returncode == 0, failure_digest(output)
+    assert len([s for s in summaries if "passed" in s and "failed" not in s]) == np_, failure_digest(output)
