@@ -85,8 +85,8 @@ def failure_digest(output, tail=8000):
             if _KEPT.match(text):
                 kept.append(text)
         digests.append(line[len(prefix):] + "\n" + "\n".join(kept[-40:]))
-    if not digests:
-        return output[-tail:]
+    if not digests:  # no rank printed a failure (a crash, a hang): the end is all there is
+        return output[-20000:]
     return ("each rank's first failure, in the order they were printed:\n\n" + "\n\n".join(digests) +
             "\n\n---- the last %d characters of the output ----\n" % tail + output[-tail:])
 
