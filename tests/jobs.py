@@ -50,6 +50,7 @@ def pytest_command(suite):
 def assert_every_rank_passed(proc, ranks):
     output = proc.stdout.decode(errors="replace")
     summaries = [line for line in output.splitlines() if " passed" in line or " failed" in line]
+    print("\n".join(summaries))
     assert proc.returncode == 0, failure_digest(output)
     assert len([s for s in summaries if "passed" in s and "failed" not in s]) == ranks, failure_digest(output)
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from jobs import failure_digest, pytest_command, run_job
+from jobs import assert_every_rank_passed, pytest_command, run_job
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SUITES = sorted(f for f in os.listdir(os.path.join(HERE, "parallel")) if f.startswith("test_"))
@@ -174,9 +174,4 @@ def run_suite(suite, np_, env=None, launcher=(), wrapper=()):
     if framework and importlib.util.find_spec(framework) is None:
         pytest.skip("%s is not installed here; the tox env '%s' runs this suite" % (framework, framework))
     command = [sys.executable, "-m", "unison.run", "-np", str(np_), *launcher, *wrapper, *pytest_command(suite)]
-    proc = run_job(command, 580, env=dict(os.environ, **(env or {})))
-    output = proc.stdout.decode(errors="replace")
-    summaries = [line for line in output.splitlines() if " passed" in line or " failed" in line]
-    print("\n".join(summaries))
-    assert proc.returncode == 0, failure_digest(output)
-    assert len([s for s in summaries if "passed" in s and "failed" not in s]) == np_, failure_digest(output)
+    assert_every_rank_passed(run_job(command, 580, env=dict(os.environ, **(env or {}))), np_)
