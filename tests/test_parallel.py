@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+import fake_cuda as fake_cuda_library
 from jobs import assert_every_rank_passed, pytest_command, run_job
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -143,6 +144,31 @@ def skip_without_cuda():
     import torch
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device here: the GPU suites run on a GPU machine (benchmarks/gpu_machine.sh)")
+
+
+# The shared grid on the GPU path, where there is no GPU: tests/fake_cuda
+# stands in for CUDA and a one-rank NCCL (tests/parallel/fake_gpu.py says
+# how its arrays are made and read). The layouts are the GPU machine's:
+# NCCL at one rank, host staging at one rank and with ranks sharing the
+# GPU, and the hierarchical NCCL plane with a host per rank.
+FAKE_GPU_LAYOUTS = [(1, [], {}), (1, [], {"UNISON_GPU_DATA_PLANE": "staging"}), (2, [], {}), (3, [], {}),
+                    (2, ["-H", HOSTS[2]], {}), (3, ["-H", HOSTS[3]], {})]
+
+
+@pytest.fixture(scope="module")
+def fake_cuda(tmp_path_factory):
+    return fake_cuda_library.build(str(tmp_path_factory.mktemp("fake_cuda")))
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("np_,launcher,env", FAKE_GPU_LAYOUTS,
+                         ids=["np1-nccl", "np1-staging", "np2-staging", "np3-staging", "np2-hierarchical-nccl",
+                              "np3-hierarchical-nccl"])
+def test_core_grid_on_a_fake_gpu(fake_cuda, np_, launcher, env):
+    env = dict(env, UNISON_TEST_DEVICE="fake-cuda", UNISON_TEST_FAKE_CUDA=fake_cuda,
+               LD_LIBRARY_PATH=os.pathsep.join(filter(None, [os.path.dirname(fake_cuda),
+                                                             os.environ.get("LD_LIBRARY_PATH")])))
+    run_suite("test_core_grid.py", np_, env, launcher=launcher)
 
 
 OVERLAP_SUITES = ["test_core_ops.py", "test_core_grid.py", "test_core_timeline.py", "test_torch_optimizer.py",

@@ -1,5 +1,10 @@
 """The shared grid (shared_grid.py) for unison.numpy, the reference front
-end: numpy arrays in, numpy arrays out."""
+end: numpy arrays in, numpy arrays out. With UNISON_TEST_DEVICE=fake-cuda
+the arrays are on a GPU that tests/fake_cuda runs on the host
+(fake_gpu.py), so the grid goes through the core's GPU path (events,
+streams, host staging, the device kernels) on machines with no GPU."""
+import os
+
 import numpy as np
 import pytest
 
@@ -27,4 +32,19 @@ class NumpyShim(Shim):
         return np.asarray(tensor)
 
 
-SHIM = NumpyShim()
+class FakeGpuShim(NumpyShim):
+    name = "numpy-fake-gpu"
+
+    def __init__(self):
+        import fake_gpu
+        self.gpu = fake_gpu
+        self.api = fake_gpu.api
+
+    def tensor(self, array):
+        return self.gpu.to_device(np.array(array))
+
+    def numpy(self, tensor):
+        return self.gpu.to_host(tensor)
+
+
+SHIM = FakeGpuShim() if os.environ.get("UNISON_TEST_DEVICE") == "fake-cuda" else NumpyShim()

@@ -1,0 +1,18 @@
+"""Builds fake_cuda.cc (a CUDA runtime, driver and one-rank NCCL that run
+on the host; its header says what it checks and what it cannot) into a
+folder the loader can be pointed at with LD_LIBRARY_PATH."""
+import os
+import subprocess
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+NAMES = ["libcuda.so.1", "libnccl.so.2"]  # links to libcudart.so.13: one copy, one set of streams
+
+
+def build(folder):
+    """Compiles the fake into `folder`; returns the runtime's path."""
+    runtime = os.path.join(folder, "libcudart.so.13")
+    subprocess.run(["g++", "-std=c++17", "-O1", "-shared", "-fPIC", "-pthread", "-Wl,-soname,libcudart.so.13",
+                    "-o", runtime, os.path.join(HERE, "fake_cuda.cc")], check=True)
+    for name in NAMES:
+        os.symlink("libcudart.so.13", os.path.join(folder, name))
+    return runtime
