@@ -1,5 +1,5 @@
-"""numpy arrays in the "device memory" of tests/fake_cuda (a CUDA runtime
-and driver that run on the host), and a unison.numpy whose arrays are on
+"""numpy arrays in the "device memory" of tests/fake_cuda (a CUDA runtime,
+driver and one-rank NCCL that run on the host), and a unison.numpy whose arrays are on
 that GPU: the shared grid runs through the core's GPU path with it on
 machines that have no GPU (test_core_grid.py with UNISON_TEST_DEVICE=
 fake-cuda; tests/test_parallel.py builds the library and says where it is
@@ -7,7 +7,7 @@ in UNISON_TEST_FAKE_CUDA).
 
 Every array is written the way a GPU tensor is produced: by its stream,
 after a pause (fake_cuda_delay), so an op that read its input before
-waiting for the caller's stream would read zeros. Results are read the
+waiting for the caller's stream would read what the memory held before. Results are read the
 way a framework reads a GPU tensor: after the caller's stream has done
 everything queued before, which includes the collective only if the core
 ordered the stream after it."""
@@ -110,6 +110,7 @@ class FakeGpuTensors(unison.numpy.NumpyTensors):
         return empty(array.shape, array.dtype)
 
     def in_place(self, array, name):
+        # Not NumpyTensors's shortcut, which says host memory.
         return frontend.Tensors.in_place(self, array, name)
 
     def adopt(self, owned, nbytes, shape, like):
@@ -127,4 +128,3 @@ def _numpy_api_on_the_fake_gpu():
 
 
 api = _numpy_api_on_the_fake_gpu()
-

@@ -8,6 +8,7 @@ import os
 import numpy as np
 import pytest
 
+import unison
 import unison.numpy as unp
 
 from shared_grid import *  # noqa: F401,F403  (the grid's tests and pytest_generate_tests)
@@ -48,3 +49,16 @@ class FakeGpuShim(NumpyShim):
 
 
 SHIM = FakeGpuShim() if os.environ.get("UNISON_TEST_DEVICE") == "fake-cuda" else NumpyShim()
+
+
+def test_a_host_array_given_as_gpu_memory_is_refused_and_the_next_op_runs():
+    """Only on the fake GPU: a host array that says it is on the GPU would
+    be read by the device as garbage. Each rank refuses its own at enqueue,
+    naming the tensor, before any rank negotiates."""
+    if not isinstance(SHIM, FakeGpuShim):
+        pytest.skip("runs with UNISON_TEST_DEVICE=fake-cuda (tests/test_parallel.py::test_core_grid_on_a_fake_gpu)")
+    with pytest.raises(unison.UnisonError, match="allreduce 'host.given': the input is not device memory, but "
+                                                 "device 0 was given"):
+        SHIM.api.allreduce(np.ones(3, np.float32), name="host.given")
+    out = SHIM.api.allreduce(SHIM.tensor(np.ones(3, np.float32)), op=SHIM.api.Sum, name="after.host.given")
+    np.testing.assert_array_equal(SHIM.numpy(out), np.full(3, float(unison.size()), np.float32))
