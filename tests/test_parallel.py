@@ -4,6 +4,7 @@
 failed by pytest-timeout inside the ranks and by the timeout here."""
 import importlib.util
 import os
+import re
 import sys
 
 import pytest
@@ -147,12 +148,31 @@ def skip_without_cuda():
 
 
 # The shared grid on the GPU path, where there is no GPU: tests/fake_cuda
-# stands in for CUDA and a one-rank NCCL (tests/parallel/fake_gpu.py says
-# how its arrays are made and read). The layouts are the GPU machine's:
-# NCCL at one rank, host staging at one rank and with ranks sharing the
-# GPU, and the hierarchical NCCL plane with a host per rank.
-FAKE_GPU_LAYOUTS = [(1, [], {}), (1, [], {"UNISON_GPU_DATA_PLANE": "staging"}), (2, [], {}), (3, [], {}),
-                    (2, ["-H", HOSTS[2]], {}), (3, ["-H", HOSTS[3]], {})]
+# stands in for CUDA and NCCL (tests/parallel/fake_gpu.py says how its
+# arrays are made and read). First the GPU machine's layouts, one GPU that
+# its ranks share: NCCL at one rank, host staging at one rank and with
+# ranks sharing the GPU, and the hierarchical NCCL plane with a host per
+# rank. Then hosts of several GPUs (FAKE_CUDA_DEVICES), a GPU per local
+# rank, which only a multi-GPU machine would otherwise show: the flat NCCL
+# plane (allgather as broadcasts, alltoall as sends and receives,
+# reducescatter as reduces), the hierarchical one with two GPUs a host
+# (the grouped reduces and broadcasts within it), on uneven hosts, and the
+# flat plane across hosts, which UNISON_HIERARCHICAL_ALLREDUCE=0 asks for.
+FAKE_GPU_LAYOUTS = {  # ranks, launcher flags, environment, the plane its collectives must run on
+    "np1-nccl": (1, [], {}, "nccl"),
+    "np1-staging": (1, [], {"UNISON_GPU_DATA_PLANE": "staging"}, "staging"),
+    "np2-staging": (2, [], {}, "staging"),
+    "np3-staging": (3, [], {}, "staging"),
+    "np2-hierarchical-nccl": (2, ["-H", HOSTS[2]], {}, "nccl_hierarchical"),
+    "np3-hierarchical-nccl": (3, ["-H", HOSTS[3]], {}, "nccl_hierarchical"),
+    "np2-nccl-2-gpus": (2, [], {"FAKE_CUDA_DEVICES": "2"}, "nccl"),
+    "np3-nccl-3-gpus": (3, [], {"FAKE_CUDA_DEVICES": "3"}, "nccl"),
+    "np4-hierarchical-nccl-2-gpus-a-host": (4, ["-H", "localhost:2,127.0.0.1:2"], {"FAKE_CUDA_DEVICES": "2"},
+                                            "nccl_hierarchical"),
+    "np3-hierarchical-nccl-uneven-hosts": (3, ["-H", "localhost:2,127.0.0.1:1"], {"FAKE_CUDA_DEVICES": "2"},
+                                           "nccl_hierarchical"),
+    "np3-flat-nccl-across-hosts": (3, ["-H", HOSTS[3]], {"UNISON_HIERARCHICAL_ALLREDUCE": "0"}, "nccl"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -160,15 +180,25 @@ def fake_cuda(tmp_path_factory):
     return fake_cuda_library.build(str(tmp_path_factory.mktemp("fake_cuda")))
 
 
+def fake_cuda_env(fake_cuda, **env):
+    return dict(env, UNISON_TEST_FAKE_CUDA=fake_cuda,
+                LD_LIBRARY_PATH=os.pathsep.join(filter(None, [os.path.dirname(fake_cuda),
+                                                              os.environ.get("LD_LIBRARY_PATH")])))
+
+
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("np_,launcher,env", FAKE_GPU_LAYOUTS,
-                         ids=["np1-nccl", "np1-staging", "np2-staging", "np3-staging", "np2-hierarchical-nccl",
-                              "np3-hierarchical-nccl"])
-def test_core_grid_on_a_fake_gpu(fake_cuda, np_, launcher, env):
-    env = dict(env, UNISON_TEST_DEVICE="fake-cuda", UNISON_TEST_FAKE_CUDA=fake_cuda,
-               LD_LIBRARY_PATH=os.pathsep.join(filter(None, [os.path.dirname(fake_cuda),
-                                                             os.environ.get("LD_LIBRARY_PATH")])))
-    run_suite("test_core_grid.py", np_, env, launcher=launcher)
+@pytest.mark.parametrize("layout", FAKE_GPU_LAYOUTS)
+def test_core_grid_on_a_fake_gpu(fake_cuda, layout, tmp_path):
+    np_, launcher, env, plane = FAKE_GPU_LAYOUTS[layout]
+    timeline = tmp_path / "timeline.json"
+    run_suite("test_core_grid.py", np_,
+              fake_cuda_env(fake_cuda, UNISON_TEST_DEVICE="fake-cuda", UNISON_TIMELINE=str(timeline), **env),
+              launcher=launcher)
+    # Rank 0's timeline names each collective's plane: the layout ran where
+    # it was meant to, not on a fallback.
+    ran = set(re.findall(r'"name": *"([A-Z_]+)"', timeline.read_text()))
+    for op in ["ALLREDUCE", "ALLGATHER", "BROADCAST", "ALLTOALL", "REDUCESCATTER"]:
+        assert "%s_%s" % (plane.upper(), op) in ran, sorted(ran)
 
 
 OVERLAP_SUITES = ["test_core_ops.py", "test_core_grid.py", "test_core_timeline.py", "test_torch_optimizer.py",

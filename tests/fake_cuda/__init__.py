@@ -1,4 +1,4 @@
-"""Builds fake_cuda.cc (a CUDA runtime, driver and one-rank NCCL that run
+"""Builds fake_cuda.cc (a CUDA runtime, driver and NCCL that run
 on the host; its header says what it checks and what it cannot) into a
 folder the loader can be pointed at with LD_LIBRARY_PATH."""
 import os

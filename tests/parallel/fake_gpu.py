@@ -1,5 +1,5 @@
 """numpy arrays in the "device memory" of tests/fake_cuda (a CUDA runtime,
-driver and one-rank NCCL that run on the host), and a unison.numpy whose arrays are on
+driver and NCCL that run on the host), and a unison.numpy whose arrays are on
 that GPU: the shared grid runs through the core's GPU path with it on
 machines that have no GPU (test_core_grid.py with UNISON_TEST_DEVICE=
 fake-cuda; tests/test_parallel.py builds the library and says where it is
@@ -32,6 +32,14 @@ _library.fake_cuda_delay.argtypes = [ctypes.c_void_p, ctypes.c_uint]
 
 _MEMCPY_DEFAULT = 4
 PRODUCER_DELAY_MICROSECONDS = 300
+
+# GPU 0, which the ranks share; or, where the fake has a GPU for each local
+# rank (FAKE_CUDA_DEVICES), the local rank's, as a torch user would pick
+# with torch.cuda.set_device(hvd.local_rank()).
+_count = ctypes.c_int()
+assert _library.cudaGetDeviceCount(ctypes.byref(_count)) == 0
+DEVICE = int(os.environ.get("UNISON_LOCAL_RANK", "0")) if _count.value > 1 else 0
+assert _library.cudaSetDevice(DEVICE) == 0, "no fake GPU %d for this local rank" % DEVICE
 
 # The caller's stream: what torch.cuda.current_stream() is to a torch user.
 _stream = ctypes.c_void_p()
@@ -100,8 +108,8 @@ def to_host(array):
 
 
 class FakeGpuTensors(unison.numpy.NumpyTensors):
-    """numpy arrays on fake GPU 0, produced and consumed on STREAM."""
-    _placement = (0, ffi.cast("void *", STREAM))
+    """numpy arrays on fake GPU DEVICE, produced and consumed on STREAM."""
+    _placement = (DEVICE, ffi.cast("void *", STREAM))
 
     def placement(self, array):
         return self._placement

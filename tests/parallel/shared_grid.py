@@ -400,14 +400,19 @@ def test_broadcast_from_every_root(fw, dtype, shape):
 def test_alltoall_with_uneven_splits(fw, dtype):
     n, me = unison.size(), unison.rank()
 
-    # Rank s sends (s + d) % 3 rows to rank d, each row tagged with s and d.
+    # Rank s sends (2s + d) % 3 rows to rank d, each row tagged with s and d.
+    # What s sends d is not what d sends s, so a rank that placed what it
+    # received by what it sent would be caught.
+    def count(s, d):
+        return (2 * s + d) % 3
+
     def rows(s, d):
-        return np.full(((s + d) % 3, 2), (s * 10 + d) % 127)
+        return np.full((count(s, d), 2), (s * 10 + d) % 127)
 
     data = np.concatenate([rows(me, d) for d in range(n)]).astype(np_dtype(dtype))
-    out, received = fw.alltoall(fw.tensor(data), [(me + d) % 3 for d in range(n)], tag("a2a", dtype), None)
+    out, received = fw.alltoall(fw.tensor(data), [count(me, d) for d in range(n)], tag("a2a", dtype), None)
     assert_exact(fw, out, np.concatenate([rows(s, me) for s in range(n)]).astype(np_dtype(dtype)))
-    assert list(received) == [(s + me) % 3 for s in range(n)]
+    assert list(received) == [count(s, me) for s in range(n)]
 
 
 def test_alltoall_even_split_and_zero_rows(fw):

@@ -58,7 +58,7 @@ def test_a_host_array_given_as_gpu_memory_is_refused_and_the_next_op_runs():
     if not isinstance(SHIM, FakeGpuShim):
         pytest.skip("runs with UNISON_TEST_DEVICE=fake-cuda (tests/test_parallel.py::test_core_grid_on_a_fake_gpu)")
     with pytest.raises(unison.UnisonError, match="allreduce 'host.given': the input is not device memory, but "
-                                                 "device 0 was given"):
+                                                 "device %d was given" % SHIM.gpu.DEVICE):
         SHIM.api.allreduce(np.ones(3, np.float32), name="host.given")
     out = SHIM.api.allreduce(SHIM.tensor(np.ones(3, np.float32)), op=SHIM.api.Sum, name="after.host.given")
     np.testing.assert_array_equal(SHIM.numpy(out), np.full(3, float(unison.size()), np.float32))
