@@ -201,6 +201,53 @@ def test_core_grid_on_a_fake_gpu(fake_cuda, layout, tmp_path):
         assert "%s_%s" % (plane.upper(), op) in ran, sorted(ran)
 
 
+# The rank-lost test above, on the fake GPU (numpy arrays in its memory):
+# rank 1's stream pauses for 20 s before its input is ready, so its part of
+# the fake NCCL's allreduce never starts, and it exits; the survivor's
+# stream is held inside the allreduce, waiting for rank 1's bytes, until
+# its engine aborts the communicator.
+LOST_MID_FAKE_NCCL = """
+import os, sys, time
+sys.path.insert(0, sys.argv[1])
+import numpy as np
+import fake_gpu
+hvd = fake_gpu.api
+import unison
+unison.init()
+x = fake_gpu.to_device(np.ones(1 << 16, np.float32))
+hvd.allreduce_(x, name="warm", op=hvd.Sum)
+if unison.rank() == 1:
+    fake_gpu._library.fake_cuda_delay(fake_gpu.STREAM, 20 * 1000 * 1000)
+    hvd.allreduce_async_(x, name="lost", op=hvd.Sum)
+    time.sleep(2)
+    os._exit(3)
+start = time.monotonic()
+hvd.synchronize(hvd.allreduce_async_(x, name="lost", op=hvd.Sum))
+fake_gpu.synchronize()
+print("survivor: device work ended after %.1f s" % (time.monotonic() - start), flush=True)
+try:
+    hvd.allreduce(x, name="after", op=hvd.Sum)
+except unison.UnisonError as e:
+    print("survivor: the next op failed: %s" % e, flush=True)
+    os._exit(17)
+"""
+
+
+@pytest.mark.timeout(200)
+def test_rank_lost_mid_fake_nccl_collective_ends_the_survivors_device_work(fake_cuda, tmp_path):
+    script = tmp_path / "lost.py"
+    script.write_text(LOST_MID_FAKE_NCCL)
+    env = dict(os.environ, **fake_cuda_env(fake_cuda, UNISON_HIERARCHICAL_ALLREDUCE="0", UNISON_GPU_DATA_PLANE="nccl"))
+    command = [sys.executable, "-m", "unison.run", "-np", "2", "-H", HOSTS[2], "--failure-grace-seconds", "60",
+               sys.executable, str(script), os.path.join(os.path.dirname(os.path.abspath(__file__)), "parallel")]
+    proc = run_job(command, 150, env=env, cwd=str(tmp_path))
+    output = proc.stdout.decode(errors="replace")
+    ended = [line for line in output.splitlines() if "survivor: device work ended" in line]
+    assert len(ended) == 1 and float(ended[0].split("after ")[1].split(" s")[0]) < 10, output[-5000:]
+    assert "survivor: the next op failed" in output and "rank 1" in output.split("the next op failed")[1], \
+        output[-5000:]
+
+
 OVERLAP_SUITES = ["test_core_ops.py", "test_core_grid.py", "test_core_timeline.py", "test_torch_optimizer.py",
                   "test_torch_zero.py"]
 
