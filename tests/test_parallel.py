@@ -89,56 +89,6 @@ def test_cuda_suites_with_a_host_per_rank(suite, flat, np_):
     run_suite(suite, np_, env, launcher=["-H", HOSTS[np_]], wrapper=NCCL_PER_RANK_HOST if flat else [])
 
 
-# A rank lost in the middle of an NCCL collective: the survivor's kernel
-# waits for bytes that will never come, and its stream, and every stream
-# ordered after it, with it; no handle is pending (they complete at launch),
-# so only the plane knows. The survivor's engine must see the loss and abort
-# NCCL, so that its device work ends and its next op names the rank. Rank
-# 1's input comes from a kernel that sleeps for seconds, so its own part of
-# the collective never starts before it exits.
-LOST_MID_COLLECTIVE = """
-import os, sys, time
-import torch
-import unison.torch as hvd
-hvd.init()
-torch.cuda.set_device(0)
-x = torch.ones(1 << 20, device="cuda")
-hvd.allreduce_(x, name="warm", op=hvd.Sum)
-torch.cuda.synchronize()
-if hvd.rank() == 1:
-    torch.cuda._sleep(int(2e10))
-    x.add_(1)
-    hvd.allreduce_async_(x, name="lost", op=hvd.Sum)
-    time.sleep(2)
-    os._exit(3)
-start = time.monotonic()
-hvd.synchronize(hvd.allreduce_async_(x, name="lost", op=hvd.Sum))
-torch.cuda.synchronize()
-print("survivor: device work ended after %.1f s" % (time.monotonic() - start), flush=True)
-try:
-    hvd.allreduce(x, name="after", op=hvd.Sum)
-except hvd.UnisonError as e:
-    print("survivor: the next op failed: %s" % e, flush=True)
-    os._exit(17)
-"""
-
-
-@pytest.mark.timeout(200)
-def test_cuda_rank_lost_mid_nccl_collective_ends_the_survivors_device_work(tmp_path):
-    skip_without_cuda()
-    script = tmp_path / "lost.py"
-    script.write_text(LOST_MID_COLLECTIVE)
-    env = dict(os.environ, NCCL_SOCKET_IFNAME="lo", UNISON_HIERARCHICAL_ALLREDUCE="0", UNISON_GPU_DATA_PLANE="nccl")
-    command = [sys.executable, "-m", "unison.run", "-np", "2", "-H", HOSTS[2], "--failure-grace-seconds", "60",
-               *NCCL_PER_RANK_HOST, sys.executable, str(script)]
-    proc = run_job(command, 150, env=env, cwd=str(tmp_path))
-    output = proc.stdout.decode(errors="replace")
-    ended = [line for line in output.splitlines() if "survivor: device work ended" in line]
-    assert len(ended) == 1 and float(ended[0].split("after ")[1].split(" s")[0]) < 10, output[-5000:]
-    assert "survivor: the next op failed" in output and "rank 1" in output.split("the next op failed")[1], \
-        output[-5000:]
-
-
 def skip_without_cuda():
     if importlib.util.find_spec("torch") is None:
         pytest.skip("torch is not installed here; the tox env 'torch' runs the GPU suites")
@@ -201,29 +151,28 @@ def test_core_grid_on_a_fake_gpu(fake_cuda, layout, tmp_path):
         assert "%s_%s" % (plane.upper(), op) in ran, sorted(ran)
 
 
-# The rank-lost test above, on the fake GPU (numpy arrays in its memory):
-# rank 1's stream pauses for 20 s before its input is ready, so its part of
-# the fake NCCL's allreduce never starts, and it exits; the survivor's
-# stream is held inside the allreduce, waiting for rank 1's bytes, until
-# its engine aborts the communicator.
-LOST_MID_FAKE_NCCL = """
+# A rank lost in the middle of an NCCL collective: the survivor's kernel
+# waits for bytes that will never come, and its stream, and every stream
+# ordered after it, with it; no handle is pending (they complete at launch),
+# so only the plane knows. The survivor's engine must see the loss and abort
+# NCCL, so that its device work ends and its next op names the rank. Rank
+# 1's stream is held for seconds before its input is ready ({stall}), so
+# its own part of the collective never starts before it exits.
+LOST_MID_COLLECTIVE = """
 import os, sys, time
-sys.path.insert(0, sys.argv[1])
 import numpy as np
-import fake_gpu
-hvd = fake_gpu.api
 import unison
-unison.init()
-x = fake_gpu.to_device(np.ones(1 << 16, np.float32))
+{setup}
 hvd.allreduce_(x, name="warm", op=hvd.Sum)
+{synchronize}
 if unison.rank() == 1:
-    fake_gpu._library.fake_cuda_delay(fake_gpu.STREAM, 20 * 1000 * 1000)
+    {stall}
     hvd.allreduce_async_(x, name="lost", op=hvd.Sum)
     time.sleep(2)
     os._exit(3)
 start = time.monotonic()
 hvd.synchronize(hvd.allreduce_async_(x, name="lost", op=hvd.Sum))
-fake_gpu.synchronize()
+{synchronize}
 print("survivor: device work ended after %.1f s" % (time.monotonic() - start), flush=True)
 try:
     hvd.allreduce(x, name="after", op=hvd.Sum)
@@ -231,21 +180,42 @@ except unison.UnisonError as e:
     print("survivor: the next op failed: %s" % e, flush=True)
     os._exit(17)
 """
+LOST_ON_CUDA = dict(
+    setup='import torch\nimport unison.torch as hvd\nhvd.init()\ntorch.cuda.set_device(0)\n'
+          'x = torch.ones(1 << 20, device="cuda")',
+    stall="torch.cuda._sleep(int(2e10)); x.add_(1)", synchronize="torch.cuda.synchronize()")
+LOST_ON_THE_FAKE_GPU = dict(  # numpy arrays in the fake's memory (tests/parallel/fake_gpu.py)
+    setup="sys.path.insert(0, sys.argv[1])\nimport fake_gpu\nhvd = fake_gpu.api\nunison.init()\n"
+          "x = fake_gpu.to_device(np.ones(1 << 16, np.float32))",
+    stall="fake_gpu._library.fake_cuda_delay(fake_gpu.STREAM, 20 * 1000 * 1000)",
+    synchronize="fake_gpu.synchronize()")
 
 
-@pytest.mark.timeout(200)
-def test_rank_lost_mid_fake_nccl_collective_ends_the_survivors_device_work(fake_cuda, tmp_path):
-    script = tmp_path / "lost.py"
-    script.write_text(LOST_MID_FAKE_NCCL)
-    env = dict(os.environ, **fake_cuda_env(fake_cuda, UNISON_HIERARCHICAL_ALLREDUCE="0", UNISON_GPU_DATA_PLANE="nccl"))
+def assert_the_survivor_of_a_lost_rank_goes_on(tmp_path, script, env, wrapper=()):
+    path = tmp_path / "lost.py"
+    path.write_text(LOST_MID_COLLECTIVE.format(**script))
+    env = dict(os.environ, UNISON_HIERARCHICAL_ALLREDUCE="0", UNISON_GPU_DATA_PLANE="nccl", **env)
     command = [sys.executable, "-m", "unison.run", "-np", "2", "-H", HOSTS[2], "--failure-grace-seconds", "60",
-               sys.executable, str(script), os.path.join(os.path.dirname(os.path.abspath(__file__)), "parallel")]
+               *wrapper, sys.executable, str(path), os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                                 "parallel")]
     proc = run_job(command, 150, env=env, cwd=str(tmp_path))
     output = proc.stdout.decode(errors="replace")
     ended = [line for line in output.splitlines() if "survivor: device work ended" in line]
     assert len(ended) == 1 and float(ended[0].split("after ")[1].split(" s")[0]) < 10, output[-5000:]
     assert "survivor: the next op failed" in output and "rank 1" in output.split("the next op failed")[1], \
         output[-5000:]
+
+
+@pytest.mark.timeout(200)
+def test_cuda_rank_lost_mid_nccl_collective_ends_the_survivors_device_work(tmp_path):
+    skip_without_cuda()
+    assert_the_survivor_of_a_lost_rank_goes_on(tmp_path, LOST_ON_CUDA, {"NCCL_SOCKET_IFNAME": "lo"},
+                                               wrapper=NCCL_PER_RANK_HOST)
+
+
+@pytest.mark.timeout(200)
+def test_rank_lost_mid_fake_nccl_collective_ends_the_survivors_device_work(fake_cuda, tmp_path):
+    assert_the_survivor_of_a_lost_rank_goes_on(tmp_path, LOST_ON_THE_FAKE_GPU, fake_cuda_env(fake_cuda))
 
 
 OVERLAP_SUITES = ["test_core_ops.py", "test_core_grid.py", "test_core_timeline.py", "test_torch_optimizer.py",

@@ -42,7 +42,7 @@ class FakeGpuShim(NumpyShim):
         self.api = fake_gpu.api
 
     def tensor(self, array):
-        return self.gpu.to_device(np.array(array))
+        return self.gpu.to_device(array)
 
     def numpy(self, tensor):
         return self.gpu.to_host(tensor)
