@@ -5,6 +5,7 @@ failed by pytest-timeout inside the ranks and by the timeout here."""
 import importlib.util
 import os
 import re
+import subprocess
 import sys
 
 import pytest
@@ -130,16 +131,18 @@ def fake_cuda(tmp_path_factory):
     return fake_cuda_library.build(str(tmp_path_factory.mktemp("fake_cuda")))
 
 
+@pytest.fixture(scope="module")
+def fake_cuda_without_nccl(tmp_path_factory):
+    return fake_cuda_library.build(str(tmp_path_factory.mktemp("fake_cuda_without_nccl")), nccl=False)
+
+
 def fake_cuda_env(fake_cuda, **env):
     return dict(env, UNISON_TEST_FAKE_CUDA=fake_cuda,
                 LD_LIBRARY_PATH=os.pathsep.join(filter(None, [os.path.dirname(fake_cuda),
                                                               os.environ.get("LD_LIBRARY_PATH")])))
 
 
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("layout", FAKE_GPU_LAYOUTS)
-def test_core_grid_on_a_fake_gpu(fake_cuda, layout, tmp_path):
-    np_, launcher, env, plane = FAKE_GPU_LAYOUTS[layout]
+def run_the_grid_on_the_fake_gpu(fake_cuda, tmp_path, np_, launcher, env, plane):
     timeline = tmp_path / "timeline.json"
     run_suite("test_core_grid.py", np_,
               fake_cuda_env(fake_cuda, UNISON_TEST_DEVICE="fake-cuda", UNISON_TIMELINE=str(timeline), **env),
@@ -149,6 +152,32 @@ def test_core_grid_on_a_fake_gpu(fake_cuda, layout, tmp_path):
     ran = set(re.findall(r'"name": *"([A-Z_]+)"', timeline.read_text()))
     for op in ["ALLREDUCE", "ALLGATHER", "BROADCAST", "ALLTOALL", "REDUCESCATTER"]:
         assert "%s_%s" % (plane.upper(), op) in ran, sorted(ran)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("layout", FAKE_GPU_LAYOUTS)
+def test_core_grid_on_a_fake_gpu(fake_cuda, layout, tmp_path):
+    run_the_grid_on_the_fake_gpu(fake_cuda, tmp_path, *FAKE_GPU_LAYOUTS[layout])
+
+
+# A GPU per rank, but no NCCL on the machine: the collectives are staged
+# through host memory, and --check-build says why.
+@pytest.mark.timeout(600)
+def test_core_grid_on_fake_gpus_without_nccl_is_staged(fake_cuda_without_nccl, tmp_path):
+    env = {"FAKE_CUDA_DEVICES": "2"}
+    proc = subprocess.run([sys.executable, "-m", "unison.run", "--check-build"], stdout=subprocess.PIPE, timeout=60,
+                          env=dict(os.environ, **fake_cuda_env(fake_cuda_without_nccl, **env)))
+    assert ("CUDA: libcudart.so.13 (runtime 13.0), 2 device(s); NCCL: not found (libnccl.so.2 could not be opened"
+            in proc.stdout.decode()), proc.stdout.decode()
+    assert "GPU collectives are staged through host memory" in proc.stdout.decode()
+    run_the_grid_on_the_fake_gpu(fake_cuda_without_nccl, tmp_path, 2, [], env, "staging")
+
+
+def test_check_build_names_the_cuda_and_nccl_it_found(fake_cuda):
+    proc = subprocess.run([sys.executable, "-m", "unison.run", "--check-build"], stdout=subprocess.PIPE, timeout=60,
+                          env=dict(os.environ, **fake_cuda_env(fake_cuda, FAKE_CUDA_DEVICES="3")))
+    assert ("GPU support (found at run time): CUDA: libcudart.so.13 (runtime 13.0), 3 device(s); "
+            "NCCL: libnccl.so.2 (2.28.3)" in proc.stdout.decode()), proc.stdout.decode()
 
 
 # A rank lost in the middle of an NCCL collective: the survivor's kernel
