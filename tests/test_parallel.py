@@ -105,10 +105,11 @@ def skip_without_cuda():
 # ranks sharing the GPU, and the hierarchical NCCL plane with a host per
 # rank. Then hosts of several GPUs (FAKE_CUDA_DEVICES), a GPU per local
 # rank, which only a multi-GPU machine would otherwise show: the flat NCCL
-# plane (allgather as broadcasts, alltoall as sends and receives,
-# reducescatter as reduces), the hierarchical one with two GPUs a host
-# (the grouped reduces and broadcasts within it), on uneven hosts, and the
-# flat plane across hosts, which UNISON_HIERARCHICAL_ALLREDUCE=0 asks for.
+# plane at 2, 3 and 4 ranks (allgather as broadcasts, alltoall as sends
+# and receives, reducescatter as reduces), the hierarchical one with two
+# GPUs a host (the grouped reduces and broadcasts within it), on uneven
+# hosts, and the flat plane across hosts, which
+# UNISON_HIERARCHICAL_ALLREDUCE=0 asks for.
 FAKE_GPU_LAYOUTS = {  # ranks, launcher flags, environment, the plane its collectives must run on
     "np1-nccl": (1, [], {}, "nccl"),
     "np1-staging": (1, [], {"UNISON_GPU_DATA_PLANE": "staging"}, "staging"),
@@ -118,6 +119,7 @@ FAKE_GPU_LAYOUTS = {  # ranks, launcher flags, environment, the plane its collec
     "np3-hierarchical-nccl": (3, ["-H", HOSTS[3]], {}, "nccl_hierarchical"),
     "np2-nccl-2-gpus": (2, [], {"FAKE_CUDA_DEVICES": "2"}, "nccl"),
     "np3-nccl-3-gpus": (3, [], {"FAKE_CUDA_DEVICES": "3"}, "nccl"),
+    "np4-nccl-4-gpus": (4, [], {"FAKE_CUDA_DEVICES": "4"}, "nccl"),  # disjoint process sets, each its communicator
     "np4-hierarchical-nccl-2-gpus-a-host": (4, ["-H", "localhost:2,127.0.0.1:2"], {"FAKE_CUDA_DEVICES": "2"},
                                             "nccl_hierarchical"),
     "np3-hierarchical-nccl-uneven-hosts": (3, ["-H", "localhost:2,127.0.0.1:1"], {"FAKE_CUDA_DEVICES": "2"},
