@@ -182,6 +182,45 @@ def test_check_build_names_the_cuda_and_nccl_it_found(fake_cuda):
             "NCCL: libnccl.so.2 (2.28.3)" in proc.stdout.decode()), proc.stdout.decode()
 
 
+# NCCL asked for (UNISON_GPU_DATA_PLANE=nccl) where it cannot serve: every
+# rank's GPU op is refused, naming the setting and why, and not once only;
+# the ranks' host ops still run.
+NCCL_ASKED_FOR = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import numpy as np
+import unison
+import unison.numpy as unp
+import fake_gpu
+unison.init()
+for attempt in range(2):
+    try:
+        fake_gpu.api.allreduce(fake_gpu.to_device(np.ones(3, np.float32)), name="on.the.gpu", op=unison.Sum)
+        print("not refused", flush=True)
+    except unison.UnisonError as e:
+        print("refused: %s" % e, flush=True)
+print("on the host after: %s" % unp.allreduce(np.ones(3, np.float32), name="on.the.host", op=unison.Sum).tolist(),
+      flush=True)
+"""
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("nccl,why", [(True, "ranks 0 and 1 share one GPU (0000:01:00.0 on "),
+                                      (False, "rank 0 could not load NCCL")], ids=["gpu-shared", "no-nccl"])
+def test_nccl_asked_for_where_it_cannot_serve_is_refused(fake_cuda, fake_cuda_without_nccl, tmp_path, nccl, why):
+    script = tmp_path / "asked.py"
+    script.write_text(NCCL_ASKED_FOR)
+    env = fake_cuda_env(fake_cuda if nccl else fake_cuda_without_nccl, UNISON_GPU_DATA_PLANE="nccl",
+                        FAKE_CUDA_DEVICES="1" if nccl else "2")
+    command = [sys.executable, "-m", "unison.run", "-np", "2", sys.executable, str(script),
+               os.path.join(HERE, "parallel")]
+    output = run_job(command, 150, env=dict(os.environ, **env), cwd=str(tmp_path)).stdout.decode(errors="replace")
+    refused = [line for line in output.splitlines() if "refused: " in line]
+    assert len(refused) == 4 and all("unison: UNISON_GPU_DATA_PLANE=nccl on rank 0, but " + why in line
+                                     for line in refused), output[-5000:]
+    assert output.count("on the host after: [2.0, 2.0, 2.0]") == 2, output[-5000:]
+
+
 # A rank lost in the middle of an NCCL collective: the survivor's kernel
 # waits for bytes that will never come, and its stream, and every stream
 # ordered after it, with it; no handle is pending (they complete at launch),
@@ -227,8 +266,7 @@ def assert_the_survivor_of_a_lost_rank_goes_on(tmp_path, script, env, wrapper=()
     path.write_text(LOST_MID_COLLECTIVE.format(**script))
     env = dict(os.environ, UNISON_HIERARCHICAL_ALLREDUCE="0", UNISON_GPU_DATA_PLANE="nccl", **env)
     command = [sys.executable, "-m", "unison.run", "-np", "2", "-H", HOSTS[2], "--failure-grace-seconds", "60",
-               *wrapper, sys.executable, str(path), os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                                 "parallel")]
+               *wrapper, sys.executable, str(path), os.path.join(HERE, "parallel")]
     proc = run_job(command, 150, env=env, cwd=str(tmp_path))
     output = proc.stdout.decode(errors="replace")
     ended = [line for line in output.splitlines() if "survivor: device work ended" in line]
