@@ -1,6 +1,7 @@
-"""Builds fake_cuda.cc (a CUDA runtime, driver and NCCL that run
-on the host; its header says what it checks and what it cannot) into a
-folder the loader can be pointed at with LD_LIBRARY_PATH."""
+"""Builds fake_cuda.cc and fake_nccl.cc (a CUDA runtime, driver and NCCL
+that run on the host; fake_cuda.cc's header says what they check and what
+they cannot) into a folder the loader can be pointed at with
+LD_LIBRARY_PATH."""
 import os
 import subprocess
 
@@ -14,7 +15,8 @@ def build(folder, nccl=True):
     is not installed."""
     runtime = os.path.join(folder, "libcudart.so.13")
     subprocess.run(["g++", "-std=c++17", "-O1", "-shared", "-fPIC", "-pthread", "-Wl,-soname,libcudart.so.13",
-                    "-o", runtime, os.path.join(HERE, "fake_cuda.cc")], check=True)
+                    "-o", runtime, os.path.join(HERE, "fake_cuda.cc"), os.path.join(HERE, "fake_nccl.cc")],
+                   check=True)
     for name in NAMES if nccl else NAMES[:1]:
         os.symlink("libcudart.so.13", os.path.join(folder, name))
     return runtime
