@@ -183,8 +183,9 @@ def test_check_build_names_the_cuda_and_nccl_it_found(fake_cuda):
 
 
 # NCCL asked for (UNISON_GPU_DATA_PLANE=nccl) where it cannot serve: every
-# rank's GPU op is refused, naming the setting and why, and not once only;
-# the ranks' host ops still run.
+# rank's GPU op is refused, naming the setting and why (where NCCL is
+# missing, why it could not be loaded), and not once only; the ranks' host
+# ops still run.
 NCCL_ASKED_FOR = """
 import sys
 sys.path.insert(0, sys.argv[1])
@@ -206,7 +207,8 @@ print("on the host after: %s" % unp.allreduce(np.ones(3, np.float32), name="on.t
 
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("nccl,why", [(True, "ranks 0 and 1 share one GPU (0000:01:00.0 on "),
-                                      (False, "rank 0 could not load NCCL")], ids=["gpu-shared", "no-nccl"])
+                                      (False, "rank 0 could not load NCCL (on this rank: libnccl.so.2 could "
+                                              "not be opened")], ids=["gpu-shared", "no-nccl"])
 def test_nccl_asked_for_where_it_cannot_serve_is_refused(fake_cuda, fake_cuda_without_nccl, tmp_path, nccl, why):
     script = tmp_path / "asked.py"
     script.write_text(NCCL_ASKED_FOR)

@@ -296,7 +296,11 @@ Status make_device_plane(const PlaneRequest& request, Backend* host, std::unique
   // Every rank decides from the same records, so all decide alike.
   std::string no_nccl;  // why NCCL cannot serve, naming ranks
   for (int r = 0; r < n && no_nccl.empty(); ++r) {
-    if (!where[r].nccl) no_nccl = "rank " + std::to_string(r) + " could not load NCCL";
+    // Ranks share an install as a rule, so this rank's reason, where it
+    // has one, is most likely theirs too.
+    if (!where[r].nccl)
+      no_nccl = "rank " + std::to_string(r) + " could not load NCCL" +
+                (nccl_library() == nullptr ? " (on this rank: " + nccl_missing() + ")" : "");
     for (int q = 0; q < r && no_nccl.empty(); ++q)
       if (where[q].host == where[r].host && where[q].bus == where[r].bus)
         no_nccl = "ranks " + std::to_string(q) + " and " + std::to_string(r) + " share one GPU (" + where[r].bus +
