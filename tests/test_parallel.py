@@ -167,19 +167,21 @@ def test_core_grid_on_a_fake_gpu(fake_cuda, layout, tmp_path):
 @pytest.mark.timeout(600)
 def test_core_grid_on_fake_gpus_without_nccl_is_staged(fake_cuda_without_nccl, tmp_path):
     env = {"FAKE_CUDA_DEVICES": "2"}
-    proc = subprocess.run([sys.executable, "-m", "unison.run", "--check-build"], stdout=subprocess.PIPE, timeout=60,
-                          env=dict(os.environ, **fake_cuda_env(fake_cuda_without_nccl, **env)))
+    said = check_build_on_the_fake_gpu(fake_cuda_without_nccl, **env)
     assert ("CUDA: libcudart.so.13 (runtime 13.0), 2 device(s); NCCL: not found (libnccl.so.2 could not be opened"
-            in proc.stdout.decode()), proc.stdout.decode()
-    assert "GPU collectives are staged through host memory" in proc.stdout.decode()
+            in said and "GPU collectives are staged through host memory" in said), said
     run_the_grid_on_the_fake_gpu(fake_cuda_without_nccl, tmp_path, 2, [], env, "staging")
 
 
+def check_build_on_the_fake_gpu(fake_cuda, **env):
+    return subprocess.run([sys.executable, "-m", "unison.run", "--check-build"], stdout=subprocess.PIPE, timeout=60,
+                          env=dict(os.environ, **fake_cuda_env(fake_cuda, **env))).stdout.decode()
+
+
 def test_check_build_names_the_cuda_and_nccl_it_found(fake_cuda):
-    proc = subprocess.run([sys.executable, "-m", "unison.run", "--check-build"], stdout=subprocess.PIPE, timeout=60,
-                          env=dict(os.environ, **fake_cuda_env(fake_cuda, FAKE_CUDA_DEVICES="3")))
+    said = check_build_on_the_fake_gpu(fake_cuda, FAKE_CUDA_DEVICES="3")
     assert ("GPU support (found at run time): CUDA: libcudart.so.13 (runtime 13.0), 3 device(s); "
-            "NCCL: libnccl.so.2 (2.28.3)" in proc.stdout.decode()), proc.stdout.decode()
+            "NCCL: libnccl.so.2 (2.28.3)" in said), said
 
 
 # NCCL asked for (UNISON_GPU_DATA_PLANE=nccl) where it cannot serve: every
