@@ -2,6 +2,7 @@
 (odd sizes find bugs), and more or fewer where a suite needs them
 (sizes()). Each rank runs pytest on the same file; a test that hangs is
 failed by pytest-timeout inside the ranks and by the timeout here."""
+import glob
 import importlib.util
 import os
 import re
@@ -289,6 +290,68 @@ def test_cuda_rank_lost_mid_nccl_collective_ends_the_survivors_device_work(tmp_p
 @pytest.mark.timeout(200)
 def test_rank_lost_mid_fake_nccl_collective_ends_the_survivors_device_work(fake_cuda, tmp_path):
     assert_the_survivor_of_a_lost_rank_goes_on(tmp_path, LOST_ON_THE_FAKE_GPU, fake_cuda_env(fake_cuda))
+
+
+# NCCL's init blocks until every rank of the communicator has joined. Here
+# rank 1's goes wrong after the ids went round, where rank 0 is already
+# inside its own: it fails (FAKE_NCCL_INIT_FAILURES: the fake's first init
+# on rank 1 returns an error without joining), or the process dies in it
+# (FAKE_NCCL_INIT_EXITS). Rank 0 must hear of it within seconds and name
+# rank 1, not wait inside NCCL for good. After a failure both ranks are
+# still usable: the next GPU op makes a new communicator and gives the sum.
+NCCL_INIT_GOES_WRONG = """
+import os, sys, time
+sys.path.insert(0, sys.argv[1])
+if os.environ["UNISON_RANK"] == "1":
+    os.environ[sys.argv[2]] = "1"
+import numpy as np
+import unison
+import fake_gpu
+unison.init()
+rank = unison.rank()
+x = fake_gpu.to_device(np.full(3, rank + 1, np.float32))
+start = time.monotonic()
+try:
+    fake_gpu.api.allreduce(x, name="first", op=unison.Sum)
+    print("rank %d: the first GPU op ran" % rank, flush=True)
+except unison.UnisonError as e:
+    print("rank %d: the first GPU op failed after %.1f s: %s" % (rank, time.monotonic() - start, e), flush=True)
+try:
+    y = fake_gpu.api.allreduce(x, name="second", op=unison.Sum)
+    fake_gpu.synchronize()
+    print("rank %d: the second GPU op gave %s" % (rank, fake_gpu.to_host(y).tolist()), flush=True)
+except unison.UnisonError as e:
+    print("rank %d: the second GPU op failed: %s" % (rank, e), flush=True)
+    os._exit(17)
+"""
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("goes_wrong", ["FAKE_NCCL_INIT_FAILURES", "FAKE_NCCL_INIT_EXITS"], ids=["fails", "exits"])
+def test_a_rank_whose_nccl_init_goes_wrong_is_named_to_its_peers(fake_cuda, tmp_path, goes_wrong):
+    script = tmp_path / "init.py"
+    script.write_text(NCCL_INIT_GOES_WRONG)
+    env = fake_cuda_env(fake_cuda, UNISON_GPU_DATA_PLANE="nccl", FAKE_CUDA_DEVICES="2")
+    command = [sys.executable, "-m", "unison.run", "-np", "2", "--failure-grace-seconds", "60", sys.executable,
+               str(script), os.path.join(HERE, "parallel"), goes_wrong]
+    left_before = set(glob.glob("/dev/shm/unison-fake-nccl-*"))
+    try:
+        output = run_job(command, 150, env=dict(os.environ, **env), cwd=str(tmp_path)).stdout.decode(errors="replace")
+    finally:  # the communicator rank 1 never joined stays named
+        for name in set(glob.glob("/dev/shm/unison-fake-nccl-*")) - left_before:
+            os.unlink(name)
+    failed = [line for line in output.splitlines() if "rank 0: the first GPU op failed after " in line]
+    assert len(failed) == 1 and float(failed[0].split("after ")[1].split(" s")[0]) < 10, output[-5000:]
+    if goes_wrong == "FAKE_NCCL_INIT_FAILURES":
+        assert failed[0].endswith("unison: rank 1 could not set up NCCL (ncclCommInitRank (2 ranks) failed: NCCL "
+                                  "error 2 (system error: shared memory for the communicator (fake NCCL)))"), failed
+        assert ("rank 1: the first GPU op failed after 0.3 s: unison: ncclCommInitRank (2 ranks) failed: NCCL error 2"
+                in output), output[-5000:]
+        for rank in range(2):
+            assert "rank %d: the second GPU op gave [3.0, 3.0, 3.0]" % rank in output, output[-5000:]
+    else:
+        assert "rank 1" in failed[0].split("failed after ")[1], failed
+        assert "rank 0: the second GPU op failed" in output, output[-5000:]
 
 
 OVERLAP_SUITES = ["test_core_ops.py", "test_core_grid.py", "test_core_timeline.py", "test_torch_optimizer.py",

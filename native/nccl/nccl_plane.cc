@@ -24,9 +24,15 @@
 // reaches across hosts faster (RDMA) asks for the flat communicator with
 // UNISON_HIERARCHICAL_ALLREDUCE=0.
 #include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <thread>
 
 #include "../cuda/device_plane.h"
 #include "../dtype.h"
+#include "../log.h"
 #include "library.h"
 
 namespace unison {
@@ -58,6 +64,43 @@ bool nccl_reduction(const ReduceSpec& spec, int* type, int* op) {
   if (spec.dtype == UNISON_BOOL) *op = spec.reduce_op == UNISON_SUM || spec.reduce_op == UNISON_MAX ? NcclLibrary::kMax
                                                                                                     : NcclLibrary::kMin;
   return true;
+}
+
+// How often the ranks tell each other how their NCCL init stands, and how
+// long one runs before rank 0 says which ranks are still at it.
+constexpr double kInitPollSeconds = 0.02;
+constexpr double kSlowInitWarningSeconds = 30;
+
+// An error's text for another rank's message, without the "unison: " it
+// will be quoted under, and short enough for any control message.
+std::string without_prefix(const std::string& message) {
+  const std::string prefix = "unison: ";
+  return message.substr(message.rfind(prefix, 0) == 0 ? prefix.size() : 0, 1000);
+}
+
+void abort_communicator(const NcclLibrary& nccl, const CudaRuntime& cuda, int device, ncclComm_t comm) {
+  DeviceGuard guard(cuda, device);
+  nccl.CommAbort(comm);
+}
+
+// One rank's ncclCommInitRank, shared by the thread that runs it and the
+// plane that waits for it. A plane that gives up first marks it abandoned:
+// the thread, should NCCL ever return, aborts the communicator it got, and
+// otherwise stays blocked inside NCCL with nothing of the plane's to touch.
+struct CommunicatorInit {
+  std::mutex mutex;
+  std::condition_variable done_bell;
+  bool done = false;
+  bool abandoned = false;
+  Status status;
+  ncclComm_t comm = nullptr;
+};
+
+void give_up(const std::shared_ptr<CommunicatorInit>& init, const NcclLibrary& nccl, const CudaRuntime& cuda,
+             int device) {
+  std::lock_guard<std::mutex> lock(init->mutex);
+  init->abandoned = true;
+  if (init->done && init->comm != nullptr) abort_communicator(nccl, cuda, device, init->comm);
 }
 
 class NcclPlane : public DevicePlane {
@@ -97,9 +140,7 @@ class NcclPlane : public DevicePlane {
     gather.tensors.push_back({&mine, ids.data(), std::vector<size_t>(size(), sizeof(ncclUniqueId))});
     Status s = host_->allgather(gather);
     if (!s.ok()) return s;
-    const int ranks = (int)layout_.communicator.size();
-    s = nccl_.check(nccl_.CommInitRank(&comm_, ranks, ids[layout_.communicator[0]], local_rank_),
-                    "ncclCommInitRank (" + std::to_string(ranks) + " ranks)");
+    s = init_communicator(ids[layout_.communicator[0]]);
     for (size_t l = 0; s.ok() && l < layout_.cross_groups.size(); ++l) {
       std::unique_ptr<Backend> group;
       s = host_->split(layout_.cross_groups[l], layout_.cross_group_id + (int)l, &group);
@@ -109,6 +150,75 @@ class NcclPlane : public DevicePlane {
   }
 
   const char* name() const override { return hierarchical() ? "nccl_hierarchical" : "nccl"; }
+
+  // ncclCommInitRank returns only once every rank of the communicator has
+  // joined, and nothing interrupts it. A rank whose own init fails after
+  // the ids went round, or whose process dies, would leave its peers inside
+  // it for good. So the init runs on a thread of its own, and meanwhile the
+  // ranks of the set meet on the host backend every kInitPollSeconds to say
+  // how theirs stands. Everyone sees the same answers and decides alike:
+  // all done, go on; a rank failed, fail here too, naming it and its reason;
+  // a rank lost, the host backend's own error names it. A thread still
+  // inside NCCL then is left there (see CommunicatorInit).
+  Status init_communicator(const ncclUniqueId& id) {
+    const int ranks = (int)layout_.communicator.size();
+    auto init = std::make_shared<CommunicatorInit>();
+    std::thread([init, &nccl = nccl_, &cuda = cuda_, device = device_, ranks, id, me = local_rank_] {
+      ncclComm_t comm = nullptr;
+      Status s;
+      {
+        DeviceGuard guard(cuda, device);
+        s = nccl.check(nccl.CommInitRank(&comm, ranks, id, me), "ncclCommInitRank (" + std::to_string(ranks) +
+                                                                    " ranks)");
+      }
+      std::lock_guard<std::mutex> lock(init->mutex);
+      if (init->abandoned) {
+        if (s.ok()) abort_communicator(nccl, cuda, device, comm);
+        return;
+      }
+      init->done = true;
+      init->status = s;
+      init->comm = comm;
+      init->done_bell.notify_all();
+    }).detach();
+
+    const auto started = std::chrono::steady_clock::now();
+    double next_warning = kSlowInitWarningSeconds;
+    for (;;) {
+      std::string mine;  // "" while NCCL is still at it
+      {
+        std::unique_lock<std::mutex> lock(init->mutex);
+        init->done_bell.wait_for(lock, std::chrono::duration<double>(kInitPollSeconds), [&] { return init->done; });
+        if (init->done) mine = init->status.ok() ? "ok" : "failed: " + without_prefix(init->status.message);
+      }
+      std::vector<std::string> everyone;
+      Status s = host_->exchange(mine, &everyone);
+      std::vector<int> busy;
+      for (int r = 0; s.ok() && r < (int)everyone.size(); ++r) {
+        if (everyone[r].empty()) busy.push_back(r);
+        if (everyone[r].rfind("failed: ", 0) == 0)
+          s = r == rank() ? init->status
+                          : Status::Error(UNISON_ERR_INTERNAL, "unison: rank " + std::to_string(r) +
+                                                                   " could not set up NCCL (" +
+                                                                   everyone[r].substr(8) + ")");
+      }
+      if (!s.ok()) {
+        give_up(init, nccl_, cuda_, device_);
+        return s;
+      }
+      if (busy.empty()) break;
+      const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+      if (rank() == 0 && waited >= next_warning) {
+        std::string who;
+        for (int r : busy) who += (who.empty() ? "" : ", ") + std::to_string(r);
+        log_message(LogLevel::warning, "unison: NCCL has been setting up a communicator on GPU %d for %.0f s; "
+                    "ranks %s of the process set have not finished", device_, waited, who.c_str());
+        next_warning += kSlowInitWarningSeconds;
+      }
+    }
+    comm_ = init->comm;
+    return Status::OK();
+  }
 
   Status allreduce(const AllreduceOptions& o) override {
     int type = 0, op = 0;

@@ -327,8 +327,24 @@ int ncclGetUniqueId(NcclUniqueId* id) {
 }
 // Waits for the others to join, as NCCL does; the last to join unlinks the
 // name, so nothing is left in /dev/shm once all have it mapped.
+//
+// A test can make this process's init go wrong where a real one can, after
+// the ids went round, to see that its peers are told rather than left
+// waiting: FAKE_NCCL_INIT_FAILURES=n fails the process's first n inits
+// after a pause, without joining (so the peers wait, as NCCL's do for a
+// rank that never connects); FAKE_NCCL_INIT_EXITS=1 ends the process there.
 int ncclCommInitRank(void** comm, int ranks, NcclUniqueId id, int rank) {
   if (ranks < 1 || rank < 0 || rank >= ranks) return kNcclInvalidUsage;
+  static std::atomic<int> failed_inits{0};
+  if (const char* failures = getenv("FAKE_NCCL_INIT_FAILURES"); failures != nullptr && failed_inits < atoi(failures)) {
+    ++failed_inits;
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    return kNcclSystemError;
+  }
+  if (const char* exits = getenv("FAKE_NCCL_INIT_EXITS"); exits != nullptr && atoi(exits) == 1) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    _exit(3);
+  }
   auto c = std::make_unique<Comm>();
   c->ranks = ranks;
   c->rank = rank;
