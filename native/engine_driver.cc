@@ -53,6 +53,7 @@
 
 #include "caller_activity.h"
 #include "engine.h"
+#include "log.h"
 #include "signals.h"
 
 namespace unison {
@@ -148,12 +149,27 @@ double Engine::step(bool by_caller) {
   const double now = monotonic_seconds();
   if (!waiting_for_data_.empty()) warn_of_late_data(now);
   bool stall_due = false, anything_pending = false;
+  Status device_failure;
   for (const auto& [id, set] : sets_) {
     stall_due |= stall_check_due(*set, now);
     anything_pending |= !set->pending.empty();
     // A GPU collective still running needs its peers as much as a pending
-    // op does, and nobody waits on the host for it: look at them too.
-    for (const auto& [device, plane] : set->device_planes) anything_pending |= plane->busy();
+    // op does, and nobody waits on the host for it: look at them too, and
+    // at what the device library says of it. Work it has given up on would
+    // hold its stream, and every stream ordered after it, for good.
+    for (const auto& [device, plane] : set->device_planes) {
+      if (!plane->busy()) continue;
+      anything_pending = true;
+      if (Status s = plane->asynchronous_error(); !s.ok()) {
+        plane->abandon();
+        if (device_failure.ok()) device_failure = s;
+      }
+    }
+  }
+  if (!device_failure.ok()) {
+    log_message(LogLevel::error, "%s", device_failure.message.c_str());
+    fail_everything(device_failure);
+    return 0;
   }
   if (stall_due) {
     backend_->request_cycles(cycles_done_ + 1);

@@ -354,6 +354,59 @@ def test_a_rank_whose_nccl_init_goes_wrong_is_named_to_its_peers(fake_cuda, tmp_
         assert "rank 0: the second GPU op failed" in output, output[-5000:]
 
 
+# NCCL's collectives can fail after they were queued, as when the network
+# goes: the kernel hangs, and only ncclCommGetAsyncError says so. Here rank
+# 1's fake NCCL does that (FAKE_NCCL_ASYNC_ERROR) to an allreduce whose
+# handle completed at launch, as a GPU op's does. Its engine must notice,
+# abort the communicator so that its streams go on, and fail its next op
+# with NCCL's reason. Rank 1 then exits, and rank 0, whose kernel waited for
+# rank 1's bytes, goes on as after any lost rank.
+NCCL_FAILS_ASYNCHRONOUSLY = """
+import os, sys, time
+sys.path.insert(0, sys.argv[1])
+import numpy as np
+import unison
+import fake_gpu
+hvd = fake_gpu.api
+unison.init()
+rank = unison.rank()
+x = fake_gpu.to_device(np.ones(1 << 10, np.float32))
+hvd.allreduce_(x, name="warm", op=unison.Sum)
+fake_gpu.synchronize()
+if rank == 1:
+    os.environ["FAKE_NCCL_ASYNC_ERROR"] = "1"
+start = time.monotonic()
+hvd.synchronize(hvd.allreduce_async_(x, name="broken", op=unison.Sum))
+fake_gpu.synchronize()
+print("rank %d: device work ended after %.1f s" % (rank, time.monotonic() - start), flush=True)
+try:
+    hvd.allreduce(x, name="after", op=unison.Sum)
+    print("rank %d: the next op ran" % rank, flush=True)
+except unison.UnisonError as e:
+    print("rank %d: the next op failed (%s): %s" % (rank, type(e).__name__, e), flush=True)
+os._exit(17)
+"""
+
+
+@pytest.mark.timeout(200)
+def test_an_asynchronous_nccl_error_ends_the_device_work_and_fails_the_next_op(fake_cuda, tmp_path):
+    script = tmp_path / "async.py"
+    script.write_text(NCCL_FAILS_ASYNCHRONOUSLY)
+    env = fake_cuda_env(fake_cuda, UNISON_GPU_DATA_PLANE="nccl", FAKE_CUDA_DEVICES="2")
+    command = [sys.executable, "-m", "unison.run", "-np", "2", "--failure-grace-seconds", "60", sys.executable,
+               str(script), os.path.join(HERE, "parallel")]
+    output = run_job(command, 150, env=dict(os.environ, **env), cwd=str(tmp_path)).stdout.decode(errors="replace")
+    lines = output.splitlines()
+    for rank in range(2):
+        ended = [line for line in lines if "rank %d: device work ended after " % rank in line]
+        assert len(ended) == 1 and float(ended[0].split("after ")[1].split(" s")[0]) < 10, output[-5000:]
+    assert ("rank 1: the next op failed (UnisonInternalError): unison: NCCL's communicator on GPU 1 failed: NCCL "
+            "error 6 (remote process exited or there was a network error (fake NCCL)), with collectives still "
+            "running; they were aborted" in output), output[-5000:]
+    failed = [line for line in lines if "rank 0: the next op failed (RankFailedError): " in line]
+    assert len(failed) == 1 and "rank 1" in failed[0].split("RankFailedError")[1], output[-5000:]
+
+
 OVERLAP_SUITES = ["test_core_ops.py", "test_core_grid.py", "test_core_timeline.py", "test_torch_optimizer.py",
                   "test_torch_zero.py"]
 

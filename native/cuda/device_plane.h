@@ -51,6 +51,10 @@ class DevicePlane : public Backend {
   // waits on the host, where the CPU backend has already failed, so has
   // nothing to end.
   virtual void abandon() {}
+  // An error the device library found on its own, outside any call, after
+  // which the plane's queued work will never end: NCCL's asynchronous
+  // errors (a network failure, a peer's connection gone). OK elsewhere.
+  virtual Status asynchronous_error() const { return Status::OK(); }
   // Adasum weighs whole gradients on the CPU (../adasum.h): staged through
   // host memory on every plane.
   Status adasum(int dtype, const std::vector<Segment>& segments);

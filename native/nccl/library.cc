@@ -27,6 +27,7 @@ Loaded load() {
   bind(library, "ncclCommInitRank", &n.CommInitRank, &symbol);
   bind(library, "ncclCommDestroy", &n.CommDestroy, &symbol);
   bind(library, "ncclCommAbort", &n.CommAbort, &symbol);
+  bind(library, "ncclCommGetAsyncError", &n.CommGetAsyncError, &symbol);
   bind(library, "ncclAllReduce", &n.AllReduce, &symbol);
   bind(library, "ncclBroadcast", &n.Broadcast, &symbol);
   bind(library, "ncclReduce", &n.Reduce, &symbol);

@@ -151,6 +151,15 @@ class NcclPlane : public DevicePlane {
 
   const char* name() const override { return hierarchical() ? "nccl_hierarchical" : "nccl"; }
 
+  Status asynchronous_error() const override {
+    ncclResult_t state = 0;
+    if (comm_ == nullptr || nccl_.CommGetAsyncError(comm_, &state) != 0 || state == NcclLibrary::kInProgress)
+      return Status::OK();
+    Status s = nccl_.check(state, "NCCL's communicator on GPU " + std::to_string(device_));
+    if (!s.ok()) s.message += ", with collectives still running; they were aborted";
+    return s;
+  }
+
   // ncclCommInitRank returns only once every rank of the communicator has
   // joined, and nothing interrupts it. A rank whose own init fails after
   // the ids went round, or whose process dies, would leave its peers inside

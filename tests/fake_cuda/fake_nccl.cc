@@ -48,6 +48,7 @@ namespace {
 
 constexpr int kNcclSystemError = 2;
 constexpr int kNcclInvalidUsage = 5;
+constexpr int kNcclRemoteError = 6;
 constexpr size_t kChannelBytes = 256 << 10;
 constexpr auto kPeerTimeout = std::chrono::seconds(120);
 
@@ -74,6 +75,7 @@ struct Comm {
   char* shared = nullptr;  // a SharedHead and the channels; none for one rank
   size_t shared_bytes = 0;
   std::atomic<bool> aborted{false};
+  std::atomic<int> async_error{0};  // what ncclCommGetAsyncError says
 
   Channel* channel(int from, int to) const {
     return reinterpret_cast<Channel*>(shared + sizeof(SharedHead)) + (size_t)from * ranks + to;
@@ -234,7 +236,25 @@ void combine(const std::vector<const char*>& inputs, void* to, const Call& call)
   memcpy(to, result.data(), bytes);
 }
 
+// FAKE_NCCL_ASYNC_ERROR=1 makes this process's collectives fail as NCCL's
+// do when the network goes: the work hangs on the stream, and only
+// ncclCommGetAsyncError says so, until the communicator is aborted.
+bool failed_as_by_the_network(Comm& c) {
+  const char* fail = getenv("FAKE_NCCL_ASYNC_ERROR");
+  if (c.ranks == 1 || fail == nullptr || atoi(fail) != 1) return false;
+  c.async_error = kNcclRemoteError;
+  const auto started = std::chrono::steady_clock::now();
+  while (!c.aborted.load()) {
+    if (std::chrono::steady_clock::now() - started > kPeerTimeout)
+      stop("rank " + std::to_string(c.rank) + " reported a remote error and was not aborted for " +
+           std::to_string(kPeerTimeout.count()) + " s");
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return true;
+}
+
 void run_calls(Comm& c, const std::vector<Call>& calls) {
+  if (failed_as_by_the_network(c)) return;
   std::vector<Message> messages;
   std::vector<std::vector<char>> received;  // peers' inputs to a reduction
   std::vector<std::function<void()>> then;  // each call's work once every message is through
@@ -311,6 +331,7 @@ const char* ncclGetErrorString(int code) {
   switch (code) {
     case kNcclSystemError: return "system error: shared memory for the communicator (fake NCCL)";
     case kNcclInvalidUsage: return "invalid usage (fake NCCL)";
+    case kNcclRemoteError: return "remote process exited or there was a network error (fake NCCL)";
     default: return "an error (fake NCCL)";
   }
 }
@@ -382,6 +403,10 @@ int ncclCommDestroy(void* comm) {
 // that work may still be reading it.
 int ncclCommAbort(void* comm) {
   static_cast<Comm*>(comm)->aborted = true;
+  return kSuccess;
+}
+int ncclCommGetAsyncError(void* comm, int* state) {
+  *state = static_cast<Comm*>(comm)->async_error.load();
   return kSuccess;
 }
 
