@@ -354,6 +354,46 @@ def test_a_rank_whose_nccl_init_goes_wrong_is_named_to_its_peers(fake_cuda, tmp_
         assert "rank 0: the second GPU op failed" in output, output[-5000:]
 
 
+# The same on a GPU machine, with a real NCCL: rank 1's init cannot find the
+# network interface it is told to use, while rank 0's waits for it.
+NCCL_INIT_FAILS_ON_CUDA = """
+import os, sys, time
+if os.environ["UNISON_RANK"] == "1":
+    os.environ["NCCL_SOCKET_IFNAME"] = "unison-no-such-interface"
+import torch
+import unison
+import unison.torch as hvd
+hvd.init()
+rank = hvd.rank()
+torch.cuda.set_device(0)
+start = time.monotonic()
+try:
+    hvd.allreduce(torch.ones(4, device="cuda"), name="first", op=hvd.Sum)
+    torch.cuda.synchronize()
+    print("rank %d: the first GPU op ran" % rank, flush=True)
+except unison.UnisonError as e:
+    print("rank %d: the first GPU op failed after %.1f s: %s" % (rank, time.monotonic() - start, e), flush=True)
+print("rank %d: on the host after: %s" % (rank, hvd.allreduce(torch.ones(3), name="host", op=hvd.Sum).tolist()),
+      flush=True)
+"""
+
+
+@pytest.mark.timeout(200)
+def test_cuda_rank_whose_nccl_init_fails_is_named_to_its_peers(tmp_path):
+    skip_without_cuda()
+    script = tmp_path / "init.py"
+    script.write_text(NCCL_INIT_FAILS_ON_CUDA)
+    env = dict(os.environ, UNISON_GPU_DATA_PLANE="nccl", UNISON_HIERARCHICAL_ALLREDUCE="0", NCCL_SOCKET_IFNAME="lo")
+    command = [sys.executable, "-m", "unison.run", "-np", "2", "-H", HOSTS[2], *NCCL_PER_RANK_HOST, sys.executable,
+               str(script)]
+    output = run_job(command, 150, env=env, cwd=str(tmp_path)).stdout.decode(errors="replace")
+    failed = [line for line in output.splitlines() if "rank 0: the first GPU op failed after " in line]
+    assert len(failed) == 1 and float(failed[0].split("after ")[1].split(" s")[0]) < 30, output[-5000:]
+    assert "unison: rank 1 could not set up NCCL (ncclCommInitRank (2 ranks) failed: NCCL error" in failed[0], failed
+    for rank in range(2):
+        assert "rank %d: on the host after: [2.0, 2.0, 2.0]" % rank in output, output[-5000:]
+
+
 # NCCL's collectives can fail after they were queued, as when the network
 # goes: the kernel hangs, and only ncclCommGetAsyncError says so. Here rank
 # 1's fake NCCL does that (FAKE_NCCL_ASYNC_ERROR) to an allreduce whose
