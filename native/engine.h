@@ -122,6 +122,9 @@ class Engine {
   // something, else how long to wait for activity before the next step.
   // Only the driver calls it (under drive_mutex_).
   double step(bool by_caller);
+  // Once a failure has stopped the engine: gives the planes' queued device
+  // work the peer timeout to finish, then aborts it (engine_driver.cc).
+  void end_stuck_device_work(std::unique_lock<std::timed_mutex>& drive_lock);
   // Whether the engine's thread should stay parked: a caller drives, or one
   // did a moment ago and is likely to again.
   bool callers_drive() const;

@@ -119,12 +119,45 @@ void Engine::loop() {
       continue;
     }
     std::unique_lock<std::timed_mutex> lock(drive_mutex_);
-    if (stopped_) return;
+    if (stopped_) {
+      end_stuck_device_work(lock);
+      return;
+    }
     const uint32_t token = backend_->activity_token();
     const double idle = step(false);
     if (idle <= 0) continue;
     lock.unlock();
     backend_->wait_for_activity(token, idle);
+  }
+}
+
+// A failure that stopped the engine can leave a plane's queued device work
+// waiting for a peer's side that will never run: a peer whose communicator
+// was aborted after a device failure, and which then shut down in order,
+// looks like any peer that shut down. Nothing on the host waits for that
+// work, but every stream ordered after it does, so the framework's next
+// synchronize would hang. A peer that shut down in order ran its side
+// first, so the work gets the peer timeout to finish, and is then aborted.
+// (A lost rank's planes were aborted at once: fail_everything.)
+void Engine::end_stuck_device_work(std::unique_lock<std::timed_mutex>& drive_lock) {
+  const double deadline = monotonic_seconds() + config_.peer_timeout_seconds;
+  for (;;) {
+    std::vector<DevicePlane*> busy;
+    for (const auto& [id, set] : sets_)
+      for (const auto& [device, plane] : set->device_planes)
+        if (plane->busy()) busy.push_back(plane.get());
+    if (busy.empty()) return;
+    if (monotonic_seconds() > deadline) {
+      // Said before it is done: the streams go on at once, and the process may end with them.
+      log_message(LogLevel::warning, "unison: GPU collectives queued before this rank stopped had not finished "
+                  "%.0f s later (UNISON_PEER_TIMEOUT_SECONDS); they are aborted. It stopped on: %s",
+                  config_.peer_timeout_seconds, terminal_.message.c_str());
+      for (DevicePlane* plane : busy) plane->abandon();
+      return;
+    }
+    drive_lock.unlock();
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    drive_lock.lock();
   }
 }
 

@@ -399,8 +399,12 @@ def test_cuda_rank_whose_nccl_init_fails_is_named_to_its_peers(tmp_path):
 # 1's fake NCCL does that (FAKE_NCCL_ASYNC_ERROR) to an allreduce whose
 # handle completed at launch, as a GPU op's does. Its engine must notice,
 # abort the communicator so that its streams go on, and fail its next op
-# with NCCL's reason. Rank 1 then exits, and rank 0, whose kernel waited for
-# rank 1's bytes, goes on as after any lost rank.
+# with NCCL's reason. Rank 0's kernel waits for rank 1's bytes meanwhile,
+# and must end too, however rank 1 goes on:
+# - it exits: rank 0 ends its work as after any lost rank;
+# - it shuts unison down and lives on, as an elastic job's reset does: that
+#   looks like any orderly shutdown to rank 0, whose stopped engine gives
+#   the work the peer timeout to finish, then aborts it.
 NCCL_FAILS_ASYNCHRONOUSLY = """
 import os, sys, time
 sys.path.insert(0, sys.argv[1])
@@ -424,27 +428,42 @@ try:
     print("rank %d: the next op ran" % rank, flush=True)
 except unison.UnisonError as e:
     print("rank %d: the next op failed (%s): %s" % (rank, type(e).__name__, e), flush=True)
+if rank == 1 and sys.argv[2] == "shuts-down":
+    unison.shutdown()
+    time.sleep(20)
+    os._exit(0)
 os._exit(17)
 """
 
 
 @pytest.mark.timeout(200)
-def test_an_asynchronous_nccl_error_ends_the_device_work_and_fails_the_next_op(fake_cuda, tmp_path):
+@pytest.mark.parametrize("then", ["exits", "shuts-down"])
+def test_an_asynchronous_nccl_error_ends_the_device_work_and_fails_the_next_op(fake_cuda, tmp_path, then):
     script = tmp_path / "async.py"
     script.write_text(NCCL_FAILS_ASYNCHRONOUSLY)
-    env = fake_cuda_env(fake_cuda, UNISON_GPU_DATA_PLANE="nccl", FAKE_CUDA_DEVICES="2")
+    env = fake_cuda_env(fake_cuda, UNISON_GPU_DATA_PLANE="nccl", FAKE_CUDA_DEVICES="2", UNISON_PEER_TIMEOUT_SECONDS="5")
     command = [sys.executable, "-m", "unison.run", "-np", "2", "--failure-grace-seconds", "60", sys.executable,
-               str(script), os.path.join(HERE, "parallel")]
+               str(script), os.path.join(HERE, "parallel"), then]
     output = run_job(command, 150, env=dict(os.environ, **env), cwd=str(tmp_path)).stdout.decode(errors="replace")
     lines = output.splitlines()
-    for rank in range(2):
+
+    def ended_after(rank):
         ended = [line for line in lines if "rank %d: device work ended after " % rank in line]
-        assert len(ended) == 1 and float(ended[0].split("after ")[1].split(" s")[0]) < 10, output[-5000:]
+        assert len(ended) == 1, output[-5000:]
+        return float(ended[0].split("after ")[1].split(" s")[0])
+
+    assert ended_after(1) < 3, output[-5000:]
     assert ("rank 1: the next op failed (UnisonInternalError): unison: NCCL's communicator on GPU 1 failed: NCCL "
             "error 6 (remote process exited or there was a network error (fake NCCL)), with collectives still "
             "running; they were aborted" in output), output[-5000:]
-    failed = [line for line in lines if "rank 0: the next op failed (RankFailedError): " in line]
-    assert len(failed) == 1 and "rank 1" in failed[0].split("RankFailedError")[1], output[-5000:]
+    # Rank 0's work waits for rank 1's exit, or for the peer timeout after its shutdown.
+    assert ended_after(0) < 3 if then == "exits" else 4 < ended_after(0) < 30, output[-5000:]
+    error = "RankFailedError" if then == "exits" else "ShutDownError"
+    failed = [line for line in lines if "rank 0: the next op failed (%s): " % error in line]
+    assert len(failed) == 1 and "rank 1" in failed[0].split(error)[1], output[-5000:]
+    if then == "shuts-down":
+        assert "unison: GPU collectives queued before this rank stopped had not finished 5 s later" in output, \
+            output[-5000:]
 
 
 OVERLAP_SUITES = ["test_core_ops.py", "test_core_grid.py", "test_core_timeline.py", "test_torch_optimizer.py",

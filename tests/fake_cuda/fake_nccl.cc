@@ -239,7 +239,7 @@ void combine(const std::vector<const char*>& inputs, void* to, const Call& call)
 // FAKE_NCCL_ASYNC_ERROR=1 makes this process's collectives fail as NCCL's
 // do when the network goes: the work hangs on the stream, and only
 // ncclCommGetAsyncError says so, until the communicator is aborted.
-bool failed_as_by_the_network(Comm& c) {
+bool hung_as_if_the_network_went(Comm& c) {
   const char* fail = getenv("FAKE_NCCL_ASYNC_ERROR");
   if (c.ranks == 1 || fail == nullptr || atoi(fail) != 1) return false;
   c.async_error = kNcclRemoteError;
@@ -254,7 +254,7 @@ bool failed_as_by_the_network(Comm& c) {
 }
 
 void run_calls(Comm& c, const std::vector<Call>& calls) {
-  if (failed_as_by_the_network(c)) return;
+  if (hung_as_if_the_network_went(c)) return;
   std::vector<Message> messages;
   std::vector<std::vector<char>> received;  // peers' inputs to a reduction
   std::vector<std::function<void()>> then;  // each call's work once every message is through
