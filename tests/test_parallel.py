@@ -345,8 +345,8 @@ def test_a_rank_whose_nccl_init_goes_wrong_is_named_to_its_peers(fake_cuda, tmp_
     if goes_wrong == "FAKE_NCCL_INIT_FAILURES":
         assert failed[0].endswith("unison: rank 1 could not set up NCCL (ncclCommInitRank (2 ranks) failed: NCCL "
                                   "error 2 (system error: shared memory for the communicator (fake NCCL)))"), failed
-        assert ("rank 1: the first GPU op failed after 0.3 s: unison: ncclCommInitRank (2 ranks) failed: NCCL error 2"
-                in output), output[-5000:]
+        assert re.search(r"rank 1: the first GPU op failed after [0-9.]+ s: unison: ncclCommInitRank \(2 ranks\) "
+                         r"failed: NCCL error 2", output), output[-5000:]
         for rank in range(2):
             assert "rank %d: the second GPU op gave [3.0, 3.0, 3.0]" % rank in output, output[-5000:]
     else:
@@ -452,12 +452,12 @@ def test_an_asynchronous_nccl_error_ends_the_device_work_and_fails_the_next_op(f
         assert len(ended) == 1, output[-5000:]
         return float(ended[0].split("after ")[1].split(" s")[0])
 
-    assert ended_after(1) < 3, output[-5000:]
+    assert ended_after(1) < 10, output[-5000:]
     assert ("rank 1: the next op failed (UnisonInternalError): unison: NCCL's communicator on GPU 1 failed: NCCL "
             "error 6 (remote process exited or there was a network error (fake NCCL)), with collectives still "
             "running; they were aborted" in output), output[-5000:]
     # Rank 0's work waits for rank 1's exit, or for the peer timeout after its shutdown.
-    assert ended_after(0) < 3 if then == "exits" else 4 < ended_after(0) < 30, output[-5000:]
+    assert ended_after(0) < 10 if then == "exits" else 4 < ended_after(0) < 30, output[-5000:]
     error = "RankFailedError" if then == "exits" else "ShutDownError"
     failed = [line for line in lines if "rank 0: the next op failed (%s): " % error in line]
     assert len(failed) == 1 and "rank 1" in failed[0].split(error)[1], output[-5000:]
