@@ -34,7 +34,6 @@ job never grows beyond what was asked without --max-np saying so.
 """
 import os
 import secrets
-import shlex
 import signal
 import subprocess
 import sys
@@ -192,14 +191,10 @@ class ElasticDriver:
             env = dict(self.base, UNISON_SECRET_KEY=self.secret, **identity)
             command = self.args.command
         else:
-            settings = {k: v for k, v in self.base.items()
-                        if (k.startswith(("UNISON_", "HOROVOD_")) or k in tcp_run.PASSED_VARIABLES)
-                        and k != "UNISON_SECRET_KEY"}
-            settings.update(identity)
-            remote = "cd %s 2>/dev/null; exec env %s %s -m unison.tcp_run --remote-rank -- %s" % (
-                shlex.quote(os.getcwd()), " ".join("%s=%s" % (k, shlex.quote(v)) for k, v in sorted(settings.items())),
-                shlex.quote(sys.executable), " ".join(shlex.quote(c) for c in self.args.command))
-            env, command, stdin_text = dict(self.base), tcp_run.ssh_command(self.args, host, remote), self.secret + "\n"
+            command, stdin_text = tcp_run.remote_launch(self.args, host,
+                                                        dict(self.base, UNISON_SECRET_KEY=self.secret, **identity),
+                                                        self.args.command)
+            env = dict(self.base)
         self.log("starting worker %s: %s" % (name, " ".join(command)))
         proc = run.start_process(command, env, stdin_text)
         worker = Worker(name, host, int(slot), proc)

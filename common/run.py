@@ -13,6 +13,7 @@ collectives fail with an error naming the dead rank), then are stopped; the
 launcher exits non-zero naming the rank and its exit status.
 """
 import argparse
+import copyreg
 import ctypes
 import glob
 import importlib.util
@@ -23,6 +24,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 import uuid
 
 PR_SET_PDEATHSIG = 1
@@ -530,5 +532,29 @@ def main(argv=None):
     return job.wait()
 
 
+class _LauncherModule(types.ModuleType):
+    """`unison.run` names two things, as `horovod.run` and horovodrun do:
+    this launcher's module (`python -m unison.run`), and, called, the
+    launcher for Python functions (`unison.run(train, num_proc=2)`,
+    run_function.py). Importing a submodule sets it as an attribute of its
+    package, so a function `unison.run` would be replaced by this module the
+    first time anything imported it; a module that can be called is both,
+    however it was reached."""
+
+    def __call__(self, func, *args, **kwargs):
+        from unison.run_function import run
+        return run(func, *args, **kwargs)
+
+
+def _import_by_name(module):
+    # How the module pickles: by name, as a plain module does. cloudpickle
+    # pickles the submodules a function may reach (`unison.elastic.run`
+    # names one called "run"), and only knows plain modules.
+    return importlib.import_module, (module.__name__,)
+
+
 if __name__ == "__main__":
     sys.exit(main())
+else:
+    sys.modules[__name__].__class__ = _LauncherModule
+    copyreg.pickle(_LauncherModule, _import_by_name)

@@ -35,6 +35,10 @@ from unison import mpi_run
 
 # Variables a remote rank needs beside the UNISON_* and HOROVOD_* settings.
 PASSED_VARIABLES = mpi_run.PASSED_VARIABLES
+# Variables that hold secrets: the job's, and the key of unison.run()'s
+# service (run_function.py). A remote rank gets them on ssh's standard
+# input, as one line of NAME=value pairs.
+SECRET_VARIABLES = ("UNISON_SECRET_KEY", "UNISON_RUN_FUNCTION_KEY")
 SIOCGIFADDR = 0x8915
 
 
@@ -187,14 +191,24 @@ def launches(args, job_id, base):
                 env["UNISON_SECRET_KEY"] = secret
             result.append(Launch(rank, args.command, env, host=host))
             continue
-        settings = {k: v for k, v in base.items()
-                    if (k.startswith(("UNISON_", "HOROVOD_")) or k in PASSED_VARIABLES) and k != "UNISON_SECRET_KEY"}
-        settings.update(identity)
-        remote = "cd %s 2>/dev/null; exec env %s %s -m unison.tcp_run --remote-rank -- %s" % (
-            shlex.quote(os.getcwd()), " ".join("%s=%s" % (k, shlex.quote(v)) for k, v in sorted(settings.items())),
-            shlex.quote(sys.executable), " ".join(shlex.quote(c) for c in args.command))
-        result.append(Launch(rank, ssh_command(args, host, remote), dict(base), host=host, stdin_text=secret + "\n"))
+        env = dict(base, UNISON_SECRET_KEY=secret)
+        env.update(identity)
+        command, stdin_text = remote_launch(args, host, env, args.command)
+        result.append(Launch(rank, command, dict(base), host=host, stdin_text=stdin_text))
     return result
+
+
+def remote_launch(args, host, env, command):
+    """(ssh command line, what goes on its standard input) that run
+    `command` on `host` under the remote wrapper, with `env`'s settings:
+    the secret ones on standard input, the others on the command line."""
+    settings = {k: v for k, v in env.items()
+                if (k.startswith(("UNISON_", "HOROVOD_")) or k in PASSED_VARIABLES) and k not in SECRET_VARIABLES}
+    remote = "cd %s 2>/dev/null; exec env %s %s -m unison.tcp_run --remote-rank -- %s" % (
+        shlex.quote(os.getcwd()), " ".join("%s=%s" % (k, shlex.quote(v)) for k, v in sorted(settings.items())),
+        shlex.quote(sys.executable), " ".join(shlex.quote(c) for c in command))
+    secret = " ".join("%s=%s" % (k, env[k]) for k in SECRET_VARIABLES if k in env)
+    return ssh_command(args, host, remote), secret + "\n"
 
 
 # ---- on the remote host ----------------------------------------------------------
@@ -205,17 +219,18 @@ def remote_rank(argv):
     from unison.run import _describe, _die_with_parent, remove_shared_memory
 
     command = argv[1:] if argv[:1] == ["--"] else argv
-    # Unbuffered reads of fd 0: the secret's line, then nothing but the end.
+    # Unbuffered reads of fd 0: the secrets' line, then nothing but the end.
     line = b""
     while not line.endswith(b"\n"):
         byte = os.read(0, 1)
         if not byte:
             break
         line += byte
-    secret = line.decode().strip()
-    if not secret:
+    given = dict(item.partition("=")[::2] for item in line.decode().split())
+    if not given.get("UNISON_SECRET_KEY"):
         raise SystemExit("unison.tcp_run: no secret on standard input; this wrapper is started by unisonrun")
-    env = dict(os.environ, UNISON_SECRET_KEY=secret)
+    env = dict(os.environ)
+    env.update({k: v for k, v in given.items() if k in SECRET_VARIABLES})
     proc = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
                             preexec_fn=_die_with_parent)
 

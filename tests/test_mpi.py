@@ -90,6 +90,20 @@ def test_plain_mpirun_gives_every_rank_its_identity(tmp_path):
 
 @needs_mpi
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("np_", [2, 3])
+def test_unison_run_through_mpirun(tmp_path, np_):
+    """unison.run(..., use_mpi=True): the ranks start through mpirun, and
+    each returns what every rank sent it (test_run_function.py's TRAIN)."""
+    import test_run_function
+    script = tmp_path / "driver.py"
+    script.write_text(test_run_function.TRAIN)
+    proc = run_job([sys.executable, str(script), "{'num_proc': %d, 'use_mpi': True}" % np_], 100, cwd=str(tmp_path))
+    total = np_ * (np_ + 1) / 2
+    assert test_run_function.result(proc) == [{"rank": r, "size": np_, "value": total * 2 + 1} for r in range(np_)]
+
+
+@needs_mpi
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("setting,backend", [([], "hierarchical"), (["--no-hierarchical-allreduce"], "mpi"),
                                              (["--hierarchical-allreduce"], "hierarchical"),
                                              ("HOROVOD_HIERARCHICAL_ALLREDUCE=0", "mpi")])
