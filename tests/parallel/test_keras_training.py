@@ -234,6 +234,25 @@ def test_mismatched_models_fail_fit_on_every_rank():
     np.testing.assert_array_equal(hvd.allreduce(tf.ones([2]), op=hvd.Sum), [N, N])
 
 
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_a_model_built_by_its_first_batch_ends_alike_on_every_rank(kind):
+    """A Sequential without an Input has no weights until fit() has run its
+    first batch: the callback sets root_rank's after that batch, as
+    Horovod's does, so the ranks still end on the same weights."""
+    x, y = data()
+    keras.utils.set_random_seed(RANK)   # every rank draws other initial weights
+    model = keras.Sequential([keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(3)])
+    make = {"sgd": lambda: keras.optimizers.SGD(0.1, momentum=0.9), "adam": lambda: keras.optimizers.Adam(0.01)}[kind]
+    model.compile(optimizer=hvd.DistributedOptimizer(make()), loss="mse")
+    model.fit(local(x), local(y), batch_size=B, epochs=EPOCHS, shuffle=False, verbose=0,
+              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+    mine = model.get_weights() + [v.numpy() for v in model.optimizer.variables]
+    root = hvd.broadcast_object(mine, root_rank=0)
+    assert len(mine) == len(root)
+    for got, want in zip(mine, root):
+        np.testing.assert_array_equal(got, want)
+
+
 def test_broadcast_callback_leaves_local_variables_alone():
     model = make_model(RANK)
     mine = model.layers[0].bias

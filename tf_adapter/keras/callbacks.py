@@ -26,7 +26,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         self.broadcast_done = False
 
     def _broadcast(self):
-        if self.broadcast_done:
+        if self.broadcast_done or not self.model.variables:  # not built yet: nothing to set
             return
         local = {id(v) for v in self.local_variables}
         variables = [v for v in self.model.variables if id(v) not in local]
@@ -45,6 +45,14 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
             self._broadcast()
 
     def on_train_batch_begin(self, batch, logs=None):
+        self._broadcast()
+
+    def on_train_batch_end(self, batch, logs=None):
+        # A model whose input shape Keras learns from the first batch (a
+        # Sequential without an Input) has no variables until that batch
+        # has run: its ranks took one step from their own initial weights,
+        # and take root_rank's from here, as Horovod's callback does for
+        # every model.
         self._broadcast()
 
 
