@@ -22,9 +22,9 @@ ssh's standard input with the job's secret, never on a command line
 Functions of the caller's main script pickle by reference
 (`__main__.train`). A rank therefore imports that script first, under the
 name `__mp_main__`, as multiprocessing's spawn start method does, so that
-its `if __name__ == "__main__":` block does not run again. With cloudpickle
-installed (Horovod's choice) functions pickle by value instead, which also
-covers lambdas, closures and functions typed into a notebook.
+its `if __name__ == "__main__":` block does not run again. What cannot go
+by reference (lambdas, closures, functions typed into a notebook) goes by
+value through cloudpickle, Horovod's choice, where it is installed.
 """
 import multiprocessing.spawn
 import os
@@ -44,12 +44,12 @@ from multiprocessing.connection import Client, Listener, answer_challenge, deliv
 ADDRESS, KEY = "UNISON_RUN_FUNCTION", "UNISON_RUN_FUNCTION_KEY"
 
 
-def _pickler():
+def _cloudpickle():
     try:
         import cloudpickle
         return cloudpickle
     except ImportError:
-        return pickle
+        return None
 
 
 def run(func, args=(), kwargs=None, num_proc=None, min_num_proc=None, max_num_proc=None, slots=None,
@@ -137,20 +137,38 @@ def _renamed(old, old_value, new, new_value):
 
 
 def _payload(func, args, kwargs):
-    """The pickled call, and how a rank prepares to unpickle it."""
-    pickler = _pickler()
-    main = sys.modules.get("__main__")
-    by_reference = pickler is pickle and getattr(func, "__module__", None) == "__main__"
-    if by_reference and not getattr(main, "__file__", None):
+    """The pickled call, and how a rank prepares to unpickle it.
+
+    By reference wherever the ranks can import what it names: Python's
+    pickle, with the caller's main script imported in each rank. Its code
+    is then the script's own, so tracebacks name the script's lines and
+    tf.function's AutoGraph finds the source (cloudpickle renames every
+    function's file "<dynamic-code>"). By value, through cloudpickle, only
+    where the ranks could not import it: lambdas, closures, and whatever an
+    interactive session defined."""
+    call = (func, args, kwargs)
+    cloudpickle = _cloudpickle()
+    interactive = not getattr(sys.modules.get("__main__"), "__file__", None)
+    if interactive and cloudpickle is None and getattr(func, "__module__", None) == "__main__":
         raise ValueError("unison.run: %s was defined in an interactive session, which the ranks cannot import; "
                          "define it in a module or a script, or install cloudpickle" % getattr(func, "__name__", func))
-    try:
-        call = pickler.dumps((func, args, kwargs))
-    except Exception as e:
-        raise ValueError("unison.run: the function and its arguments must pickle: %s: %s" % (type(e).__name__, e))
+    pickled = None
+    if not (interactive and cloudpickle is not None):
+        try:
+            pickled, pickler = pickle.dumps(call), "pickle"
+        except Exception as e:
+            if cloudpickle is None:
+                raise ValueError("unison.run: the function and its arguments must pickle (%s: %s); install "
+                                 "cloudpickle to send lambdas and closures" % (type(e).__name__, e)) from None
+    if pickled is None:
+        try:
+            pickled, pickler = cloudpickle.dumps(call), "cloudpickle"
+        except Exception as e:
+            raise ValueError("unison.run: the function and its arguments must pickle: %s: %s"
+                             % (type(e).__name__, e)) from None
     preparation = multiprocessing.spawn.get_preparation_data("unison-run")
     preparation.pop("authkey", None)  # this process's own; the ranks' is their own business
-    return pickle.dumps((pickler.__name__, preparation, call))
+    return pickle.dumps((pickler, preparation, pickled))
 
 
 def _service_address(hosts, hostfile, network_interface):
@@ -312,8 +330,8 @@ def worker():
         raise SystemExit("unison.run_function is run by unison.run(); see help(unison.run)")
     pickler_name, preparation, call = pickle.loads(_ask(("call",)))
     # What comes back is pickled as the call was: the caller can load it.
-    pickler = _pickler() if pickler_name == "cloudpickle" else pickle
-    # cloudpickle pickled the main script's functions by value.
+    pickler = _cloudpickle() if pickler_name == "cloudpickle" else pickle
+    # A call that went by value names nothing of the main script.
     _prepare(preparation, import_main=pickler is pickle)
     try:
         func, args, kwargs = pickle.loads(call)

@@ -32,8 +32,10 @@ if __name__ == "__main__":
 """
 
 
-# cloudpickle pickles the main script's functions by value; without it they
-# go by reference, and each rank imports the script first (run_function.py).
+# The main script's functions go by reference, and each rank imports the
+# script first; what cannot (lambdas, closures, an interactive session's
+# definitions) goes by value through cloudpickle where it is installed
+# (run_function.py). Tests run with it and as if it were not.
 PICKLERS = ["cloudpickle", "pickle"]
 WITHOUT_CLOUDPICKLE = "import sys\nsys.modules['cloudpickle'] = None   # as if not installed\n"
 
@@ -129,7 +131,10 @@ def test_a_rank_that_raises_is_named_with_its_traceback(tmp_path, np_, pickler):
     raised = [line for line in output.splitlines() if line.startswith("RAISED ")]
     assert len(raised) == 1, output
     assert raised[0].startswith("RAISED ValueError 'unison.run: rank 1 raised an exception:"), output
-    assert "rank one refuses" in raised[0] and "Traceback" in raised[0] and "in train" in raised[0], output
+    assert "rank one refuses" in raised[0] and "Traceback" in raised[0], output
+    # The script's own code ran: the traceback names its file and line.
+    line = (tmp_path / "driver.py").read_text().splitlines().index('        raise ValueError("rank one refuses")') + 1
+    assert 'driver.py", line %d, in train' % line in raised[0], output
 
 
 DIES = """
@@ -184,6 +189,34 @@ if __name__ == "__main__":
 @pytest.mark.parametrize("pickler", PICKLERS)
 def test_functions_of_the_main_script_and_what_they_return(tmp_path, pickler):
     assert result(driver(tmp_path, ANYTHING, pickler=pickler)) == [[40, 40], [None, None], [6, 6, 6]]
+
+
+LAMBDAS = """
+import unison
+
+def scaled(k):
+    def times(x):          # a closure: no name the ranks could import
+        return x * k
+    return times
+
+if __name__ == "__main__":
+    try:
+        print("RESULT", [unison.run(lambda a: a + 1, args=(1,), num_proc=2), unison.run(scaled(3), args=(2,), num_proc=3)])
+    except ValueError as e:
+        print("REFUSED", e)
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("pickler", PICKLERS)
+def test_lambdas_and_closures_go_by_value_through_cloudpickle(tmp_path, pickler):
+    proc = driver(tmp_path, LAMBDAS, pickler=pickler)
+    if pickler == "pickle":
+        output = proc.stdout.decode(errors="replace")
+        assert "REFUSED unison.run: the function and its arguments must pickle (" in output, output
+        assert "install cloudpickle to send lambdas and closures" in output, output
+    else:
+        assert result(proc) == [[2, 2], [6, 6, 6]]
 
 
 @pytest.mark.timeout(60)
