@@ -120,8 +120,7 @@ class NcclPlane : public DevicePlane {
 
   void abandon() override {
     if (comm_ == nullptr) return;
-    DeviceGuard guard(cuda_, device_);
-    nccl_.CommAbort(comm_);
+    abort_communicator(nccl_, cuda_, device_, comm_);
     comm_ = nullptr;
   }
 
