@@ -57,7 +57,7 @@ setup(
         "unison.tensorflow.keras": "tf_adapter/keras",
         "unison.mxnet": "mxnet_adapter",
     },
-    packages=["unison", "unison.elastic", "unison.keras", "unison.torch", "unison.tensorflow",
+    packages=["unison", "unison.common", "unison.elastic", "unison.keras", "unison.torch", "unison.tensorflow",
               "unison.tensorflow.keras", "unison.mxnet"],
     cffi_modules=["native/build_ffi.py:ffibuilder"],
     cmdclass={"build_ext": BuildExtInParallel},

@@ -136,3 +136,27 @@ def test_error_classes_where_horovod_users_import_them():
     # A deadlock is a stall, and a Horovod-catchable failure of the op.
     assert issubclass(unison.DeadlockError, unison.StalledError)
     assert issubclass(unison.DeadlockError, HorovodInternalError)
+
+
+def test_horovods_common_import_paths_with_unison_in_place_of_horovod():
+    # Code that imports from horovod.common (elastic loops catching
+    # HorovodInternalError, integrations asking nccl_built()) keeps working
+    # with the package renamed.
+    from unison.common.elastic import ObjectState, State, run_fn
+    from unison.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
+    from unison.common.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
+    from unison.common import util
+    from unison import elastic, process_sets
+    assert (HorovodInternalError, HostsUpdatedInterrupt) == (unison.HorovodInternalError, elastic.HostsUpdatedInterrupt)
+    assert (ObjectState, State, run_fn) == (elastic.ObjectState, elastic.State, elastic.run_fn)
+    assert (ProcessSet, global_process_set, add_process_set, remove_process_set) == (
+        process_sets.ProcessSet, process_sets.global_process_set, unison.add_process_set, unison.remove_process_set)
+    # The build queries need no init(), take Horovod's verbose, and answer as unison's own.
+    for name in ("mpi_built", "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built"):
+        assert getattr(util, name)(verbose=True) == getattr(unison, name)(), name
+    import importlib.util as found
+    for framework in ("torch", "tensorflow", "mxnet"):
+        assert util.extension_available(framework) == (found.find_spec(framework) is not None)
+        assert util.gpu_available(framework) == (util.extension_available(framework) and unison.cuda_built())
+    assert not util.extension_available("keras2") and not util.gpu_available("nonesuch")
+    assert [util.num_rank_is_power_2(n) for n in (0, 1, 2, 3, 4, 6, 8)] == [False, True, True, False, True, False, True]

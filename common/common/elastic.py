@@ -1,0 +1,2 @@
+"""horovod.common.elastic: the framework-free state and the retry loop."""
+from unison.elastic import ObjectState, State, run_fn  # noqa: F401
