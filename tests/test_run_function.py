@@ -5,8 +5,10 @@ as a user's script would be run, and checks what unison.run returned or
 raised there.
 """
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -340,3 +342,45 @@ def test_an_elastic_call_returns_what_the_ranks_it_ended_with_returned(tmp_path,
     survivors = np_ - 1
     total = float(sum(range(1, 21)))
     assert got == [(r, survivors, 20, [total] * 3) for r in range(survivors)], got
+
+
+SLEEPS = """
+import pathlib, time, unison
+
+def sleeps(folder):
+    unison.init()
+    pathlib.Path(folder, "started.%%d" %% unison.rank()).touch()
+    time.sleep(60)
+
+if __name__ == "__main__":
+    try:
+        unison.run(sleeps, args=(%r,), num_proc=2)
+    except KeyboardInterrupt:
+        print("INTERRUPTED")
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "killed"])
+def test_a_caller_interrupted_or_killed_leaves_no_rank_running(tmp_path, signum):
+    script = tmp_path / "driver.py"
+    script.write_text(SLEEPS % str(tmp_path))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env=without_mpi(), cwd=str(tmp_path))
+    deadline = time.monotonic() + 60
+    while not all((tmp_path / ("started.%d" % r)).exists() for r in range(2)):
+        assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read().decode()
+        time.sleep(0.1)
+    start = time.monotonic()
+    proc.send_signal(signum)   # the caller alone, as a notebook's interrupt, or the OOM killer, would
+    out, _ = proc.communicate(timeout=60)
+    if signum == signal.SIGINT:  # KeyboardInterrupt reaches the caller once the ranks are stopped
+        assert "INTERRUPTED" in out.decode(), out.decode()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        left = subprocess.run(["pgrep", "-f", "unison.run_function"], stdout=subprocess.PIPE).stdout.decode().split()
+        if not left:
+            break
+        time.sleep(0.2)
+    assert left == [], "ranks still running: %s" % left
+    assert time.monotonic() - start < 20
