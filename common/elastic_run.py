@@ -39,9 +39,9 @@ import subprocess
 import sys
 import threading
 import time
-from multiprocessing.connection import Listener
 
 from unison import run, tcp_run
+from unison.keyed_listener import KeyedListener
 
 DISCOVERY_INTERVAL_SECONDS = 1.0
 
@@ -229,19 +229,6 @@ class ElasticDriver:
 
     # ---- the workers' connections --------------------------------------------------
 
-    def accept(self):
-        while True:
-            try:
-                connection = self.listener.accept()
-            except OSError:
-                if self.listener is None:
-                    return
-                continue  # a stranger without the secret, or a dropped connection
-            except Exception as e:  # multiprocessing's AuthenticationError
-                self.say("refused a connection to the elastic driver: %s" % e)
-                continue
-            threading.Thread(target=self.serve, args=(connection,), daemon=True).start()
-
     def serve(self, connection):
         while True:
             try:
@@ -418,8 +405,8 @@ class ElasticDriver:
         self.discovered = hosts
         self.update_available()
         bind = "127.0.0.1" if all(self.is_local(h) for h in hosts) else "0.0.0.0"
-        self.listener = Listener((bind, 0), authkey=self.secret.encode())
-        threading.Thread(target=self.accept, daemon=True).start()
+        self.listener = KeyedListener(bind, self.secret.encode(), self.serve,
+                                      lambda e: self.say("refused a connection to the elastic driver: %s" % e))
         threading.Thread(target=self.discovery_loop, daemon=True).start()
         with self.lock:
             while self.failure is None:

@@ -13,9 +13,8 @@ the call with a RuntimeError that names the rank and carries its traceback
 How it gets there. The caller's process pickles the function and its
 arguments, then runs `unisonrun ... python -m unison.run_function`. Each
 rank fetches the pickle from a small service in the caller, runs it, and
-sends back the result. The service speaks multiprocessing's connection
-protocol: a connection must prove a key made for this call (an HMAC
-challenge, so the key never crosses the network), and ranks on other hosts get the key on
+sends back the result. A connection to the service must prove a key made
+for this call (keyed_listener.py: the key never crosses the network), and ranks on other hosts get the key on
 ssh's standard input with the job's secret, never on a command line
 (tcp_run.SECRET_VARIABLES).
 
@@ -38,8 +37,9 @@ import threading
 import traceback
 import types
 import warnings
-from multiprocessing import AuthenticationError
-from multiprocessing.connection import Client, Listener, answer_challenge, deliver_challenge
+from multiprocessing.connection import Client
+
+from unison.keyed_listener import KeyedListener
 
 ADDRESS, KEY = "UNISON_RUN_FUNCTION", "UNISON_RUN_FUNCTION_KEY"
 
@@ -210,31 +210,11 @@ class _Service:
         self.results = {}  # rank -> pickled return value
         self.failures = []  # (rank, pickled exception or None, traceback text), in the order they came
         self.lock = threading.Lock()
-        # The key is proved on each connection's own thread, not in
-        # accept(), where a stranger who connects and says nothing would
-        # hold up every rank behind it.
-        self.listener = Listener((bind, 0))
+        self.listener = KeyedListener(bind, self.key.encode(), self._serve)
         self.address = (reached, self.listener.address[1])
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self):
-        while True:
-            try:
-                connection = self.listener.accept()
-            except OSError:
-                if self.listener is None:
-                    return
-                continue  # a dropped connection
-            threading.Thread(target=self._serve, args=(connection,), daemon=True).start()
 
     def _serve(self, connection):
         with connection:
-            try:
-                # Each side proves it holds the key, as Client(authkey=) expects.
-                deliver_challenge(connection, self.key.encode())
-                answer_challenge(connection, self.key.encode())
-            except (AuthenticationError, EOFError, OSError):
-                return  # a stranger without the key, or a dropped connection
             try:
                 request = connection.recv()
                 if request[0] == "call":
@@ -250,8 +230,7 @@ class _Service:
                 pass
 
     def close(self):
-        listener, self.listener = self.listener, None
-        listener.close()
+        self.listener.close()
 
 
 def _as_given(message, named):

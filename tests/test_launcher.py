@@ -577,3 +577,38 @@ def test_data_that_never_comes_is_a_stall_naming_the_rank_and_fails_at_shutdown(
     assert "rank 1: allreduce 'late' has waited 1 s for its input" in err, out + err
     assert "still usable 0" in out and "still usable 1" in out, out
     assert "at shutdown:" in out, out
+
+
+def test_the_keyed_listener_serves_only_the_key_and_no_silent_peer_holds_it_up():
+    """The elastic driver's and unison.run()'s listener (keyed_listener.py)."""
+    import socket
+    import threading
+    from multiprocessing import AuthenticationError
+    from multiprocessing.connection import Client
+    from unison.keyed_listener import KeyedListener
+
+    served, refused = [], []
+    done = threading.Event()
+
+    def serve(connection):
+        with connection:
+            served.append(connection.recv())
+            connection.send("ok")
+        done.set()
+
+    listener = KeyedListener("127.0.0.1", b"the key", serve, refused.append)
+    try:
+        silent = socket.create_connection(listener.address)   # connects, and never says a word
+        with pytest.raises(AuthenticationError):
+            Client(listener.address, authkey=b"another key")
+        with Client(listener.address, authkey=b"the key") as client:
+            client.send("hello")
+            assert client.recv() == "ok"
+        assert done.wait(10) and served == ["hello"]
+        deadline = time.monotonic() + 10   # told on the refused connection's own thread
+        while not refused and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(refused) == 1 and isinstance(refused[0], AuthenticationError)
+        silent.close()
+    finally:
+        listener.close()
