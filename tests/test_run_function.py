@@ -365,8 +365,12 @@ if __name__ == "__main__":
 def test_a_caller_interrupted_or_killed_leaves_no_rank_running(tmp_path, signum):
     script = tmp_path / "driver.py"
     script.write_text(SLEEPS % str(tmp_path))
+    # A test run started in the background (as CI may be) ignores SIGINT,
+    # and Python keeps an ignored SIGINT ignored: the caller gets the
+    # default back, as a terminal's foreground process has it.
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            env=without_mpi(), cwd=str(tmp_path))
+                            env=without_mpi(), cwd=str(tmp_path),
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 60
     while not all((tmp_path / ("started.%d" % r)).exists() for r in range(2)):
         assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read().decode()
