@@ -14,9 +14,9 @@ How it gets there. The caller's process pickles the function and its
 arguments, then runs `unisonrun ... python -m unison.run_function`. Each
 rank fetches the pickle from a small service in the caller, runs it, and
 sends back the result. A connection to the service must prove a key made
-for this call (keyed_listener.py: the key never crosses the network), and ranks on other hosts get the key on
-ssh's standard input with the job's secret, never on a command line
-(tcp_run.SECRET_VARIABLES).
+for this call (keyed_listener.py: the key never crosses the network), and
+ranks on other hosts get the key on ssh's standard input with the job's
+secret, never on a command line (tcp_run.SECRET_VARIABLES).
 
 Functions of the caller's main script pickle by reference
 (`__main__.train`). A rank therefore imports that script first, under the

@@ -203,7 +203,8 @@ def scaled(k):
 
 if __name__ == "__main__":
     try:
-        print("RESULT", [unison.run(lambda a: a + 1, args=(1,), num_proc=2), unison.run(scaled(3), args=(2,), num_proc=3)])
+        print("RESULT", [unison.run(lambda a: a + 1, args=(1,), num_proc=2),
+                         unison.run(scaled(3), args=(2,), num_proc=3)])
     except ValueError as e:
         print("REFUSED", e)
 """
