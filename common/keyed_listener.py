@@ -24,8 +24,11 @@ class KeyedListener:
 
     def _accept(self):
         while True:
+            listener = self._listener
+            if listener is None:  # closed between two connections
+                return
             try:
-                connection = self._listener.accept()
+                connection = listener.accept()
             except OSError:
                 if self._listener is None:
                     return
