@@ -1,7 +1,10 @@
 """unison.torch.rpc: torch's RPC, distributed autograd and remote
 DistributedOptimizer inside a unison job, from one rank's point of view.
 Rank 0 owns the remote parameters; the other ranks train."""
+import glob
+import os
 import threading
+import time
 
 import pytest
 
@@ -27,6 +30,34 @@ def rpc_job():
     yield
     if rpc.is_initialized():
         rpc.shutdown()
+
+
+def _cpu_ticks_by_thread():
+    ticks = {}
+    for task in glob.glob("/proc/self/task/*"):
+        try:
+            with open(task + "/stat") as f:
+                name, rest = f.read().rsplit(")", 1)
+        except OSError:  # the thread ended meanwhile
+            continue
+        fields = rest.split()
+        ticks[task] = (name.split("(", 1)[1], int(fields[11]) + int(fields[12]))  # utime + stime
+    return ticks
+
+
+def test_an_idle_rpc_agent_leaves_the_cores_to_training(rpc_job):
+    # TensorPipe's shm transport polls without sleeping, a whole core per
+    # rank (see rpc.DEFAULT_TRANSPORTS). Idle for a second, no thread of this
+    # process may use a fifth of a core; a polling one uses nearly all of it.
+    hvd.barrier()
+    before = _cpu_ticks_by_thread()
+    time.sleep(1.0)
+    after = _cpu_ticks_by_thread()
+    hz = os.sysconf("SC_CLK_TCK")
+    busy = {name: (ticks - before[task][1]) / hz for task, (name, ticks) in after.items()
+            if task in before and ticks - before[task][1] > 0.2 * hz}
+    assert busy == {}, "threads busy while RPC idled (CPU seconds in 1 s): %r" % busy
+    hvd.barrier()
 
 
 # ---- on the owner (rank 0): parameters and a way to read them ----------------------
