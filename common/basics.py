@@ -189,7 +189,10 @@ def rocm_built():
 
 
 def mpi_enabled():
-    return False
+    """Whether this job's ranks meet through MPI: it was started by mpirun
+    or srun (or `unisonrun --mpi`) with more than one rank. False before
+    init(), as in Horovod."""
+    return is_initialized() and bool(_query(lib.unison_mpi_enabled))
 
 
 def gloo_enabled():
@@ -197,4 +200,9 @@ def gloo_enabled():
 
 
 def mpi_threads_supported():
-    return False
+    """Whether the application may call MPI itself (mpi4py) from any thread
+    beside unison: MPI is in use and runs at MPI_THREAD_MULTIPLE. Raises
+    before init(), as Horovod does. Where MPI is not in use the answer is
+    False; Horovod raises there instead, which would break a script moved
+    from mpirun to unisonrun for a question whose answer is plain."""
+    return bool(_query(lib.unison_mpi_threads_supported))

@@ -135,6 +135,9 @@ Status make_shm_backend(const Config& config, int generation, std::unique_ptr<Ba
 // says how to get one.
 bool mpi_backend_available();
 Status make_mpi_backend(Config* config, int generation, std::unique_ptr<Backend>* out);
+// Whether MPI has been started in this process at MPI_THREAD_MULTIPLE, so
+// that the application may call it from any thread beside unison's.
+bool mpi_lets_every_thread_call();
 // A job started by `unisonrun -H` (tcp/): shared memory within each host and
 // TCP across hosts, or TCP alone. Meets the other ranks at the launcher's
 // rendezvous, and fills in `config`'s identity from what they say.

@@ -156,6 +156,12 @@ int unison_cross_rank(int* out);
 int unison_cross_size(int* out);
 /* 1 when every host runs the same number of ranks, else 0. */
 int unison_is_homogeneous(int* out);
+/* 1 when this job's ranks meet through MPI (it was started by mpirun or
+   srun with more than one rank), else 0. */
+int unison_mpi_enabled(int* out);
+/* 1 when MPI is in use and lets any thread call it (MPI_THREAD_MULTIPLE),
+   so the application may use MPI itself (mpi4py) beside unison; else 0. */
+int unison_mpi_threads_supported(int* out);
 /* Name of the data plane in use ("shm", "solo"). */
 const char* unison_backend_name(void);
 /* Comma-separated list of the data planes this build contains. */

@@ -37,8 +37,14 @@ def test_use_before_init_and_after_shutdown():
         unison.rank()
     with pytest.raises(unison.NotInitializedError):
         unp.allreduce(np.ones(2))
+    # Horovod's answers before init: MPI is not enabled, and whether it
+    # supports threads is an error (a ValueError, as Horovod's is).
+    assert unison.mpi_enabled() is False
+    with pytest.raises(ValueError, match="not initialized"):
+        unison.mpi_threads_supported()
     unison.init()
     assert unison.is_initialized()
+    assert (unison.mpi_enabled(), unison.mpi_threads_supported()) == (False, False)  # one rank runs solo
     unison.shutdown()
     with pytest.raises(unison.NotInitializedError):
         unp.allgather(np.ones(2))

@@ -5,6 +5,7 @@
 namespace unison {
 
 bool mpi_backend_available() { return false; }
+bool mpi_lets_every_thread_call() { return false; }
 
 Status make_mpi_backend(Config* config, int, std::unique_ptr<Backend>*) {
   return Status::Error(

@@ -150,6 +150,15 @@ Status mpi_error(const std::string& what, int code) {
 
 bool mpi_backend_available() { return true; }
 
+bool mpi_lets_every_thread_call() {
+  int initialized = 0, finalized = 0, level = 0;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  if (!initialized || finalized) return false;
+  MPI_Query_thread(&level);
+  return level == MPI_THREAD_MULTIPLE;
+}
+
 Status make_mpi_backend(Config* config, int generation, std::unique_ptr<Backend>* out) {
   Status s = start_mpi();
   if (!s.ok()) return s;

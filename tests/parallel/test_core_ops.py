@@ -13,6 +13,18 @@ import unison
 import unison.numpy as unp
 
 
+def test_mpi_queries_say_whether_mpi_carries_the_job():
+    # Horovod's mpi_enabled() and mpi_threads_supported(): true in a job an
+    # MPI launcher started (test_mpi.py's layouts), where the core asks for
+    # MPI_THREAD_MULTIPLE; false under unisonrun's shared memory and TCP.
+    import os
+    started_by_mpi = unison.size() > 1 and any(
+        name in os.environ for name in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"))
+    assert unison.mpi_enabled() is started_by_mpi
+    assert unison.mpi_threads_supported() is started_by_mpi
+    assert unison.mpi_built() is ("mpi" in unison.basics.built_backends())
+
+
 def test_allreduce_in_place_and_large_multi_round():
     # 3M floats is larger than one shared-memory round, so it goes in rounds.
     x = np.full(3_000_001, unison.rank() + 1, dtype=np.float32)
