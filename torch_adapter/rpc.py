@@ -51,18 +51,21 @@ def _rendezvous_address():
     return socket.gethostbyname(socket.gethostname())
 
 
-# TensorPipe's transports carry its control messages; tensors travel on
-# its channels (CMA between processes of one host, TCP across hosts), which
-# this leaves to torch. torch's first choice within a host is the "shm"
-# transport, whose reactor thread polls without ever sleeping: each rank
-# burns a core for as long as RPC is up, idle or not (measured: 99.7% of a
-# core). Data-parallel ranks want those cores. On the 2-core CI machine, 3
-# ranks with it took up to 120 s to import a module and one rank's engine
-# went silent long enough for its peers to declare it dead; with "uv"
-# (libuv sockets, which sleep in epoll) the same suite takes 3 s. The cost
-# is a small call's latency, 560 us against 380 us here; a 4 MiB tensor was
-# faster (3.6 ms against 4.6 ms), the reactor no longer taking a core. A
-# caller who wants shm passes rpc_backend_options with _transports.
+# TensorPipe's transports carry its control messages and small payloads;
+# larger tensors go on its channels, which this leaves to torch. torch's
+# first choice within a host is the "shm" transport, whose reactor thread
+# polls without ever sleeping: each rank burns a core for as long as RPC is
+# up, idle or not (measured: 99.7% of a core). Data-parallel ranks want
+# those cores. On the 2-core CI machine at 3 ranks, test_torch_rpc.py's
+# docs example took 7 to 119 s with it (a module import inside it ran 100
+# times slower), an engine thread's 1 ms sleep once lasted 3 s, and 3 runs
+# of the suite in 42 failed: one past its 120 s test timeout, two when a
+# rank went silent past the peer timeout (as one did in CI). With "uv"
+# (libuv sockets, which sleep in epoll) the example takes 2 to 4 s and 20
+# runs of the suite passed. The cost is a small call's latency, 560 us
+# against 380 us here; a 4 MiB argument was faster (3.6 ms against 4.6
+# ms), the reactor no longer taking a core. A caller who wants shm passes
+# rpc_backend_options with _transports.
 DEFAULT_TRANSPORTS = ("uv",)
 
 
