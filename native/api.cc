@@ -42,10 +42,6 @@ int query(int* out, int value) {
   return UNISON_OK;
 }
 
-// make_backend's rule: MPI carries a job that an MPI launcher started,
-// unless it has one rank.
-bool mpi_in_use() { return config.size > 1 && !config.mpi_launcher.empty(); }
-
 }  // namespace
 }  // namespace unison
 
@@ -119,9 +115,9 @@ int unison_local_size(int* out) { return query(out, config.local_size); }
 int unison_cross_rank(int* out) { return query(out, config.cross_rank); }
 int unison_cross_size(int* out) { return query(out, config.cross_size); }
 int unison_is_homogeneous(int* out) { return query(out, config.homogeneous ? 1 : 0); }
-int unison_mpi_enabled(int* out) { return query(out, mpi_in_use() ? 1 : 0); }
+int unison_mpi_enabled(int* out) { return query(out, mpi_carries_job(config) ? 1 : 0); }
 int unison_mpi_threads_supported(int* out) {
-  return query(out, mpi_in_use() && mpi_lets_every_thread_call() ? 1 : 0);
+  return query(out, mpi_carries_job(config) && mpi_lets_every_thread_call() ? 1 : 0);
 }
 
 const char* unison_backend_name(void) { return engine != nullptr ? engine->backend().name() : ""; }

@@ -7,10 +7,12 @@
 
 namespace unison {
 
+bool mpi_carries_job(const Config& config) { return config.size > 1 && !config.mpi_launcher.empty(); }
+
 Status make_backend(Config* config, int generation, std::unique_ptr<Backend>* out) {
   // A job started by mpirun or srun: MPI says who is where and carries the
   // bytes between hosts (mpi/world.cc picks flat or hierarchical).
-  if (config->size > 1 && !config->mpi_launcher.empty()) return make_mpi_backend(config, generation, out);
+  if (mpi_carries_job(*config)) return make_mpi_backend(config, generation, out);
   if (config->size == 1) return make_solo_backend(*config, generation, out);
   // A job started by unisonrun across hosts: a rendezvous to meet at.
   if (!config->rendezvous_address.empty()) return make_tcp_backend(config, generation, out);

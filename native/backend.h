@@ -120,6 +120,9 @@ class Backend {
 // The backend this process's job needs (backend.cc decides, from the
 // launcher's settings in `config`, which MPI may complete).
 Status make_backend(Config* config, int generation, std::unique_ptr<Backend>* out);
+// Whether make_backend gives this job to MPI: an MPI launcher started it
+// with more than one rank.
+bool mpi_carries_job(const Config& config);
 // The backends this build has, as "solo,shm,mpi".
 std::string built_backends();
 
