@@ -2,6 +2,7 @@
 rank and size queries, build queries, and turning status codes into
 exceptions. Every adapter imports these from here."""
 import atexit
+import os
 
 from unison import exceptions
 from unison._native import ffi, lib
@@ -37,6 +38,36 @@ def check(code):
         raise error_for(code, ffi.string(lib.unison_last_error()).decode(errors="replace"))
 
 
+# A rank's identity (rank, size, job) is in its environment, and every
+# process the rank starts inherits it. One that calls init() with it would
+# try to join the job as a second copy of the rank, and the job would wait
+# for the start timeout. So a rank of a job of several records in its
+# environment which process it is (INITIALIZED_BY, "pid:rank"), and init()
+# in any other process with that environment fails at once. The launchers
+# drop the record from the environments they make (run.py).
+INITIALIZED_BY = "UNISON_INITIALIZED_BY"
+_initialized_in = None  # the pid that called init() with success; a forked child keeps its parent's
+
+
+def _in_forked_child():
+    """True in a process forked from a rank after its init(): a DataLoader
+    worker, say. It has the rank's answers to rank() and size() but none of
+    its threads, and no op of the rank's may run there (native/api.cc)."""
+    return _initialized_in is not None and _initialized_in != os.getpid()
+
+
+def _refuse_an_inherited_rank():
+    pid, _, rank = os.environ.get(INITIALIZED_BY, "").partition(":")
+    if pid and pid != str(os.getpid()):
+        raise exceptions.UnsupportedError(
+            "unison: init() in process %d, which inherited its environment from rank %s (process %s) of a "
+            "running job, after that rank's init(): one rank runs in one process. A worker that the "
+            "multiprocessing spawn or forkserver method started (a DataLoader's, say) re-runs the script's "
+            "top level; call init() under `if __name__ == '__main__':` or use the fork method. To run this "
+            "process as a job of its own, start it without the launcher's variables (UNISON_*, and MPI's under "
+            "mpirun)." % (os.getpid(), rank, pid))
+
+
 def init(comm=None, process_sets=None):
     """Starts unison in this process. Rank and size come from the launcher's
     environment; a process started on its own is rank 0 of 1.
@@ -49,11 +80,18 @@ def init(comm=None, process_sets=None):
         raise exceptions.UnsupportedError(
             "unison: init(comm=%r): unison runs on every rank its launcher started; use process sets "
             "for collectives among some of them" % (comm,))
+    if _in_forked_child():
+        return  # the rank's state came with the fork; init() again is harmless, as Horovod's
+    _refuse_an_inherited_rank()
     from unison import process_sets as sets  # it imports this module
     from unison.elastic import worker
     if worker.in_elastic_job() and not lib.unison_is_initialized():
         worker.join_round()  # this round's rank and size, from unisonrun's driver
     check(lib.unison_init())
+    global _initialized_in
+    _initialized_in = os.getpid()
+    if size() > 1:  # a job of one shares nothing, so a copy of its identity harms nobody
+        os.environ[INITIALIZED_BY] = "%d:%d" % (os.getpid(), rank())
     sets.register_at_init(process_sets)
 
 
@@ -65,9 +103,13 @@ before_shutdown = []
 
 def shutdown():
     """Stops unison here and tells the other ranks. init() may follow."""
+    if _in_forked_child():
+        return  # the rank runs on in its own process: nothing here is this process's to stop
     for end in list(before_shutdown):
         end()
     lib.unison_shutdown()
+    global _initialized_in
+    _initialized_in = None
     from unison import process_sets as sets
     sets.forget_all()
 

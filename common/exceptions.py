@@ -23,7 +23,8 @@ class NotInitializedError(InvalidArgumentError):
 
 
 class UnsupportedError(InvalidArgumentError):
-    """A valid request that this build or version cannot serve."""
+    """A valid request that this build or version cannot serve, or that a
+    process forked from a rank makes for it (only the rank runs its ops)."""
 
 
 class UnisonInternalError(UnisonError):

@@ -119,9 +119,12 @@ def wait_in_place(handle_id, name, buffers):
 
 
 def _failure(handle_id, code):
-    """The exception for a failed op, with the core's message."""
+    """The exception for a failed op, with the core's message; or, where the
+    core refused to look at the handle at all (a process forked from the
+    rank, say), with the refusal's."""
     message = ffi.new("char[]", 4096)
-    lib.unison_handle_error(handle_id, message, 4096)
+    if lib.unison_handle_error(handle_id, message, 4096) != _OK:
+        message = lib.unison_last_error()
     return basics.error_for(code, ffi.string(message).decode(errors="replace"))
 
 

@@ -506,6 +506,11 @@ def remove_shared_memory(job_id):
 
 
 def main(argv=None):
+    # A launcher started from inside a rank (unison.run(func) in a script, say)
+    # makes ranks of a job of its own, which must not inherit the record of
+    # the process that ran init() (basics.INITIALIZED_BY, not imported here:
+    # the launcher never loads the core).
+    os.environ.pop("UNISON_INITIALIZED_BY", None)
     args = _parse(sys.argv[1:] if argv is None else argv)
     if args.check_build:
         return check_build()

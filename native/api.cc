@@ -1,4 +1,7 @@
 // api.cc: the C ABI of unison.h over one process-wide Engine.
+#include <pthread.h>
+#include <unistd.h>
+
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -35,6 +38,34 @@ int not_initialized() {
                               "unison: not initialized; call init() first (or again after shutdown())"));
 }
 
+// A process forked from a rank after init() (a DataLoader's worker, a
+// daemon) holds a copy of the engine but none of its threads, and shares the
+// rank's shared memory, sockets and MPI state. Were it to run a collective,
+// wait on a handle (a waiting caller may drive the engine) or shut down, it
+// would act as the rank: take its place in a negotiation, or tell the peers
+// that the rank has left, while the rank itself runs on. So in such a child
+// every call that touches the job fails at once and shutdown does nothing;
+// the queries (rank, size...) still answer.
+pid_t forked_from = 0;  // in such a child: the rank's own process
+
+void note_fork_in_child() {
+  if (engine == nullptr || forked_from != 0) return;
+  forked_from = getppid();
+  // Nor may the child's exit destroy its copy of the engine: the engine's
+  // destructor, run by exit() with the other statics, would tell the peers
+  // that the rank left. One reference that nobody releases keeps it.
+  new std::shared_ptr<Engine>(engine);
+}
+
+int refuse_in_forked_child() {
+  return report(Status::Error(
+      UNISON_ERR_UNSUPPORTED,
+      "unison: this process (pid " + std::to_string(getpid()) + ") was forked from rank " +
+          std::to_string(config.rank) + " (pid " + std::to_string(forked_from) +
+          ") after init(); only the rank's own process takes part in its collectives. rank(), size() and "
+          "the other queries still answer here"));
+}
+
 int query(int* out, int value) {
   if (engine == nullptr) return not_initialized();
   if (out == nullptr) return report(Status::Error(UNISON_ERR_INVALID_ARGUMENT, "unison: NULL output pointer"));
@@ -50,8 +81,11 @@ using namespace unison;
 extern "C" {
 
 int unison_init(void) {
+  if (forked_from != 0) return UNISON_OK;  // the rank's state, copied: the queries answer
   std::lock_guard<std::mutex> lock(lifecycle_mutex);
   if (engine != nullptr) return UNISON_OK;  // as Horovod: a second init is harmless
+  static const int fork_watch = pthread_atfork(nullptr, nullptr, note_fork_in_child);
+  (void)fork_watch;
   Config c;
   Status read = Config::from_environment(&c);
   if (!read.ok()) return report(read);
@@ -70,6 +104,7 @@ int unison_init(void) {
 }
 
 int unison_shutdown(void) {
+  if (forked_from != 0) return UNISON_OK;  // the rank lives on in its own process
   std::lock_guard<std::mutex> lock(lifecycle_mutex);
   std::shared_ptr<Engine> stopping = std::atomic_exchange(&engine, std::shared_ptr<Engine>());
   if (stopping != nullptr) stopping->stop();
@@ -79,6 +114,7 @@ int unison_shutdown(void) {
 int unison_is_initialized(void) { return engine != nullptr ? 1 : 0; }
 
 int unison_start_timeline(const char* path, int mark_cycles) {
+  if (forked_from != 0) return refuse_in_forked_child();
   std::lock_guard<std::mutex> lock(lifecycle_mutex);
   if (engine == nullptr) return not_initialized();
   if (path == nullptr || *path == '\0')
@@ -88,6 +124,7 @@ int unison_start_timeline(const char* path, int mark_cycles) {
 
 int unison_tuned_settings(int64_t* fusion_threshold_bytes, double* cycle_time_ms, int* cache, int* hierarchical,
                           int* settled) {
+  if (forked_from != 0) return refuse_in_forked_child();
   std::lock_guard<std::mutex> lock(lifecycle_mutex);
   if (engine == nullptr) return not_initialized();
   if (!fusion_threshold_bytes || !cycle_time_ms || !cache || !hierarchical || !settled)
@@ -102,6 +139,7 @@ int unison_tuned_settings(int64_t* fusion_threshold_bytes, double* cycle_time_ms
 }
 
 int unison_stop_timeline(void) {
+  if (forked_from != 0) return refuse_in_forked_child();
   std::lock_guard<std::mutex> lock(lifecycle_mutex);
   if (engine == nullptr) return not_initialized();
   engine->stop_timeline();
@@ -133,6 +171,7 @@ const char* unison_device_support(void) {
 }
 
 int unison_enqueue(const unison_op_options* options, unison_handle* out) {
+  if (forked_from != 0) return refuse_in_forked_child();
   if (engine == nullptr) return not_initialized();
   if (options == nullptr || out == nullptr)
     return report(Status::Error(UNISON_ERR_INVALID_ARGUMENT, "unison: NULL options or handle pointer"));
@@ -144,13 +183,14 @@ int unison_enqueue(const unison_op_options* options, unison_handle* out) {
 }
 
 int unison_group_begin(void) {
+  if (forked_from != 0) return refuse_in_forked_child();
   if (engine == nullptr) return not_initialized();
   engine->group_begin();
   return UNISON_OK;
 }
 
 int unison_group_end(int discard) {
-  if (engine != nullptr) engine->group_end(discard != 0);
+  if (engine != nullptr && forked_from == 0) engine->group_end(discard != 0);
   return UNISON_OK;
 }
 
@@ -158,6 +198,7 @@ namespace {
 
 // Runs one process-set op through negotiation and waits for it.
 int run_process_set_op(unison_op_options* options, int* process_set_id) {
+  if (forked_from != 0) return refuse_in_forked_child();
   if (engine == nullptr) return not_initialized();
   unison_handle handle = 0;
   Status s = engine->enqueue(*options, &handle);
@@ -194,6 +235,7 @@ int unison_remove_process_set(int process_set_id) {
 }
 
 int unison_poll(unison_handle handle, int* done) {
+  if (forked_from != 0) return refuse_in_forked_child();
   bool d = false;
   Status s = handles.poll(handle, &d);
   if (s.ok() && done != nullptr) *done = d ? 1 : 0;
@@ -201,18 +243,21 @@ int unison_poll(unison_handle handle, int* done) {
 }
 
 int unison_wait(unison_handle handle, double timeout_seconds) {
+  if (forked_from != 0) return refuse_in_forked_child();
   std::shared_ptr<Engine> current = std::atomic_load(&engine);
   if (current == nullptr) return report(handles.wait(handle, timeout_seconds));
   return report(current->wait(handle, timeout_seconds));
 }
 
 int unison_wait_release(unison_handle handle, double timeout_seconds) {
+  if (forked_from != 0) return refuse_in_forked_child();
   std::shared_ptr<Engine> current = std::atomic_load(&engine);
   if (current == nullptr) return report(handles.wait(handle, timeout_seconds, true));
   return report(current->wait(handle, timeout_seconds, true));
 }
 
 int unison_handle_error(unison_handle handle, char* buffer, int64_t capacity) {
+  if (forked_from != 0) return refuse_in_forked_child();
   if (buffer == nullptr || capacity <= 0)
     return report(Status::Error(UNISON_ERR_INVALID_ARGUMENT, "unison: no buffer for the error message"));
   return report(handles.with_result(handle, [&](const Status& status, const OpResult&) {
@@ -223,6 +268,7 @@ int unison_handle_error(unison_handle handle, char* buffer, int64_t capacity) {
 
 int unison_handle_result(unison_handle handle, int take_ownership, void** data, int64_t* nbytes,
                          int* ndim, int64_t* shape) {
+  if (forked_from != 0) return refuse_in_forked_child();
   return report(handles.with_result(handle, [&](const Status&, const OpResult& const_result) {
     OpResult& result = const_cast<OpResult&>(const_result);
     if (data) *data = result.data;
@@ -235,18 +281,23 @@ int unison_handle_result(unison_handle handle, int take_ownership, void** data, 
 }
 
 int unison_handle_received_splits(unison_handle handle, int64_t* splits, int n) {
+  if (forked_from != 0) return refuse_in_forked_child();
   return report(handles.with_result(handle, [&](const Status&, const OpResult& result) {
     for (int i = 0; i < n && i < (int)result.received_splits.size(); ++i) splits[i] = result.received_splits[i];
   }));
 }
 
 int unison_handle_join_rank(unison_handle handle, int* last_rank) {
+  if (forked_from != 0) return refuse_in_forked_child();
   return report(handles.with_result(handle, [&](const Status&, const OpResult& result) {
     if (last_rank) *last_rank = result.join_rank;
   }));
 }
 
-int unison_release(unison_handle handle) { return report(handles.release(handle)); }
+int unison_release(unison_handle handle) {
+  if (forked_from != 0) return refuse_in_forked_child();
+  return report(handles.release(handle));
+}
 
 void unison_free(void* data) { unison::free_result_memory(data); }
 

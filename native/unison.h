@@ -31,7 +31,7 @@ enum {
   UNISON_ERR_TIMEOUT = 5,           /* unison_wait ran out of time; op continues */
   UNISON_ERR_SHUT_DOWN = 6,         /* a rank shut down while the op was pending */
   UNISON_ERR_STALLED = 7,           /* the stall inspector failed the op */
-  UNISON_ERR_UNSUPPORTED = 8,       /* valid request this build cannot do */
+  UNISON_ERR_UNSUPPORTED = 8,       /* valid request this build (or a forked child) cannot do */
   UNISON_ERR_INTERNAL = 9,
   UNISON_ERR_DEADLOCK = 10          /* every rank waits on an op another never submits */
 };
@@ -131,7 +131,10 @@ typedef struct {
 
 /* Lifecycle. Rank, size and the job id come from the environment the
    launcher sets (UNISON_RANK, UNISON_SIZE, ...); without it a process is
-   rank 0 of 1. Init after shutdown starts a fresh session. */
+   rank 0 of 1. Init after shutdown starts a fresh session. A process
+   forked from a rank after init keeps the queries' answers, but every call
+   that would act for the rank (ops, waits, handles, timelines) fails with
+   UNISON_ERR_UNSUPPORTED there, and init and shutdown do nothing. */
 int unison_init(void);
 int unison_shutdown(void);
 int unison_is_initialized(void);

@@ -1,5 +1,8 @@
 """A process started without the launcher is rank 0 of 1, and lifecycle
 misuse gives clear errors."""
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -48,6 +51,15 @@ def test_use_before_init_and_after_shutdown():
     unison.shutdown()
     with pytest.raises(unison.NotInitializedError):
         unp.allgather(np.ones(2))
+
+
+def test_a_job_of_ones_children_start_jobs_of_their_own(solo):
+    """A rank of a job of several refuses init() in the processes it starts
+    (tests/parallel/test_core_lifecycle.py); a job of one shares nothing, so
+    its children, spawned with its environment, each start their own."""
+    script = "import unison; unison.init(); print(unison.rank(), unison.size())"
+    child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert (child.returncode, child.stdout.split()) == (0, ["0", "1"]), child.stderr
 
 
 def test_shutdown_fails_pending_work_cleanly(solo):

@@ -21,11 +21,17 @@ namespace unison {
 namespace {
 
 std::atomic<bool> broken{false};
+pid_t mpi_started_in = 0;
 
 // MPI_Finalize waits for every other rank to finalize too. A process that
 // is failing (non-zero exit status) must not wait for ranks that may run on
-// for hours: it leaves without, and mpirun ends the job because of it.
+// for hours: it leaves without, and mpirun ends the job because of it. A
+// process forked from the rank inherits this handler and MPI's state, and
+// its MPI_Finalize would speak for the rank on the rank's own connection to
+// mpirun, which mpirun then closes under the rank; so only the process that
+// started MPI finalizes it.
 void finalize_at_exit(int status, void*) {
+  if (getpid() != mpi_started_in) return;
   int finalized = 0;
   MPI_Finalized(&finalized);
   if (!finalized && status == 0 && !broken.load()) MPI_Finalize();
@@ -58,6 +64,7 @@ Status start_mpi() {
       rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
     }
     if (rc != MPI_SUCCESS) return mpi_error("MPI_Init_thread", rc);
+    mpi_started_in = getpid();
     on_exit(finalize_at_exit, nullptr);  // glibc's atexit that is told the exit status
   }
   int level = 0;

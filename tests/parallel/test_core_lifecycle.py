@@ -3,7 +3,14 @@ harness uses it: 20 rounds of init, a random op (some fail on purpose,
 some join, one has a peer shut down first), barrier, shutdown, with ranks
 arriving and leaving at different moments. Every rank draws the same ops
 from the same seed; what each must see is exact."""
+import atexit
+import ctypes
+import json
+import os
 import random
+import re
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -90,3 +97,70 @@ def test_twenty_rounds_of_init_op_barrier_shutdown():
     finally:
         unison.init()  # the session's other suites expect an initialised job
     assert unp.allreduce(np.ones(1), op=unison.Sum, name="after.rounds")[0] == unison.size()
+
+
+def test_a_forked_child_answers_queries_but_acts_for_the_rank_in_nothing():
+    """A process forked from a rank after init() (a DataLoader's worker)
+    keeps rank() and size(), but every op, wait and process set it tries
+    fails at once: it has none of the rank's threads, and acting for the rank
+    would corrupt the job. Its exit, Python's atexit and C's statics
+    included, must not tell the peers that the rank left: afterwards the
+    rank's own op, in flight across the fork, completes with every rank's
+    values."""
+    me, n = unison.rank(), unison.size()
+    across_fork = unp.allreduce_async(np.full(3, me + 1, np.int64), op=unison.Sum, name="fork.across")
+    read_end, write_end = os.pipe()
+    child = os.fork()
+    if child == 0:  # the child: report what it saw, then exit as a script would
+        os.close(read_end)
+        seen = {"queries": [unison.rank(), unison.size(), unison.local_rank(), unison.is_initialized()]}
+        unison.init()  # harmless, as a second init() always is
+        for what, attempt in [("allreduce", lambda: unp.allreduce(np.ones(2), name="fork.child")),
+                              ("synchronize", lambda: unp.synchronize(across_fork)),
+                              ("barrier", unp.barrier),
+                              ("add_process_set", lambda: unison.add_process_set([0]))]:
+            try:
+                attempt()
+                seen[what] = "returned"
+            except unison.UnisonError as e:
+                seen[what] = "%s: %s" % (type(e).__name__, e)
+        os.write(write_end, json.dumps(seen).encode())
+        os.close(write_end)
+        atexit._run_exitfuncs()      # unison.shutdown() among them
+        ctypes.CDLL(None).exit(0)    # C's exit: the statics' destructors run
+    os.close(write_end)
+    with os.fdopen(read_end) as pipe:
+        seen = json.loads(pipe.read() or "{}")
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert seen.pop("queries") == [me, n, unison.local_rank(), True]
+    refusal = ("UnsupportedError: unison: this process (pid %d) was forked from rank %d (pid %d) after init(); "
+               "only the rank's own process takes part in its collectives" % (child, me, os.getpid()))
+    assert seen == {what: seen[what] for what in ["allreduce", "synchronize", "barrier", "add_process_set"]}
+    for what, outcome in seen.items():
+        assert outcome.startswith(refusal), (what, outcome)
+    assert unp.synchronize(across_fork).tolist() == [n * (n + 1) // 2] * 3
+    assert unp.allreduce(np.full(2, me, np.int64), op=unison.Sum, name="fork.after").tolist() == [n * (n - 1) // 2] * 2
+    unp.barrier()
+
+
+def test_init_in_a_process_that_inherited_a_rank_fails_at_once():
+    """A process the rank starts inherits its identity (UNISON_RANK...): a
+    worker of multiprocessing's spawn method re-runs the script's top level,
+    init() included. In a job of several it must fail at once, naming the
+    rank, not join the job as the rank's second copy and leave every rank
+    waiting for the start timeout. (This suite runs at 2 and 3 ranks; a
+    job of one shares nothing, and there a child starts a job of its own:
+    tests/test_solo.py.)"""
+    me, n = unison.rank(), unison.size()
+    script = "import unison; unison.init(); print(unison.rank(), unison.size())"
+    child = subprocess.run([sys.executable, "-c", script], env=dict(os.environ), capture_output=True, text=True,
+                           timeout=60)
+    assert child.returncode != 0
+    assert re.search(r"UnsupportedError: unison: init\(\) in process \d+, which inherited its environment "
+                     r"from rank %d \(process %d\) of a running job" % (me, os.getpid()), child.stderr), child.stderr
+    if "UNISON_RANK" in os.environ:  # the launcher's own variables: without them the child is a job of one
+        alone = {k: v for k, v in os.environ.items() if not k.startswith("UNISON_")}
+        child = subprocess.run([sys.executable, "-c", script], env=alone, capture_output=True, text=True, timeout=60)
+        assert (child.returncode, child.stdout.split()) == (0, ["0", "1"]), child.stderr
+    assert unp.allreduce(np.full(1, me, np.int64), op=unison.Sum, name="inherited.after").tolist() == [n * (n - 1) // 2]
