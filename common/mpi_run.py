@@ -110,10 +110,6 @@ def launch(args, settings):
     env.setdefault("PYTHONUNBUFFERED", "1")
     if args.np > 1:
         env.setdefault("OMP_NUM_THREADS", "1")
-    # The launcher's identity variables would override MPI's.
-    for name in ("UNISON_RANK", "UNISON_SIZE", "UNISON_LOCAL_RANK", "UNISON_LOCAL_SIZE", "UNISON_CROSS_RANK",
-                 "UNISON_CROSS_SIZE"):
-        env.pop(name, None)
     # The job's name for its shared memory on every host, so that each
     # rank's wrapper can remove what a crash during start-up left there.
     from unison.run import new_job_id

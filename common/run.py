@@ -505,12 +505,22 @@ def remove_shared_memory(job_id):
             pass
 
 
+# What ties a process to the job it is a rank of. A launcher started inside
+# a rank (unison.run(func) in a training script, say) starts a job of its
+# own, so its ranks must not inherit these: a rendezvous address would send
+# them to the outer job's rank 0, an elastic driver's to the outer driver,
+# and the outer rank's record of its init() (basics.INITIALIZED_BY) would
+# refuse their init(); under mpirun, an inherited UNISON_RANK would override
+# MPI's identity. Each launcher sets what its own ranks need of these.
+JOB_WIRING = ("UNISON_RANK", "UNISON_SIZE", "UNISON_LOCAL_RANK", "UNISON_LOCAL_SIZE", "UNISON_CROSS_RANK",
+              "UNISON_CROSS_SIZE", "UNISON_JOB_ID", "UNISON_RENDEZVOUS_ADDR", "UNISON_RENDEZVOUS_PORT",
+              "UNISON_SECRET_KEY", "UNISON_ELASTIC_DRIVER", "UNISON_ELASTIC_WORKER", "UNISON_ELASTIC_ROUND",
+              "UNISON_INITIALIZED_BY")
+
+
 def main(argv=None):
-    # A launcher started from inside a rank (unison.run(func) in a script, say)
-    # makes ranks of a job of its own, which must not inherit the record of
-    # the process that ran init() (basics.INITIALIZED_BY, not imported here:
-    # the launcher never loads the core).
-    os.environ.pop("UNISON_INITIALIZED_BY", None)
+    for name in JOB_WIRING:
+        os.environ.pop(name, None)
     args = _parse(sys.argv[1:] if argv is None else argv)
     if args.check_build:
         return check_build()

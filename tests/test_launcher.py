@@ -38,6 +38,32 @@ def test_output_is_prefixed_and_identity_is_set(tmp_path):
         assert "[%d]<stdout>:hello from %d of 3 shm" % (r, r) in out
 
 
+def test_a_launcher_started_inside_a_rank_starts_a_job_of_its_own(tmp_path, monkeypatch):
+    """unisonrun (or unison.run(func)) started from inside a rank inherits
+    that rank's wiring: its rendezvous, its elastic driver, the record of
+    its init(). None of it may reach the new job's ranks: here the outer
+    job's rendezvous and driver listen nowhere, and the new job must not
+    notice them."""
+    outer = {"UNISON_RANK": "5", "UNISON_SIZE": "8", "UNISON_LOCAL_RANK": "1", "UNISON_LOCAL_SIZE": "4",
+             "UNISON_CROSS_RANK": "1", "UNISON_CROSS_SIZE": "2", "UNISON_JOB_ID": "outer",
+             "UNISON_RENDEZVOUS_ADDR": "127.0.0.1", "UNISON_RENDEZVOUS_PORT": "9", "UNISON_SECRET_KEY": "outer",
+             "UNISON_ELASTIC_DRIVER": "127.0.0.1:9", "UNISON_ELASTIC_WORKER": "outer:1", "UNISON_ELASTIC_ROUND": "3",
+             "UNISON_INITIALIZED_BY": "1:5"}
+    for name, value in outer.items():
+        monkeypatch.setenv(name, value)
+    proc = run(tmp_path, """
+        import numpy as np
+        import unison, unison.numpy as unp
+        unison.init()
+        total = unp.allreduce(np.full(2, unison.rank() + 1, np.int64), op=unison.Sum, name="inner")
+        print("inner", unison.rank(), unison.size(), unison.backend_name(), total.tolist())
+    """, np_=3)
+    assert proc.returncode == 0, proc.stderr.decode()
+    out = proc.stdout.decode()
+    for r in range(3):
+        assert "[%d]<stdout>:inner %d 3 shm [6, 6]" % (r, r) in out
+
+
 @pytest.mark.parametrize("np_", [2, 3])
 @pytest.mark.parametrize("how", ["os._exit(3)", "os.kill(os.getpid(), signal.SIGKILL)"])
 def test_rank_dies_mid_run_and_survivors_fail_fast(tmp_path, np_, how):
