@@ -1,6 +1,8 @@
 """The launcher and failure handling, seen from outside the ranks."""
 import glob
+import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -62,6 +64,71 @@ def test_a_launcher_started_inside_a_rank_starts_a_job_of_its_own(tmp_path, monk
     out = proc.stdout.decode()
     for r in range(3):
         assert "[%d]<stdout>:inner %d 3 shm [6, 6]" % (r, r) in out
+
+
+def run_with_small_dev_shm(tmp_path, megabytes, script, env=None):
+    """run() in a mount namespace of its own whose /dev/shm is a tmpfs of
+    `megabytes`, as in a container (Docker's default is 64 MiB)."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("a /dev/shm of a chosen size needs root and unshare(1) to mount one in a namespace")
+    path = tmp_path / "script.py"
+    path.write_text(textwrap.dedent(script))
+    command = ["unshare", "--mount", "sh", "-c",
+               'mount -t tmpfs -o size=%dM tmpfs /dev/shm && exec "$@"' % megabytes, "sh",
+               sys.executable, "-m", "unison.run", "-np", "2", sys.executable, str(path)]
+    return subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=90, cwd=str(tmp_path),
+                          env=dict(os.environ, **(env or {})))
+
+
+def test_too_little_shared_memory_is_an_error_at_init_naming_the_numbers(tmp_path):
+    """A job whose shared memory does not fit in /dev/shm fails at init with
+    what it needs, what is free and how to change either, not with a SIGBUS
+    when a collective first touches a page tmpfs has no room for; and the
+    smaller settings it names make the same job run."""
+    script = """
+        import numpy as np
+        import unison, unison.numpy as unp
+        unison.init()
+        total = unp.allreduce(np.full(1 << 20, unison.rank() + 1, np.float32), op=unison.Sum, name="big")
+        print("sum", unison.rank(), total.min(), total.max())
+    """
+    proc = run_with_small_dev_shm(tmp_path, 2, script)
+    output = proc.stdout.decode() + proc.stderr.decode()
+    assert proc.returncode != 0
+    assert ("unison: cannot reserve 8.0 MiB of shared memory for /unison-" in output
+            and "(2 ranks of this host, 4.0 MiB each): No space left on device; /dev/shm has" in output
+            and "UNISON_SHM_SLOT_BYTES plus twice UNISON_CONTROL_MESSAGE_BYTES" in output), output
+    assert "SIGBUS" not in output, output
+    proc = run_with_small_dev_shm(tmp_path, 2, script,
+                                  {"UNISON_SHM_SLOT_BYTES": "256K", "UNISON_CONTROL_MESSAGE_BYTES": "64K"})
+    assert proc.returncode == 0, proc.stderr.decode()
+    for r in range(2):
+        assert "[%d]<stdout>:sum %d 3.0 3.0" % (r, r) in proc.stdout.decode()
+
+
+def test_shared_memory_filled_by_others_after_init_cannot_crash_a_collective(tmp_path):
+    """/dev/shm is shared (DataLoader workers pass batches through it). Once
+    init() has returned, the job's pages are its own: another process filling
+    /dev/shm to the last byte leaves every collective working."""
+    proc = run_with_small_dev_shm(tmp_path, 10, """
+        import errno
+        import numpy as np
+        import unison, unison.numpy as unp
+        unison.init()
+        if unison.rank() == 0:
+            with open("/dev/shm/filler", "wb", buffering=0) as filler:
+                try:
+                    while True:
+                        filler.write(b"x" * 65536)
+                except OSError as e:
+                    assert e.errno == errno.ENOSPC
+        unp.barrier()
+        total = unp.allreduce(np.full(4 << 20, unison.rank() + 1, np.float32), op=unison.Sum, name="big")
+        print("sum", unison.rank(), total.min(), total.max())
+    """)
+    assert proc.returncode == 0, proc.stderr.decode()
+    for r in range(2):
+        assert "[%d]<stdout>:sum %d 3.0 3.0" % (r, r) in proc.stdout.decode()
 
 
 @pytest.mark.parametrize("np_", [2, 3])

@@ -4,9 +4,11 @@
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <time.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <cstring>
 #include <new>
 #include <thread>
@@ -21,6 +23,12 @@ size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
 std::string errno_text() { return std::strerror(errno); }
 
 void pause_briefly() { std::this_thread::sleep_for(std::chrono::milliseconds(1)); }
+
+std::string mebibytes(double bytes) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.1f MiB", bytes / (1 << 20));
+  return text;
+}
 
 }  // namespace
 
@@ -46,6 +54,8 @@ Status ShmSegment::open(const Config& config, int generation) {
   mailbox_offset_ = header_bytes;
   slot_offset_ = mailbox_offset_ + size * 2 * message_half;
   const size_t total = slot_offset_ + size * 2 * slot_half;
+  local_size_ = config.local_size;
+  per_rank_bytes_ = 2 * (message_half + slot_half);
   const double deadline = monotonic_seconds() + config.start_timeout_seconds;
 
   Status s = config.local_rank == 0 ? create(total, deadline) : attach(total, deadline);
@@ -89,6 +99,17 @@ Status ShmSegment::create(size_t total, double deadline) {
     return Status::Error(UNISON_ERR_INTERNAL, "unison: cannot size shared memory " + name_ + " to " +
                                                   std::to_string(total) + " bytes: " + why);
   }
+  // ftruncate only sets the size: tmpfs finds a page when it is first
+  // touched, and a page it has no room for kills the toucher with SIGBUS, in
+  // the middle of a collective. /dev/shm is often small (64 MiB in a Docker
+  // container) and shared with others (DataLoader workers pass batches
+  // through it). Taking every page now turns that crash into an error at
+  // init that says what is missing, as NCCL does for its segments.
+  if (int rc = posix_fallocate(fd, 0, (off_t)total); rc != 0) {
+    close(fd);
+    shm_unlink(name_.c_str());
+    return Status::Error(UNISON_ERR_INTERNAL, no_room_message(total, rc));
+  }
   void* p = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   close(fd);
   if (p == MAP_FAILED) {
@@ -102,6 +123,20 @@ Status ShmSegment::create(size_t total, double deadline) {
   // atomic in it; construct the objects formally all the same.
   header_ = new (base_) Header();
   return Status::OK();
+}
+
+std::string ShmSegment::no_room_message(size_t total, int error) const {
+  std::string message = "unison: cannot reserve " + mebibytes((double)total) + " of shared memory for " + name_ +
+                        " (" + std::to_string(local_size_) + " ranks of this host, " +
+                        mebibytes((double)per_rank_bytes_) + " each): " + std::strerror(error);
+  struct statvfs fs;
+  if (error == ENOSPC && statvfs("/dev/shm", &fs) == 0)
+    message += "; /dev/shm has " + mebibytes((double)fs.f_bavail * fs.f_frsize) + " free of " +
+               mebibytes((double)fs.f_blocks * fs.f_frsize) +
+               ". Give it more room (docker run --shm-size=1g; on Kubernetes, an emptyDir of medium Memory "
+               "mounted at /dev/shm), or take less: each rank takes UNISON_SHM_SLOT_BYTES plus twice "
+               "UNISON_CONTROL_MESSAGE_BYTES, and each process set as much again for its members";
+  return message;
 }
 
 Status ShmSegment::attach(size_t total, double deadline) {

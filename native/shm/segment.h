@@ -65,6 +65,7 @@ class ShmSegment {
   Status create(size_t total_bytes, double deadline);
   Status attach(size_t total_bytes, double deadline);
   Status wait_for_everyone(const Config& config, double deadline);
+  std::string no_room_message(size_t total_bytes, int error) const;
 
   std::string name_;
   char* base_ = nullptr;
@@ -74,6 +75,8 @@ class ShmSegment {
   size_t mailbox_offset_ = 0;
   size_t slot_offset_ = 0;
   bool unlinked_ = false;
+  int local_size_ = 0;
+  size_t per_rank_bytes_ = 0;  // mailboxes and slot
 };
 
 int64_t monotonic_nanoseconds();
