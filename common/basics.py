@@ -86,7 +86,9 @@ def init(comm=None, process_sets=None):
     from unison import process_sets as sets  # it imports this module
     from unison.elastic import worker
     if worker.in_elastic_job() and not lib.unison_is_initialized():
-        worker.join_round()  # this round's rank and size, from unisonrun's driver
+        # This round's rank and size, from unisonrun's driver, and the port
+        # this worker offered for the rendezvous, held until the core listens.
+        worker.join_round().close()
     check(lib.unison_init())
     global _initialized_in
     _initialized_in = os.getpid()

@@ -66,7 +66,7 @@ def test_a_launcher_started_inside_a_rank_starts_a_job_of_its_own(tmp_path, monk
         assert "[%d]<stdout>:inner %d 3 shm [6, 6]" % (r, r) in out
 
 
-def run_with_small_dev_shm(tmp_path, megabytes, script, env=None):
+def run_with_small_dev_shm(tmp_path, megabytes, script, env=None, np_=2):
     """run() in a mount namespace of its own whose /dev/shm is a tmpfs of
     `megabytes`, as in a container (Docker's default is 64 MiB)."""
     if os.geteuid() != 0 or shutil.which("unshare") is None:
@@ -75,7 +75,7 @@ def run_with_small_dev_shm(tmp_path, megabytes, script, env=None):
     path.write_text(textwrap.dedent(script))
     command = ["unshare", "--mount", "sh", "-c",
                'mount -t tmpfs -o size=%dM tmpfs /dev/shm && exec "$@"' % megabytes, "sh",
-               sys.executable, "-m", "unison.run", "-np", "2", sys.executable, str(path)]
+               sys.executable, "-m", "unison.run", "-np", str(np_), sys.executable, str(path)]
     return subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=90, cwd=str(tmp_path),
                           env=dict(os.environ, **(env or {})))
 
@@ -129,6 +129,45 @@ def test_shared_memory_filled_by_others_after_init_cannot_crash_a_collective(tmp
     assert proc.returncode == 0, proc.stderr.decode()
     for r in range(2):
         assert "[%d]<stdout>:sum %d 3.0 3.0" % (r, r) in proc.stdout.decode()
+
+
+def test_a_process_set_without_room_in_dev_shm_fails_on_every_rank_at_once(tmp_path):
+    """At 3 ranks the job's segment (12 MiB) fits in a /dev/shm of 16 MiB;
+    a set of ranks 0 and 1 needs 8 MiB more, which it has not. Rank 0, the
+    set's first member, cannot create it; every rank then fails
+    add_process_set with rank 0's reason at once: rank 1 does not wait the
+    start timeout for a segment that never comes, nor rank 2 hold a set that
+    exists nowhere. As after any failed collective, the job is then over,
+    and its later ops fail with the same reason."""
+    proc = run_with_small_dev_shm(tmp_path, 16, """
+        import time
+        import numpy as np
+        import unison, unison.numpy as unp
+        unison.init()
+        me = unison.rank()
+        start = time.monotonic()
+        try:
+            unison.add_process_set([0, 1])
+            print("added", me)
+        except unison.UnisonError as e:
+            print("refused", me, "after %.1f s:" % (time.monotonic() - start), type(e).__name__, e)  # for the log
+        try:
+            unp.allreduce(np.full(3, me + 1, np.int64), op=unison.Sum, name="after")
+            print("after", me, "ran")
+        except unison.UnisonError as e:
+            print("after", me, "failed:", e)
+    """, np_=3)
+    out = proc.stdout.decode()
+    assert proc.returncode == 0, out + proc.stderr.decode()
+    reason = re.compile(r"cannot reserve 8\.0 MiB of shared memory for /unison-\S+-set1-2-g0 \(2 ranks of this "
+                        r"host, 4\.0 MiB each\): No space left on device; /dev/shm has")
+    for r in range(3):
+        line = re.search(r"\[%d\]<stdout>:refused %d after ([0-9.]+) s: UnisonInternalError (.*)" % (r, r), out)
+        assert line and reason.search(line.group(2)), out
+        if r != 0:
+            assert line.group(2).startswith("unison: process set 1: rank 0 (pid "), out
+        after = re.search(r"\[%d\]<stdout>:after %d failed: (.*)" % (r, r), out)
+        assert after and reason.search(after.group(1)), out
 
 
 @pytest.mark.parametrize("np_", [2, 3])

@@ -53,8 +53,13 @@ def _ask(request):
 
 
 def _listen_address():
-    """The address other hosts can reach this worker at, and a port free on it
-    now, for the driver to hand out should this worker become rank 0."""
+    """The address other hosts can reach this worker at, a port free on it,
+    for the driver to hand out should this worker become rank 0, and the
+    socket bound to that port. The socket holds the port until init() is
+    about to listen on it: closed at once, the port went back to the
+    kernel for the whole of the round's forming, and a connection another
+    worker opened to the driver meanwhile could take it as its own
+    (rank 0 then failed with "Address already in use")."""
     from unison import tcp_run
 
     interface = os.environ.get("UNISON_NETWORK_INTERFACE")
@@ -65,20 +70,29 @@ def _listen_address():
     probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
         probe.bind((address, 0))
-        return address, probe.getsockname()[1]
-    finally:
+    except BaseException:
         probe.close()
+        raise
+    return address, probe.getsockname()[1], probe
 
 
 def join_round():
     """Blocks until the driver places this worker in the next round, and sets
-    the environment init() reads. A worker the next round has no place for
-    (its host was removed or blacklisted) exits quietly with status 0; when
-    the driver ends the job, the worker exits with its reason."""
+    the environment init() reads; returns the socket holding the port this
+    worker offered, for init() to close just before the core listens. A
+    worker the next round has no place for (its host was removed or
+    blacklisted) exits quietly with status 0; when the driver ends the job,
+    the worker exits with its reason."""
     global _round
-    address, port = _listen_address()
-    answer = _ask({"op": "join", "worker": os.environ.get(WORKER), "address": address, "port": port,
-                   "round": _round["round"] if _round else -1})
+    address, port, held = _listen_address()
+    try:
+        answer = _ask({"op": "join", "worker": os.environ.get(WORKER), "address": address, "port": port,
+                       "round": _round["round"] if _round else -1})
+    except BaseException:
+        held.close()
+        raise
+    if answer["kind"] != "assign":
+        held.close()
     if answer["kind"] == "dismiss":
         print("unison: worker %s leaves the job: %s" % (os.environ.get(WORKER), answer["reason"]),
               file=sys.stderr, flush=True)
@@ -89,6 +103,7 @@ def join_round():
         del os.environ[key]
     os.environ.update(answer["env"])
     _round = answer
+    return held
 
 
 def hosts_changed():

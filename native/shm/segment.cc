@@ -44,7 +44,7 @@ ShmSegment::~ShmSegment() {
   if (!unlinked_ && !name_.empty() && header_ != nullptr) shm_unlink(name_.c_str());
 }
 
-Status ShmSegment::open(const Config& config, int generation) {
+Status ShmSegment::open(const Config& config, int generation, const HearCreator& hear_creator) {
   name_ = "/unison-" + config.job_id + "-" + std::to_string(config.local_size) + "-g" +
           std::to_string(generation);
   const size_t size = (size_t)config.local_size;
@@ -58,7 +58,9 @@ Status ShmSegment::open(const Config& config, int generation) {
   per_rank_bytes_ = 2 * (message_half + slot_half);
   const double deadline = monotonic_seconds() + config.start_timeout_seconds;
 
-  Status s = config.local_rank == 0 ? create(total, deadline) : attach(total, deadline);
+  Status s = config.local_rank == 0 ? create(total, deadline) : Status::OK();
+  if (hear_creator) s = hear_creator(s);
+  if (s.ok() && config.local_rank != 0) s = attach(total, deadline);
   if (!s.ok()) return s;
   if (config.local_rank == 0) {
     header_->size = (uint32_t)size;

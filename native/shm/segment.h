@@ -13,6 +13,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 
 #include "../config.h"
@@ -49,7 +50,13 @@ class ShmSegment {
   // Local rank 0 creates the segment (mode 0600); the others open it. When
   // every rank has attached, the name is unlinked: the memory lives on in
   // the mappings and disappears with the last of them, even after a crash.
-  Status open(const Config& config, int generation);
+  // `hear_creator`, when given, runs on every rank between local rank 0's
+  // attempt to create and the others' attempt to open, is given this rank's
+  // own status and returns local rank 0's: a process set's members learn
+  // through the job's control plane that it failed (no room in /dev/shm)
+  // instead of waiting for a segment that will never exist.
+  using HearCreator = std::function<Status(const Status& mine)>;
+  Status open(const Config& config, int generation, const HearCreator& hear_creator = nullptr);
 
   Header* header() const { return header_; }
   RankArea* rank_area(int rank) const { return areas_ + rank; }

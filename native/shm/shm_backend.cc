@@ -55,9 +55,9 @@ class ShmBackend final : public Backend {
       if (fd >= 0) close(fd);
   }
 
-  Status start(int generation) {
+  Status start(int generation, const ShmSegment::HearCreator& hear_creator = nullptr) {
     generation_ = generation;
-    Status s = segment_.open(config_, generation);
+    Status s = segment_.open(config_, generation, hear_creator);
     if (!s.ok()) return s;
     rank_ = config_.local_rank;
     size_ = config_.local_size;
@@ -188,8 +188,26 @@ class ShmBackend final : public Backend {
   // backend (Engine::sets_), so job_ outlives every set made from it.
   Status split(const std::vector<int>& members, int set_id, std::unique_ptr<Backend>* out) override {
     out->reset();
+    // Every rank of this host hears, over the job's control plane, whether
+    // the set's first member could create its segment. If not (no room in
+    // /dev/shm), every one fails with its reason at once: the members would
+    // otherwise wait the start timeout for a segment that never comes, not
+    // beating the job's heartbeat meanwhile, and the others would hold a set
+    // that exists nowhere.
+    auto hear_creator = [this, set_id, creator = members[0]](const Status& mine) -> Status {
+      std::vector<std::string> heard;
+      Status s = exchange(rank_ == creator && !mine.ok() ? "failed:" + mine.message : std::string("ok"), &heard);
+      if (!s.ok()) return s;
+      if (heard[creator] == "ok") return Status::OK();
+      std::string why = heard[creator].substr(std::strlen("failed:"));
+      if (rank_ == creator) return Status::Error(UNISON_ERR_INTERNAL, why);
+      if (why.rfind("unison: ", 0) == 0) why.erase(0, std::strlen("unison: "));
+      return Status::Error(UNISON_ERR_INTERNAL, "unison: process set " + std::to_string(set_id) + ": " +
+                                                    describe(creator) + ", its first member on this host, failed: " +
+                                                    why);
+    };
     auto me = std::find(members.begin(), members.end(), rank_);
-    if (me == members.end()) return Status::OK();
+    if (me == members.end()) return hear_creator(Status::OK());
     Config sub = config_;
     sub.local_rank = (int)(me - members.begin());
     sub.local_size = (int)members.size();
@@ -198,7 +216,7 @@ class ShmBackend final : public Backend {
     sub.job_id += "-set" + std::to_string(set_id);
     auto set = std::make_unique<ShmBackend>(sub);
     set->job_ = job_ != nullptr ? job_ : this;
-    Status s = set->start(generation_);
+    Status s = set->start(generation_, hear_creator);
     if (!s.ok()) return s;
     *out = std::move(set);
     return Status::OK();
