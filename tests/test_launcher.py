@@ -16,12 +16,14 @@ import jobs
 pytestmark = pytest.mark.timeout(120)
 
 
-def run(tmp_path, script, np_=2, extra=(), timeout=90):
+def run(tmp_path, script, np_=2, extra=(), timeout=90, env=None, wrapper=()):
+    """unisonrun -np np_ on `script`, started through `wrapper` (a command
+    that ends by running its arguments) with `env` added to the environment."""
     path = tmp_path / "script.py"
     path.write_text(textwrap.dedent(script))
-    command = [sys.executable, "-m", "unison.run", "-np", str(np_), *extra, sys.executable, str(path)]
+    command = [*wrapper, sys.executable, "-m", "unison.run", "-np", str(np_), *extra, sys.executable, str(path)]
     return subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=timeout,
-                          cwd=str(tmp_path))
+                          cwd=str(tmp_path), env=dict(os.environ, **(env or {})))
 
 
 def shm_segments():
@@ -71,13 +73,9 @@ def run_with_small_dev_shm(tmp_path, megabytes, script, env=None, np_=2):
     `megabytes`, as in a container (Docker's default is 64 MiB)."""
     if os.geteuid() != 0 or shutil.which("unshare") is None:
         pytest.skip("a /dev/shm of a chosen size needs root and unshare(1) to mount one in a namespace")
-    path = tmp_path / "script.py"
-    path.write_text(textwrap.dedent(script))
-    command = ["unshare", "--mount", "sh", "-c",
-               'mount -t tmpfs -o size=%dM tmpfs /dev/shm && exec "$@"' % megabytes, "sh",
-               sys.executable, "-m", "unison.run", "-np", str(np_), sys.executable, str(path)]
-    return subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=90, cwd=str(tmp_path),
-                          env=dict(os.environ, **(env or {})))
+    return run(tmp_path, script, np_, env=env,
+               wrapper=["unshare", "--mount", "sh", "-c",
+                        'mount -t tmpfs -o size=%dM tmpfs /dev/shm && exec "$@"' % megabytes, "sh"])
 
 
 def test_too_little_shared_memory_is_an_error_at_init_naming_the_numbers(tmp_path):
