@@ -133,8 +133,9 @@ Status make_flat_mpi_backend(const Config& config, const MpiWorld& world, std::u
   Liveness liveness = [peers] {
     const std::string dead = peers->dead();
     if (dead.empty()) return Status::OK();
-    return Status::Error(UNISON_ERR_RANK_FAILED,
-                         "unison: " + dead + " exited; collectives with it can no longer complete");
+    const bool several = dead.find(", ") != std::string::npos;
+    return Status::Error(UNISON_ERR_RANK_FAILED, "unison: " + dead + " exited; collectives with " +
+                                                     (several ? "them" : "it") + " can no longer complete");
   };
   auto backend = std::make_unique<MpiBackend>(config, liveness);
   Status s = backend->start(MPI_COMM_WORLD, true);

@@ -164,12 +164,13 @@ class ShmBackend final : public Backend {
         for (int r = 0; r < size_; ++r)
           if (f.revents != 0 && pidfds_[r] == f.fd) exited[r] = true;
     std::string dead;
+    int dead_count = 0;
     for (int r = 0; r < size_; ++r) {
       if (r == rank_) continue;
       if (pidfds_[r] < 0 && kill(segment_.rank_area(r)->pid.load(), 0) != 0 && errno == ESRCH) exited[r] = true;
-      if (exited[r]) dead += (dead.empty() ? "" : ", ") + describe(r);
+      if (exited[r]) dead += (dead_count++ ? ", " : "") + describe(r);
     }
-    if (!dead.empty()) return fail(dead + " exited");
+    if (dead_count) return fail(dead + " exited", dead_count > 1);
     Status s = check_left();
     if (!s.ok()) return s;
     const int64_t now = monotonic_nanoseconds();
@@ -513,9 +514,9 @@ class ShmBackend final : public Backend {
     return "rank " + std::to_string(global) + " (pid " + std::to_string(segment_.rank_area(rank)->pid.load()) + ")";
   }
 
-  Status fail(const std::string& what) {
-    broken_ = Status::Error(UNISON_ERR_RANK_FAILED,
-                            "unison: " + what + "; collectives with it can no longer complete");
+  Status fail(const std::string& what, bool several = false) {
+    broken_ = Status::Error(UNISON_ERR_RANK_FAILED, "unison: " + what + "; collectives with " +
+                                                        (several ? "them" : "it") + " can no longer complete");
     return broken_;
   }
 
