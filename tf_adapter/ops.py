@@ -27,6 +27,7 @@ import weakref
 import numpy as np
 import tensorflow as tf
 from tensorflow.python import pywrap_tfe
+from tensorflow.python.ops import control_flow_util
 
 from unison import arguments, basics, collective, dtypes, frontend, gradients
 from unison.dtypes import label as _label
@@ -121,11 +122,27 @@ def _to_tensor(array, dtype):
     return tf.convert_to_tensor(array, dtype=dtype)
 
 
-def _run(fn, inputs, out_dtypes):
+def _refuse_xla(what):
+    """A collective is a py_function node, which XLA cannot compile: traced
+    under jit_compile=True it would fail only when the step first runs,
+    with TensorFlow's "No registered 'EagerPyFunc' OpKernel for XLA_..."
+    naming none of this. Say it while tracing, with the fix. Keras 3 turns
+    XLA on by itself (jit_compile="auto") wherever a GPU is visible."""
+    if control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
+        raise UnsupportedError(
+            "unison: %s is traced inside a function compiled with XLA (jit_compile=True); unison's "
+            "collectives run outside XLA and cannot be compiled into it. Trace the step without XLA: "
+            "tf.function(jit_compile=False), or model.compile(..., jit_compile=False) in Keras, whose "
+            "default jit_compile='auto' turns XLA on wherever a GPU is visible (unison.keras's "
+            "callbacks turn it off for model.fit)" % what)
+
+
+def _run(fn, inputs, out_dtypes, what):
     """fn(*numpy arrays) -> list of numpy arrays, as tensors: called now
     when eager, else as one py_function node chained after the graph's
     previous collective. Inputs are viewed, outputs adopted: no copy on
-    either side (a numpy_function node would copy every result)."""
+    either side (a numpy_function node would copy every result). `what`
+    names the op and tensor for errors raised while tracing."""
     def call(*tensors):
         try:
             outputs = fn(*[_view(t) for t in tensors])
@@ -137,6 +154,7 @@ def _run(fn, inputs, out_dtypes):
         return [_to_tensor(o, d) for o, d in zip(outputs, out_dtypes)]
     if tf.executing_eagerly():
         return call(*inputs)
+    _refuse_xla(what)
     graph = tf.compat.v1.get_default_graph()
     previous = _last_in_graph.get(graph)
     with tf.control_dependencies([previous] if previous is not None else []):
@@ -165,7 +183,7 @@ def _needs_gradient(tensors):
         return True
 
 
-def _grouped_node(tensors, name, start, static_shape):
+def _grouped_node(kind, tensors, name, start, static_shape):
     """One node for a grouped op: start(array, member name) enqueues each
     member and returns its Handle; all are enqueued before any is waited
     on, so the core fuses them. static_shape(t) is each output's shape as
@@ -174,7 +192,7 @@ def _grouped_node(tensors, name, start, static_shape):
 
     def fn(*arrays):
         return synchronize(HandleGroup([start(a, n) for a, n in zip(arrays, names)]))
-    outputs = _run(fn, tensors, [t.dtype for t in tensors])
+    outputs = _run(fn, tensors, [t.dtype for t in tensors], "%s of %s" % (kind, _label(_group_label(name))))
     for out, t in zip(outputs, tensors):
         out.set_shape(static_shape(t))
     return outputs
@@ -223,7 +241,7 @@ _grads = _TensorFlowGradients()
 # ---- allreduce ----------------------------------------------------------------
 
 def _grouped_allreduce_raw(tensors, name, op, prescale_factor, postscale_factor, process_set):
-    return _grouped_node(tensors, name, lambda a, n: _front.allreduce_async(
+    return _grouped_node("allreduce", tensors, name, lambda a, n: _front.allreduce_async(
         a, n, op, prescale_factor, postscale_factor, process_set), lambda t: t.shape)
 
 
@@ -314,7 +332,8 @@ def _first_dims(tensor, name, process_set):
 
 
 def _grouped_allgather_raw(tensors, name, process_set):
-    return _grouped_node(tensors, name, lambda a, n: _front.allgather_async(a, n, process_set), _rows_unknown)
+    return _grouped_node("allgather", tensors, name, lambda a, n: _front.allgather_async(a, n, process_set),
+                         _rows_unknown)
 
 
 def grouped_allgather(tensors, name=None, ignore_name_scope=False, process_set=global_process_set):
@@ -346,7 +365,7 @@ def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_pro
 # ---- broadcast ----------------------------------------------------------------
 
 def _broadcast_raw(tensors, root_rank, name, process_set):
-    return _grouped_node(tensors, name, lambda a, n: _front.broadcast_async(a, root_rank, n, process_set),
+    return _grouped_node("broadcast", tensors, name, lambda a, n: _front.broadcast_async(a, root_rank, n, process_set),
                          lambda t: t.shape)
 
 
@@ -397,7 +416,8 @@ def _alltoall_raw(tensor, splits, name, process_set):
                                    "evenly among %d ranks; pass splits" % (_label(name), rows, n))
         rows = tf.shape(tensor, out_type=tf.int64)[0]
         splits = tf.fill([n], rows // n)
-    output, received = _run(fn, [tensor, tf.cast(splits, tf.int64)], [tensor.dtype, tf.int64])
+    output, received = _run(fn, [tensor, tf.cast(splits, tf.int64)], [tensor.dtype, tf.int64],
+                            "alltoall of %s" % _label(name))
     output.set_shape(_rows_unknown(tensor))
     received.set_shape([process_set.size()])
     return output, received
@@ -441,7 +461,7 @@ def _grouped_reducescatter_raw(tensors, name, op, prescale_factor, postscale_fac
         rows = t.shape[0]
         mine = None if rows is None else arguments.scatter_rows(rows, size, rank)
         return tf.TensorShape([mine]).concatenate(t.shape[1:])
-    return _grouped_node(tensors, name, lambda a, n: _front.reducescatter_async(
+    return _grouped_node("reducescatter", tensors, name, lambda a, n: _front.reducescatter_async(
         a, n, op, prescale_factor, postscale_factor, process_set), static_shape)
 
 
@@ -484,7 +504,7 @@ def barrier(process_set=global_process_set):
     def fn():
         collective.barrier(process_set)
         return [np.int32(0)]
-    _run(fn, [], [tf.int32])
+    _run(fn, [], [tf.int32], "barrier")
 
 
 def join(process_set=global_process_set):
@@ -492,7 +512,7 @@ def join(process_set=global_process_set):
     collectives with nothing) and returns the rank that joined last."""
     def fn():
         return [np.int32(collective.join(process_set))]
-    return _run(fn, [], [tf.int32])[0]
+    return _run(fn, [], [tf.int32], "join")[0]
 
 
 # ---- queries as ops ----------------------------------------------------------------

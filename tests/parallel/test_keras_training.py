@@ -70,6 +70,56 @@ def test_fit_matches_one_process(kind):
     assert int(optimizer.iterations) == EPOCHS * STEPS
 
 
+def test_fit_compiled_with_xla_trains_without_it_and_matches_one_process():
+    # Keras 3's default jit_compile='auto' is True wherever a GPU is visible;
+    # asking for it here is the same on this CPU. XLA cannot compile the
+    # optimizer's collectives: the callback turns it off, saying so.
+    x, y = data(9)
+    model = make_model(RANK)
+    initial = rank0_initial_weights(model)
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9)), loss="mse",
+                  jit_compile=True)
+    assert model.jit_compile
+    with pytest.warns(UserWarning, match=r"model '%s' trains without XLA" % model.name):
+        model.fit(local(x), local(y), batch_size=B, epochs=EPOCHS, shuffle=False, verbose=0,
+                  callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+    assert not model.jit_compile
+    reference = reference_fit(initial, x, y, keras.optimizers.SGD(0.1, momentum=0.9), N * B)
+    for got, want in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, atol=1e-10, rtol=0)
+
+
+def test_fit_compiled_with_xla_and_no_unison_callback_fails_on_every_rank_naming_the_fix():
+    x, y = data(10)
+    model = make_model(0)
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse", jit_compile=True)
+    with pytest.raises(unison.UnsupportedError, match=r"allreduce of 'DistributedOptimizer\.0\|.*compiled with "
+                                                      r"XLA.*model\.compile\(\.\.\., jit_compile=False\)"):
+        model.fit(local(x), local(y), batch_size=B, epochs=1, shuffle=False, verbose=0)
+    # Refused while tracing, before any rank enqueued anything: the fix works.
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse", jit_compile=False)
+    model.fit(local(x), local(y), batch_size=B, epochs=1, shuffle=False, verbose=0)
+    root = hvd.broadcast_object(model.get_weights(), root_rank=0)
+    for got, want in zip(model.get_weights(), root):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_load_model_of_a_model_compiled_with_xla_trains_without_it(tmp_path):
+    x, y = data(11)
+    model = make_model(0)
+    initial = model.get_weights()
+    model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss="mse", jit_compile=True)
+    path = os.path.join(str(tmp_path), "xla%d.keras" % RANK)
+    model.save(path)
+    with pytest.warns(UserWarning, match="trains without XLA"):
+        loaded = hvd.load_model(path)
+    assert not loaded.jit_compile
+    loaded.fit(local(x), local(y), batch_size=B, epochs=EPOCHS, shuffle=False, verbose=0)
+    reference = reference_fit(initial, x, y, keras.optimizers.SGD(0.1, momentum=0.9), N * B)
+    for got, want in zip(loaded.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, atol=1e-10, rtol=0)
+
+
 def test_backward_passes_per_step():
     x, y = data(1)
     model = make_model(RANK)

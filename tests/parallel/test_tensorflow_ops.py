@@ -266,6 +266,25 @@ def test_error_types_are_horovods():
     np.testing.assert_array_equal(hvd.allreduce(tf.ones([2]), op=hvd.Sum, name="after.errors"), [N, N])
 
 
+@pytest.mark.parametrize("kind,call", [
+    ("allreduce of 'xla.allreduce'", lambda t: hvd.allreduce(t, name="xla.allreduce")),
+    ("allgather of 'xla.allgather'", lambda t: hvd.allgather(t, name="xla.allgather")),
+    ("broadcast of 'xla.broadcast'", lambda t: hvd.broadcast(t, 0, name="xla.broadcast")),
+    ("alltoall of 'xla.alltoall'", lambda t: hvd.alltoall(t, name="xla.alltoall")),
+    ("reducescatter of 'xla.reducescatter'", lambda t: hvd.reducescatter(t, name="xla.reducescatter")),
+    ("barrier", lambda t: (hvd.barrier(), t)[1])])
+def test_a_collective_traced_under_xla_is_refused_while_tracing_naming_it_and_the_fix(kind, call):
+    # XLA cannot compile a collective (a py_function node). Without this
+    # check the error came only when the step first ran, from TensorFlow:
+    # "No registered 'EagerPyFunc' OpKernel for XLA_CPU_JIT devices".
+    with pytest.raises(unison.UnsupportedError,
+                       match=r"%s is traced inside a function compiled with XLA.*jit_compile=False" % kind):
+        tf.function(call, jit_compile=True)(tf.ones([N * 2]))
+    # Nothing was enqueued on any rank: the same op without XLA runs.
+    np.testing.assert_array_equal(tf.function(lambda t: hvd.allreduce(t, op=hvd.Sum, name="xla.after"),
+                                              jit_compile=False)(tf.ones([2])), [N, N])
+
+
 def test_mismatched_dtype_and_root_fail_on_every_rank():
     with pytest.raises(unison.MismatchError, match=r"'bad\.dtype'.*dtype"):
         hvd.allreduce(tf.ones([2], dtype=tf.float32 if RANK == 0 else tf.float64), name="bad.dtype")

@@ -10,9 +10,20 @@ from unison import basics
 import unison.numpy as unp
 from unison.process_sets import global_process_set
 from unison.tensorflow.functions import broadcast_variables
+from unison.tensorflow.keras.optimizer import keep_collectives_out_of_xla
 
 
-class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
+class UnisonCallback(keras.callbacks.Callback):
+    """Every unison.keras callback: model.fit hands it the model before it
+    traces the train step, the one moment to keep a DistributedOptimizer's
+    collectives out of XLA (see keep_collectives_out_of_xla)."""
+
+    def set_model(self, model):
+        super().set_model(model)
+        keep_collectives_out_of_xla(model)
+
+
+class BroadcastGlobalVariablesCallback(UnisonCallback):
     """Sets every rank's model and optimizer variables to root_rank's before
     the first training step, so all ranks start from the same state (and
     match a one-process run started from root_rank's weights)."""
@@ -56,7 +67,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         self._broadcast()
 
 
-class MetricAverageCallback(keras.callbacks.Callback):
+class MetricAverageCallback(UnisonCallback):
     """Replaces each epoch's metrics in `logs` by their average over ranks."""
 
     def __init__(self, device="", process_set=global_process_set):
@@ -88,7 +99,7 @@ def _momentum_slots(optimizer):
     return list(getattr(optimizer, "momentums", None) or [])
 
 
-class LearningRateScheduleCallback(keras.callbacks.Callback):
+class LearningRateScheduleCallback(UnisonCallback):
     """learning rate = initial_lr * multiplier(epoch) for start_epoch <=
     epoch < end_epoch (multiplier a number or a function of the epoch).
     staircase=True changes it at epoch boundaries; otherwise every batch,
@@ -179,7 +190,7 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
         super().on_epoch_end(epoch, logs)
 
 
-class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
+class BestModelCheckpoint(UnisonCallback, keras.callbacks.ModelCheckpoint):
     """Keeps the best model seen so far (save_best_only), written by rank 0
     only; the other ranks track nothing and write nothing. Horovod's
     arguments first, in Horovod's order (its estimator supplied the path);

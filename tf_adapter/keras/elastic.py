@@ -12,15 +12,15 @@
 Put the two Update callbacks before CommitStateCallback: Keras calls
 callbacks in list order, and a commit should hold the counts they update.
 """
-import keras
 
 from unison.elastic import HostsUpdatedInterrupt, State  # noqa: F401
 from unison.tensorflow.elastic import ObjectState, TensorFlowKerasState, TensorFlowState, run  # noqa: F401
+from unison.tensorflow.keras.callbacks import UnisonCallback
 
 KerasState = TensorFlowKerasState
 
 
-class CommitStateCallback(keras.callbacks.Callback):
+class CommitStateCallback(UnisonCallback):
     """Commits the state every `batches_per_commit` batches, and at the end
     of every epoch."""
 
@@ -44,7 +44,7 @@ class CommitStateCallback(keras.callbacks.Callback):
         self.batches_left = self.batches_per_commit
 
 
-class UpdateBatchStateCallback(keras.callbacks.Callback):
+class UpdateBatchStateCallback(UnisonCallback):
     """Keeps state.batch at the number of batches done in this epoch."""
 
     def __init__(self, state):
@@ -58,7 +58,7 @@ class UpdateBatchStateCallback(keras.callbacks.Callback):
         self.state.batch = 0
 
 
-class UpdateEpochStateCallback(keras.callbacks.Callback):
+class UpdateEpochStateCallback(UnisonCallback):
     """Keeps state.epoch at the number of epochs done. fit() counts epochs
     from its initial_epoch, which a resumed fit sets to state.epoch."""
 

@@ -11,6 +11,8 @@ variables and reduces and applies them on the N-th call only (summed, or
 averaged with average_aggregated_gradients=True), so ranks talk once per N
 passes; between, variables and optimizer.iterations stay put.
 """
+import warnings
+
 import tensorflow as tf
 
 from unison.process_sets import global_process_set
@@ -79,6 +81,21 @@ class _DistributedOptimizerMixin:
         tf.cond(due, reduce_and_apply, lambda: tf.constant(False))
 
 
+def keep_collectives_out_of_xla(model):
+    """Turns XLA off for `model`'s train step when its optimizer is a
+    DistributedOptimizer, whose collectives XLA cannot compile. Keras 3's
+    default jit_compile='auto' turns XLA on wherever a GPU is visible, and
+    the optimizer never sees the model to say so: unison.keras's callbacks
+    and load_model call this, and Keras's own answer to a layer XLA cannot
+    compile is the same (a warning, then the step without XLA)."""
+    if not isinstance(getattr(model, "optimizer", None), _DistributedOptimizerMixin) or not model.jit_compile:
+        return
+    model.jit_compile = False
+    model.train_function = None  # one already made with XLA would fail at its first step
+    warnings.warn("unison: model %r trains without XLA (jit_compile=False): its DistributedOptimizer's collectives "
+                  "run outside XLA and cannot be compiled into the train step" % model.name, stacklevel=3)
+
+
 def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="", compression=Compression.none,
                          sparse_as_dense=False, gradient_predivide_factor=1.0, op=Average,
                          backward_passes_per_step=1, average_aggregated_gradients=False, num_groups=0,
@@ -142,4 +159,5 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None, compressio
         for mine, theirs in zip(distributed.variables, saved.variables):
             mine.assign(theirs)
     model.optimizer = distributed
+    keep_collectives_out_of_xla(model)
     return model
