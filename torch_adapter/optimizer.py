@@ -16,13 +16,30 @@ import torch
 from unison import basics
 from unison.arguments import gradient_scaling, split_into_groups
 from unison.compression import check_compressor
-from unison.exceptions import UnisonError
+from unison.exceptions import InvalidArgumentError, UnisonError
 from unison.handles import synchronize as _wait
 from unison import process_sets
 from unison.process_sets import global_process_set
 from unison.torch.compression import Compression
 from unison.torch.ops import (Adasum, Average, allreduce_async_, grouped_allreduce_async_,
                               sparse_allreduce_async)
+
+
+# Each gradient's allreduce reads and writes its .grad in place, from the
+# moment backward has accumulated it until step(). A change made to it
+# meanwhile (clip_grad_norm_, GradScaler's unscale_ inside scaler.step())
+# races with the allreduce: it is lost, or mixed into the average, and
+# differently on each rank, so the ranks train apart without a word. The
+# tensor's version counter says whether that happened (torch counts every
+# in-place op but GradScaler's fused unscale kernel); Horovod's recipe is
+# the fix.
+_CHANGED_IN_FLIGHT = (
+    "unison: the gradients of %d parameter(s) (%s%s) were changed while their allreduce was in flight, "
+    "between loss.backward() and optimizer.step(); the allreduce works on them in place, so the change was "
+    "lost or mixed into the average, differently on each rank. To change gradients before the step "
+    "(clip_grad_norm_, GradScaler: scaler.unscale_ or scaler.step), call optimizer.synchronize() first, "
+    "change them, then call optimizer.step() (or scaler.step(optimizer)) inside "
+    "`with optimizer.skip_synchronize():`")
 
 
 class _DistributedOptimizer:
@@ -49,6 +66,9 @@ class _DistributedOptimizer:
         # Gradient passes each parameter still waits for before its allreduce.
         self._allreduce_delay = {p: backward_passes_per_step for p in self._ordered}
         self._handles = {}  # parameter -> (handle, compression context); handle None until started
+        # parameter -> (its .grad, that tensor's version) when its allreduce
+        # started: a change made to it in flight is found at synchronize().
+        self._grad_at_start = {}
         self._synchronized = False
         self._should_synchronize = True
         if process_set.size() > 1:
@@ -105,6 +125,7 @@ class _DistributedOptimizer:
             p.grad = torch.zeros_like(p)
         if p.grad.is_sparse and self._sparse_as_dense:
             p.grad = p.grad.to_dense()
+        self._grad_at_start[p] = (p.grad, p.grad._version)
         return self._compression.compress(p.grad)
 
     def _allreduce_grad_async(self, p):
@@ -139,10 +160,15 @@ class _DistributedOptimizer:
         # only after every other one has finished with its gradient, and it
         # leaves the optimizer ready for the next backward: a caller that
         # handles the error can zero the gradients and go on.
-        failure = None
+        failure, changed = None, []
         for p in self._ordered:
             handle, ctx = self._handles[p]
             self._allreduce_delay[p] = self.backward_passes_per_step
+            if ctx != "sparse":
+                # Looked at before the wait, which itself writes a
+                # non-contiguous gradient back (a new version).
+                grad, version = self._grad_at_start.pop(p)
+                changed_in_flight = p.grad is not grad or grad._version != version
             try:
                 result = _wait(handle)
             except UnisonError as e:
@@ -150,14 +176,21 @@ class _DistributedOptimizer:
                 continue
             if ctx == "sparse":
                 p.grad = result
+            elif changed_in_flight:
+                changed.append(self._parameter_names[p])
             else:
                 restored = self._compression.decompress(result, ctx)
                 if restored.data_ptr() != p.grad.data_ptr():
                     with torch.no_grad():
                         p.grad.copy_(restored)
         self._handles.clear()
+        self._grad_at_start.clear()
         if failure is not None:
             raise failure
+        if changed:
+            raise InvalidArgumentError(_CHANGED_IN_FLIGHT % (len(changed), ", ".join(map(repr, changed[:5])),
+                                                             " and %d more" % (len(changed) - 5)
+                                                             if len(changed) > 5 else ""))
         self._synchronized = True
 
     @contextlib.contextmanager
@@ -183,7 +216,8 @@ class _DistributedOptimizer:
         if self._handles:
             raise AssertionError("unison: optimizer.zero_grad() was called after loss.backward() but before "
                                  "optimizer.step() or optimizer.synchronize(); the allreduces in flight "
-                                 "would race with it")
+                                 "would race with it (a GradScaler's step() skips optimizer.step() when this "
+                                 "rank's gradients hold inf or NaN: call optimizer.synchronize() before it)")
         return super().zero_grad(set_to_none)
 
     def load_state_dict(self, state_dict):
@@ -196,6 +230,7 @@ class _DistributedOptimizer:
                 except UnisonError:
                     pass
         self._handles.clear()
+        self._grad_at_start.clear()
         self._allreduce_delay = {p: self.backward_passes_per_step for p in self._ordered}
         self._synchronized = False
         return super().load_state_dict(state_dict)

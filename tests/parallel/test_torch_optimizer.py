@@ -8,6 +8,7 @@ import warnings
 import pytest
 
 torch = pytest.importorskip("torch")
+import unison  # noqa: E402
 import unison.torch as hvd  # noqa: E402
 
 torch.set_num_threads(1)
@@ -138,6 +139,80 @@ def test_synchronize_then_clip_inside_skip_synchronize():
     assert_same(model, reference(SGD, clip=0.5))
 
 
+def test_a_gradient_changed_while_its_allreduce_is_in_flight_fails_the_step_naming_it():
+    # clip_grad_norm_ straight after backward changes the gradients while
+    # their allreduces read and write them in place: the clipping was lost
+    # or mixed into the average, differently on each rank. Every rank
+    # fails the step, naming the parameters and the fix, and goes on.
+    model = make_model()
+    optimizer = hvd.DistributedOptimizer(SGD(model.parameters()), named_parameters=model.named_parameters())
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = batch(0)
+    torch.nn.functional.mse_loss(model(my_rows(x)), my_rows(y)).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    with pytest.raises(unison.InvalidArgumentError,
+                       match=r"gradients of 4 parameter\(s\) \('0\.weight', '0\.bias', '2\.weight', '2\.bias'\) were "
+                             r"changed while their allreduce was in flight.*optimizer\.synchronize\(\) first.*"
+                             r"skip_synchronize"):
+        optimizer.step()
+    assert_same(model, before, atol=0)   # no step was taken
+    # Only the parameters changed are named; the optimizer is ready again.
+    optimizer.zero_grad()
+    torch.nn.functional.mse_loss(model(my_rows(x)), my_rows(y)).backward()
+    model[2].bias.grad.mul_(2)
+    with pytest.raises(unison.InvalidArgumentError, match=r"gradients of 1 parameter\(s\) \('2\.bias'\)"):
+        optimizer.step()
+    optimizer.zero_grad()
+    torch.nn.functional.mse_loss(model(my_rows(x)), my_rows(y)).backward()
+    optimizer.step()
+    reference_model = make_model()
+    reference_model.load_state_dict({k: v for k, v in zip(reference_model.state_dict(), before)})
+    reference_optimizer = SGD(reference_model.parameters())
+    torch.nn.functional.mse_loss(reference_model(x), y).backward()
+    reference_optimizer.step()
+    assert_same(model, [p.detach() for p in reference_model.parameters()])
+
+
+def test_grad_scaler_with_horovods_recipe_matches_one_process():
+    model = make_model()
+    optimizer = hvd.DistributedOptimizer(SGD(model.parameters()), named_parameters=model.named_parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    for step in range(STEPS):
+        x, y = batch(step)
+        optimizer.zero_grad()
+        scaler.scale(torch.nn.functional.mse_loss(model(my_rows(x)), my_rows(y))).backward()
+        optimizer.synchronize()
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        with optimizer.skip_synchronize():
+            scaler.step(optimizer)
+        scaler.update()
+    # 1024 and its inverse are powers of two: the scaling is exact.
+    assert_same(model, reference(SGD, clip=0.5))
+
+
+def test_a_non_contiguous_gradient_is_not_taken_for_one_changed_in_flight():
+    # A channels_last convolution's gradient is not contiguous: its
+    # allreduce runs on a contiguous copy written back when it completes.
+    torch.manual_seed(3)
+    model = torch.nn.Conv2d(3, 4, 3).to(torch.float64).to(memory_format=torch.channels_last)
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                         named_parameters=model.named_parameters())
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(hvd.size() * 2, 3, 6, 6, generator=g, dtype=torch.float64)
+    initial = [p.detach().clone() for p in model.parameters()]
+    model(x[hvd.rank() * 2:(hvd.rank() + 1) * 2].contiguous(memory_format=torch.channels_last)).square().mean().backward()
+    assert not model.weight.grad.is_contiguous()
+    optimizer.step()
+    reference_model = torch.nn.Conv2d(3, 4, 3).to(torch.float64)
+    with torch.no_grad():
+        for p, q in zip(reference_model.parameters(), initial):
+            p.copy_(q)
+    reference_model(x).square().mean().backward()
+    torch.optim.SGD(reference_model.parameters(), lr=0.1).step()
+    assert_same(model, [p.detach() for p in reference_model.parameters()])
+
+
 def test_step_after_synchronize_warns():
     model = make_model()
     optimizer = hvd.DistributedOptimizer(SGD(model.parameters()), named_parameters=model.named_parameters())
@@ -168,7 +243,15 @@ def test_too_many_backward_passes_raises():
     torch.nn.functional.mse_loss(model(my_rows(x)), my_rows(y)).backward()
     with pytest.raises(AssertionError, match="backward_passes_per_step"):
         torch.nn.functional.mse_loss(model(my_rows(x)), my_rows(y)).backward()
+    # The refused backward had already added to the first gradient it
+    # reached, whose allreduce was in flight: step() says so, and takes none.
+    with pytest.raises(unison.InvalidArgumentError, match=r"gradients of 1 parameter\(s\) \('2\.(weight|bias)'\) were "
+                                                          r"changed while their allreduce was in flight"):
+        optimizer.step()
+    optimizer.zero_grad()
+    torch.nn.functional.mse_loss(model(my_rows(x)), my_rows(y)).backward()
     optimizer.step()
+    assert_same(model, reference(SGD, steps=1))
 
 
 def test_load_state_dict_resets_pending_state():
