@@ -120,6 +120,47 @@ def test_load_model_of_a_model_compiled_with_xla_trains_without_it(tmp_path):
         np.testing.assert_allclose(got, want, atol=1e-10, rtol=0)
 
 
+@pytest.mark.parametrize("wrapped_by", ["compile", "user"])
+def test_a_loss_scale_optimizer_around_the_distributed_one_skips_the_same_steps_as_one_process(wrapped_by):
+    # Under a mixed_float16 policy Keras's compile wraps the optimizer in a
+    # LossScaleOptimizer ("compile"), or the user does, in Keras 2's order
+    # ("user"). It skips a step whose gradients are not finite, looking at
+    # them before the wrapped optimizer reduces them. Rank 0's rows of the
+    # second batch overflow float16 while the other ranks' do not: one
+    # process on the whole batch skips that step, and so must every rank.
+    # Before, rank 0 alone skipped it: its next allreduce met the others'
+    # pending one, and the ranks trained apart.
+    x, y = data(12)
+    x[N * B:N * B + B] *= 1e4
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        def model_and_weights():
+            keras.utils.set_random_seed(5)
+            model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8), keras.layers.Dense(3)])
+            return model, model.get_weights()
+        model, initial = model_and_weights()
+        optimizer = hvd.DistributedOptimizer(keras.optimizers.SGD(0.01))
+        if wrapped_by == "user":
+            optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
+        model.compile(optimizer=optimizer, loss="mse")
+        assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+        model.fit(local(x), local(y), batch_size=B, epochs=EPOCHS, shuffle=False, verbose=0)
+        reference, _ = model_and_weights()
+        reference.set_weights(initial)
+        reference.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+        reference.fit(x, y, batch_size=N * B, epochs=EPOCHS, shuffle=False, verbose=0)
+    finally:
+        keras.mixed_precision.set_global_policy("float64")
+    assert int(reference.optimizer.iterations) < EPOCHS * STEPS, "the reference skipped no step: nothing shown"
+    assert int(model.optimizer.iterations) == int(reference.optimizer.iterations)
+    assert float(model.optimizer.dynamic_scale) == float(reference.optimizer.dynamic_scale)
+    root = hvd.broadcast_object(model.get_weights(), root_rank=0)
+    for got, want in zip(model.get_weights(), root):
+        np.testing.assert_array_equal(got, want)
+    for got, want in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-5)
+
+
 def test_backward_passes_per_step():
     x, y = data(1)
     model = make_model(RANK)

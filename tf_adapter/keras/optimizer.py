@@ -11,14 +11,16 @@ variables and reduces and applies them on the N-th call only (summed, or
 averaged with average_aggregated_gradients=True), so ranks talk once per N
 passes; between, variables and optimizer.iterations stay put.
 """
+import sys
 import warnings
 
+import keras
 import tensorflow as tf
 
 from unison.process_sets import global_process_set
 from unison.tensorflow.compression import Compression
 from unison.tensorflow.gradient_tape import GradientReducer
-from unison.tensorflow.ops import Average
+from unison.tensorflow.ops import Average, Min, allreduce
 
 
 class _DistributedOptimizerMixin:
@@ -36,6 +38,11 @@ class _DistributedOptimizerMixin:
         self._unison_reducer.register_local(var)
 
     def build(self, variables):
+        # A LossScaleOptimizer builds the optimizer it wraps from its own
+        # build(), before it first looks at gradients: the one moment this
+        # optimizer can learn that one wraps it (Keras's compile wraps it so,
+        # unasked, under a mixed_float16 policy).
+        agree_on_skipped_steps(sys._getframe(1).f_locals.get("self"))
         if self.built:
             return
         super().build(variables)
@@ -79,6 +86,30 @@ class _DistributedOptimizerMixin:
                 reduce_and_apply()
             return
         tf.cond(due, reduce_and_apply, lambda: tf.constant(False))
+
+
+def agree_on_skipped_steps(optimizer):
+    """A LossScaleOptimizer skips a step whose gradients are not finite, and
+    it looks at them before calling apply() on the optimizer it wraps: around
+    a DistributedOptimizer it would judge this rank's gradients alone, and a
+    rank that skipped would leave the others in the step's allreduce (or
+    pair its next step's with theirs). Keras 2's LossScaleOptimizer reduced
+    first, through the optimizer's _aggregate_gradients; Keras 3 has no such
+    hook. So its check becomes everyone's: a step is skipped on every rank
+    when any rank's gradients are not finite, as one process would skip it
+    for the summed gradients."""
+    if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer) or \
+            not isinstance(optimizer.inner_optimizer, _DistributedOptimizerMixin) or \
+            getattr(optimizer, "_unison_agrees", False):
+        return
+    check_locally = optimizer.check_finite
+    process_set = optimizer.inner_optimizer._unison_reducer.process_set
+
+    def check_finite(grads):
+        finite = tf.cast(check_locally(grads), tf.int32)
+        return tf.equal(allreduce(finite, op=Min, name="LossScaleOptimizer.finite", process_set=process_set), 1)
+    optimizer.check_finite = check_finite
+    optimizer._unison_agrees = True
 
 
 def keep_collectives_out_of_xla(model):
