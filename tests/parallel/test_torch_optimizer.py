@@ -201,7 +201,8 @@ def test_a_non_contiguous_gradient_is_not_taken_for_one_changed_in_flight():
     g = torch.Generator().manual_seed(5)
     x = torch.randn(hvd.size() * 2, 3, 6, 6, generator=g, dtype=torch.float64)
     initial = [p.detach().clone() for p in model.parameters()]
-    model(x[hvd.rank() * 2:(hvd.rank() + 1) * 2].contiguous(memory_format=torch.channels_last)).square().mean().backward()
+    mine = x[hvd.rank() * 2:(hvd.rank() + 1) * 2].contiguous(memory_format=torch.channels_last)
+    model(mine).square().mean().backward()
     assert not model.weight.grad.is_contiguous()
     optimizer.step()
     reference_model = torch.nn.Conv2d(3, 4, 3).to(torch.float64)
