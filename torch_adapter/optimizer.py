@@ -8,6 +8,7 @@ isinstance() checks, schedulers and state_dict() see the optimizer the
 user built.
 """
 import contextlib
+import sys
 import warnings
 import weakref
 
@@ -31,8 +32,8 @@ from unison.torch.ops import (Adasum, Average, allreduce_async_, grouped_allredu
 # races with the allreduce: it is lost, or mixed into the average, and
 # differently on each rank, so the ranks train apart without a word. The
 # tensor's version counter says whether that happened (torch counts every
-# in-place op but GradScaler's fused unscale kernel); Horovod's recipe is
-# the fix.
+# in-place op but GradScaler's fused unscale kernel, caught apart below);
+# Horovod's recipe is the fix.
 _CHANGED_IN_FLIGHT = (
     "unison: the gradients of %d parameter(s) (%s%s) were changed while their allreduce was in flight, "
     "between loss.backward() and optimizer.step(); the allreduce works on them in place, so the change was "
@@ -40,6 +41,31 @@ _CHANGED_IN_FLIGHT = (
     "(clip_grad_norm_, GradScaler: scaler.unscale_ or scaler.step), call optimizer.synchronize() first, "
     "change them, then call optimizer.step() (or scaler.step(optimizer)) inside "
     "`with optimizer.skip_synchronize():`")
+
+
+# GradScaler's fused unscale kernel is the one change the version counter
+# does not see. scaler.step(optimizer) unscales the gradients just before
+# it calls step(): a step() called by a GradScaler while allreduces are in
+# flight means they were unscaled in flight.
+_UNSCALED_IN_FLIGHT = (
+    "unison: scaler.step(optimizer) unscaled the gradients while their allreduces were in flight, between "
+    "loss.backward() and optimizer.step(): the unscaling was lost or mixed into the average, differently on "
+    "each rank, and each rank looked for inf and NaN in its own gradients. Call optimizer.synchronize() "
+    "before scaler.step (and scaler.unscale_), then scaler.step(optimizer) inside "
+    "`with optimizer.skip_synchronize():`")
+
+
+def _called_by_grad_scaler():
+    """Whether a torch.amp.GradScaler's method is among step()'s nearest
+    callers (torch's step wrapper sits between them)."""
+    frame = sys._getframe(2)
+    for _ in range(4):
+        if frame is None:
+            return False
+        if isinstance(frame.f_locals.get("self"), torch.amp.GradScaler):
+            return True
+        frame = frame.f_back
+    return False
 
 
 class _DistributedOptimizer:
@@ -208,7 +234,11 @@ class _DistributedOptimizer:
                 warnings.warn("optimizer.step() called without optimizer.skip_synchronize() after "
                               "optimizer.synchronize(): the gradients are allreduced a second time. "
                               "Wrap step() in `with optimizer.skip_synchronize():`.")
+            unscaled_in_flight = bool(self._handles) and _called_by_grad_scaler()
             self.synchronize()
+            if unscaled_in_flight:
+                self._synchronized = False
+                raise InvalidArgumentError(_UNSCALED_IN_FLIGHT)
         self._synchronized = False
         return super().step(closure)
 

@@ -173,9 +173,20 @@ def test_a_gradient_changed_while_its_allreduce_is_in_flight_fails_the_step_nami
     assert_same(model, [p.detach() for p in reference_model.parameters()])
 
 
-def test_grad_scaler_with_horovods_recipe_matches_one_process():
+def test_grad_scaler_without_synchronize_is_refused_and_with_horovods_recipe_matches_one_process():
+    # scaler.step(optimizer) unscales the gradients in flight (a fused
+    # kernel that no version counter sees) and looks for inf in this rank's
+    # own: every rank's step() is refused, and no parameter moves.
     model = make_model()
+    before = [p.detach().clone() for p in model.parameters()]
     optimizer = hvd.DistributedOptimizer(SGD(model.parameters()), named_parameters=model.named_parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    x, y = batch(0)
+    scaler.scale(torch.nn.functional.mse_loss(model(my_rows(x)), my_rows(y))).backward()
+    with pytest.raises(unison.InvalidArgumentError, match=r"scaler\.step\(optimizer\) unscaled the gradients while "
+                                                          r"their allreduces were in flight.*skip_synchronize"):
+        scaler.step(optimizer)
+    assert_same(model, before, atol=0)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
     for step in range(STEPS):
         x, y = batch(step)
