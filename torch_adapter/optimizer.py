@@ -234,7 +234,10 @@ class _DistributedOptimizer:
                 warnings.warn("optimizer.step() called without optimizer.skip_synchronize() after "
                               "optimizer.synchronize(): the gradients are allreduced a second time. "
                               "Wrap step() in `with optimizer.skip_synchronize():`.")
-            unscaled_in_flight = bool(self._handles) and _called_by_grad_scaler()
+            # (With backward_passes_per_step > 1, a pass short of the count
+            # leaves entries with no allreduce started: nothing in flight.)
+            unscaled_in_flight = (any(handle is not None for handle, _ in self._handles.values())
+                                  and _called_by_grad_scaler())
             self.synchronize()
             if unscaled_in_flight:
                 self._synchronized = False

@@ -187,6 +187,14 @@ def test_grad_scaler_without_synchronize_is_refused_and_with_horovods_recipe_mat
                                                           r"their allreduces were in flight.*skip_synchronize"):
         scaler.step(optimizer)
     assert_same(model, before, atol=0)
+    # A pass short of backward_passes_per_step has nothing in flight: the
+    # scaler unscales this rank's own gradients, which step() then reduces.
+    accumulating = hvd.DistributedOptimizer(SGD(make_model().parameters()), backward_passes_per_step=2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    for p in accumulating.param_groups[0]["params"]:
+        scaler.scale((p * 1.0).sum()).backward()
+    scaler.step(accumulating)
+    scaler.update()
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
     for step in range(STEPS):
         x, y = batch(step)
