@@ -128,8 +128,8 @@ def test_a_loss_scale_optimizer_around_the_distributed_one_skips_the_same_steps_
     # them before the wrapped optimizer reduces them. Rank 0's rows of the
     # second batch overflow float16 while the other ranks' do not: one
     # process on the whole batch skips that step, and so must every rank.
-    # Before, rank 0 alone skipped it: its next allreduce met the others'
-    # pending one, and the ranks trained apart.
+    # Before, rank 0 alone skipped it, and the others waited in that step's
+    # allreduce until this test's timeout.
     x, y = data(12)
     x[N * B:N * B + B] *= 1e4
     keras.mixed_precision.set_global_policy("mixed_float16")
