@@ -122,13 +122,17 @@ def _to_tensor(array, dtype):
     return tf.convert_to_tensor(array, dtype=dtype)
 
 
-def _refuse_xla(what):
+_NO_TENSOR = object()   # barrier and join: an op that names no tensor
+
+
+def _refuse_xla(kind, name):
     """A collective is a py_function node, which XLA cannot compile: traced
     under jit_compile=True it would fail only when the step first runs,
     with TensorFlow's "No registered 'EagerPyFunc' OpKernel for XLA_..."
     naming none of this. Say it while tracing, with the fix. Keras 3 turns
     XLA on by itself (jit_compile="auto") wherever a GPU is visible."""
     if control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
+        what = kind if name is _NO_TENSOR else "%s of %s" % (kind, _label(_group_label(name)))
         raise UnsupportedError(
             "unison: %s is traced inside a function compiled with XLA (jit_compile=True); unison's "
             "collectives run outside XLA and cannot be compiled into it. Trace the step without XLA: "
@@ -137,12 +141,12 @@ def _refuse_xla(what):
             "callbacks turn it off for model.fit)" % what)
 
 
-def _run(fn, inputs, out_dtypes, what):
+def _run(fn, inputs, out_dtypes, kind, name=_NO_TENSOR):
     """fn(*numpy arrays) -> list of numpy arrays, as tensors: called now
     when eager, else as one py_function node chained after the graph's
     previous collective. Inputs are viewed, outputs adopted: no copy on
-    either side (a numpy_function node would copy every result). `what`
-    names the op and tensor for errors raised while tracing."""
+    either side (a numpy_function node would copy every result). `kind`
+    and `name` name the op and its tensors in errors raised while tracing."""
     def call(*tensors):
         try:
             outputs = fn(*[_view(t) for t in tensors])
@@ -154,7 +158,7 @@ def _run(fn, inputs, out_dtypes, what):
         return [_to_tensor(o, d) for o, d in zip(outputs, out_dtypes)]
     if tf.executing_eagerly():
         return call(*inputs)
-    _refuse_xla(what)
+    _refuse_xla(kind, name)
     graph = tf.compat.v1.get_default_graph()
     previous = _last_in_graph.get(graph)
     with tf.control_dependencies([previous] if previous is not None else []):
@@ -192,7 +196,7 @@ def _grouped_node(kind, tensors, name, start, static_shape):
 
     def fn(*arrays):
         return synchronize(HandleGroup([start(a, n) for a, n in zip(arrays, names)]))
-    outputs = _run(fn, tensors, [t.dtype for t in tensors], "%s of %s" % (kind, _label(_group_label(name))))
+    outputs = _run(fn, tensors, [t.dtype for t in tensors], kind, name)
     for out, t in zip(outputs, tensors):
         out.set_shape(static_shape(t))
     return outputs
@@ -416,8 +420,7 @@ def _alltoall_raw(tensor, splits, name, process_set):
                                    "evenly among %d ranks; pass splits" % (_label(name), rows, n))
         rows = tf.shape(tensor, out_type=tf.int64)[0]
         splits = tf.fill([n], rows // n)
-    output, received = _run(fn, [tensor, tf.cast(splits, tf.int64)], [tensor.dtype, tf.int64],
-                            "alltoall of %s" % _label(name))
+    output, received = _run(fn, [tensor, tf.cast(splits, tf.int64)], [tensor.dtype, tf.int64], "alltoall", name)
     output.set_shape(_rows_unknown(tensor))
     received.set_shape([process_set.size()])
     return output, received

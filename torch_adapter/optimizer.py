@@ -91,10 +91,10 @@ class _DistributedOptimizer:
                 self._group_members.setdefault(self._group_of[p], []).append(p)
         # Gradient passes each parameter still waits for before its allreduce.
         self._allreduce_delay = {p: backward_passes_per_step for p in self._ordered}
-        self._handles = {}  # parameter -> (handle, compression context); handle None until started
-        # parameter -> (its .grad, that tensor's version) when its allreduce
-        # started: a change made to it in flight is found at synchronize().
-        self._grad_at_start = {}
+        # parameter -> (handle, compression context, sent), handle None until
+        # started; sent is (its .grad, that tensor's version) as the allreduce
+        # started, so that synchronize() finds a change made to it in flight.
+        self._handles = {}
         self._synchronized = False
         self._should_synchronize = True
         if process_set.size() > 1:
@@ -118,7 +118,7 @@ class _DistributedOptimizer:
                     "before step(); increase backward_passes_per_step to accumulate gradients locally"
                     % self.backward_passes_per_step)
             self._allreduce_delay[p] -= 1
-            self._handles[p] = (None, None)
+            self._handles[p] = (None, None, None)
             if self._allreduce_delay[p] == 0:
                 group = self._group_of[p]
                 if group is None:
@@ -129,17 +129,17 @@ class _DistributedOptimizer:
 
     def _start_group(self, group):
         members = self._group_members[group]
-        tensors, contexts = [], []
+        tensors, started = [], []
         for p in members:
-            tensor, ctx = self._wire_tensor(p)
+            tensor, ctx, sent = self._wire_tensor(p)
             tensors.append(tensor)
-            contexts.append(ctx)
+            started.append((ctx, sent))
         prescale, postscale = self._scale_factors()
         name = "allreduce.group." + self._parameter_names[members[0]]
         group_handle = grouped_allreduce_async_(tensors, op=self._op, name=name, prescale_factor=prescale,
                                                 postscale_factor=postscale, process_set=self._process_set)
-        for p, h, ctx in zip(members, group_handle.handles, contexts):
-            self._handles[p] = (h, ctx)
+        for p, h, (ctx, sent) in zip(members, group_handle.handles, started):
+            self._handles[p] = (h, ctx, sent)
 
     def _scale_factors(self):
         return gradient_scaling(self._op, self._gradient_predivide_factor)
@@ -151,18 +151,18 @@ class _DistributedOptimizer:
             p.grad = torch.zeros_like(p)
         if p.grad.is_sparse and self._sparse_as_dense:
             p.grad = p.grad.to_dense()
-        self._grad_at_start[p] = (p.grad, p.grad._version)
-        return self._compression.compress(p.grad)
+        tensor, ctx = self._compression.compress(p.grad)
+        return tensor, ctx, (p.grad, p.grad._version)
 
     def _allreduce_grad_async(self, p):
         name = "allreduce." + self._parameter_names[p]
         if p.grad is not None and p.grad.is_sparse and not self._sparse_as_dense:
-            return sparse_allreduce_async(p.grad, name, self._op, self._process_set), "sparse"
-        tensor, ctx = self._wire_tensor(p)
+            return sparse_allreduce_async(p.grad, name, self._op, self._process_set), "sparse", None
+        tensor, ctx, sent = self._wire_tensor(p)
         prescale, postscale = self._scale_factors()
         handle = allreduce_async_(tensor, name=name, op=self._op, prescale_factor=prescale,
                                   postscale_factor=postscale, process_set=self._process_set)
-        return handle, ctx
+        return handle, ctx, sent
 
     # ---- the optimizer API -------------------------------------------------------
 
@@ -188,12 +188,12 @@ class _DistributedOptimizer:
         # handles the error can zero the gradients and go on.
         failure, changed = None, []
         for p in self._ordered:
-            handle, ctx = self._handles[p]
+            handle, ctx, sent = self._handles[p]
             self._allreduce_delay[p] = self.backward_passes_per_step
             if ctx != "sparse":
                 # Looked at before the wait, which itself writes a
                 # non-contiguous gradient back (a new version).
-                grad, version = self._grad_at_start.pop(p)
+                grad, version = sent
                 changed_in_flight = p.grad is not grad or grad._version != version
             try:
                 result = _wait(handle)
@@ -210,7 +210,6 @@ class _DistributedOptimizer:
                     with torch.no_grad():
                         p.grad.copy_(restored)
         self._handles.clear()
-        self._grad_at_start.clear()
         if failure is not None:
             raise failure
         if changed:
@@ -236,7 +235,7 @@ class _DistributedOptimizer:
                               "Wrap step() in `with optimizer.skip_synchronize():`.")
             # (With backward_passes_per_step > 1, a pass short of the count
             # leaves entries with no allreduce started: nothing in flight.)
-            unscaled_in_flight = (any(handle is not None for handle, _ in self._handles.values())
+            unscaled_in_flight = (any(handle is not None for handle, _, _ in self._handles.values())
                                   and _called_by_grad_scaler())
             self.synchronize()
             if unscaled_in_flight:
@@ -256,14 +255,13 @@ class _DistributedOptimizer:
     def load_state_dict(self, state_dict):
         # Gradients in flight belong to the state being replaced. An elastic
         # restore comes here after they failed: their errors are already known.
-        for handle, _ in self._handles.values():
+        for handle, _, _ in self._handles.values():
             if handle is not None:
                 try:
                     _wait(handle)
                 except UnisonError:
                     pass
         self._handles.clear()
-        self._grad_at_start.clear()
         self._allreduce_delay = {p: self.backward_passes_per_step for p in self._ordered}
         self._synchronized = False
         return super().load_state_dict(state_dict)
