@@ -68,7 +68,42 @@ def _called_by_grad_scaler():
     return False
 
 
-class _DistributedOptimizer:
+class _TrackedParameters:
+    """Mixed in first: every parameter the wrapped optimizer holds, in order,
+    with the name its exchange goes by, kept current when a param group is
+    added after wrapping.
+
+    Every parameter is tracked, whether or not it requires a gradient today:
+    which ones train is decided at each step (each class's _takes_part), as
+    one process decides it: an optimizer skips a parameter whose .grad is
+    None, so a frozen parameter that got no gradient is left alone. The
+    fine-tuning recipe freezes a backbone (requires_grad=False), later
+    unfreezes it, and may add its parameters with add_param_group() then;
+    a wrapper that fixed the trainable set when it was made (as Horovod's
+    does) would leave those gradients unaveraged, and the ranks would train
+    apart without a word."""
+
+    def _track(self, named_parameters):
+        self._ordered = [p for group in self.param_groups for p in group["params"]]
+        self._parameter_names = _check_names(named_parameters, self._ordered)
+
+    def _added(self, p):
+        """A parameter of a group added after wrapping."""
+
+    def add_param_group(self, param_group):
+        super().add_param_group(param_group)
+        if "_ordered" not in self.__dict__:
+            return  # the optimizer's own __init__ adding the first groups
+        for p in self.param_groups[-1]["params"]:
+            # The names of named_parameters where it has one; every rank
+            # adds the same groups in the same order, so a position names
+            # the parameter alike everywhere otherwise.
+            self._parameter_names.setdefault(p, "noname.%d" % len(self._ordered))
+            self._ordered.append(p)
+            self._added(p)
+
+
+class _DistributedOptimizer(_TrackedParameters):
     """Mixed in before the wrapped optimizer's class."""
 
     def __init__(self, params, named_parameters, compression, backward_passes_per_step, op,
@@ -81,9 +116,7 @@ class _DistributedOptimizer:
         self._process_set = process_set
         self.backward_passes_per_step = backward_passes_per_step
 
-        ordered = [p for group in self.param_groups for p in group["params"]]
-        self._parameter_names = _check_names(named_parameters, ordered)
-        self._ordered = [p for p in ordered if p.requires_grad]
+        self._track(named_parameters)
         self._group_of = _assign_groups(groups, self._ordered)
         self._group_members = {}
         for p in self._ordered:
@@ -97,11 +130,30 @@ class _DistributedOptimizer:
         self._handles = {}
         self._synchronized = False
         self._should_synchronize = True
-        if process_set.size() > 1:
-            for p in self._ordered:
-                p.register_post_accumulate_grad_hook(self._make_hook(p))
+        self._hooked = set()
+        for p in self._ordered:
+            self._hook_if_trained(p)
+
+    def _takes_part(self, p):
+        # A parameter that requires a gradient takes part even when this
+        # rank did not use it: every rank must allreduce the same names, or
+        # the others wait forever (its gradient counts as zero, as Horovod's).
+        return p in self._handles or p.requires_grad
+
+    def _added(self, p):
+        self._group_of[p] = None
+        self._allreduce_delay[p] = self.backward_passes_per_step
+        self._hook_if_trained(p)
 
     # ---- hooks -----------------------------------------------------------------
+
+    def _hook_if_trained(self, p):
+        # torch refuses a hook on a tensor that requires no gradient: a
+        # frozen parameter gets its hook when synchronize() first finds it
+        # unfrozen (that step's allreduce starts there, after backward).
+        if p.requires_grad and p not in self._hooked and self._process_set.size() > 1:
+            p.register_post_accumulate_grad_hook(self._make_hook(p))
+            self._hooked.add(p)
 
     def _make_hook(self, p):
         # A weak reference: a discarded optimizer's hooks must not keep it
@@ -123,12 +175,12 @@ class _DistributedOptimizer:
                 group = self._group_of[p]
                 if group is None:
                     self._handles[p] = self._allreduce_grad_async(p)
-                elif all(self._allreduce_delay[m] == 0 for m in self._group_members[group]):
-                    self._start_group(group)  # the last of its group to be ready
+                elif all(self._allreduce_delay[m] == 0 for m in self._group_members[group] if m.requires_grad):
+                    self._start_group(group)  # the last of its trained members to be ready
         return hook
 
     def _start_group(self, group):
-        members = self._group_members[group]
+        members = [p for p in self._group_members[group] if self._takes_part(p)]
         tensors, started = [], []
         for p in members:
             tensor, ctx, sent = self._wire_tensor(p)
@@ -176,20 +228,26 @@ class _DistributedOptimizer:
             self._synchronized = True
             return
         for p in self._ordered:
-            if p not in self._handles or self._handles[p][0] is None:
-                group = self._group_of[p]
-                if group is not None:
-                    self._start_group(group)  # starts p and the rest of its group
-                else:
-                    self._handles[p] = self._allreduce_grad_async(p)
+            if p in self._handles and self._handles[p][0] is not None:
+                continue  # started by its hook
+            if not self._takes_part(p):
+                continue
+            self._hook_if_trained(p)  # unfrozen since the last step
+            group = self._group_of[p]
+            if group is not None:
+                self._start_group(group)  # starts p and the rest of its group
+            else:
+                self._handles[p] = self._allreduce_grad_async(p)
         # A failed allreduce (a peer died, a deadlock) fails this call, but
         # only after every other one has finished with its gradient, and it
         # leaves the optimizer ready for the next backward: a caller that
         # handles the error can zero the gradients and go on.
         failure, changed = None, []
         for p in self._ordered:
-            handle, ctx, sent = self._handles[p]
             self._allreduce_delay[p] = self.backward_passes_per_step
+            if p not in self._handles:
+                continue  # frozen, no gradient: left as one process leaves it
+            handle, ctx, sent = self._handles[p]
             if ctx != "sparse":
                 # Looked at before the wait, which itself writes a
                 # non-contiguous gradient back (a new version).
@@ -267,7 +325,7 @@ class _DistributedOptimizer:
         return super().load_state_dict(state_dict)
 
 
-class _DistributedAdasumOptimizer:
+class _DistributedAdasumOptimizer(_TrackedParameters):
     """op=Adasum: each rank takes its own optimizer step, and the parameter
     deltas (not the gradients) are combined with Adasum, so that ranks
     whose updates agree are averaged and ranks whose updates are orthogonal
@@ -275,12 +333,15 @@ class _DistributedAdasumOptimizer:
 
     def __init__(self, params, named_parameters, compression, backward_passes_per_step, process_set):
         super().__init__(params)
-        ordered = [p for group in self.param_groups for p in group["params"]]
-        self._parameter_names = _check_names(named_parameters, ordered)
-        self._ordered = [p for p in ordered if p.requires_grad]
+        self._track(named_parameters)
         self._compression = compression
         self._process_set = process_set
         self.backward_passes_per_step = backward_passes_per_step
+
+    def _takes_part(self, p):
+        # A parameter this rank did not use moves by nothing here, but the
+        # others' deltas must still reach it.
+        return p.requires_grad or p.grad is not None
 
     def synchronize(self):
         pass  # gradients stay local; step() combines the updates
@@ -290,17 +351,18 @@ class _DistributedAdasumOptimizer:
         yield
 
     def step(self, closure=None):
-        start = [p.detach().clone() for p in self._ordered]
+        trained = [p for p in self._ordered if self._takes_part(p)]
+        start = [p.detach().clone() for p in trained]
         loss = super().step(closure)
         deltas = []
-        for p, before in zip(self._ordered, start):
+        for p, before in zip(trained, start):
             delta, ctx = self._compression.compress(p.detach() - before)
             deltas.append((delta, ctx))
         handles = [allreduce_async_(d, name="adasum." + self._parameter_names[p], op=Adasum,
                                     process_set=self._process_set)
-                   for p, (d, _) in zip(self._ordered, deltas)]
+                   for p, (d, _) in zip(trained, deltas)]
         with torch.no_grad():
-            for p, before, handle, (_, ctx) in zip(self._ordered, start, handles, deltas):
+            for p, before, handle, (_, ctx) in zip(trained, start, handles, deltas):
                 p.copy_(before + self._compression.decompress(_wait(handle), ctx).to(p.dtype))
         return loss
 
@@ -346,7 +408,7 @@ def _assign_groups(groups, ordered):
             if not isinstance(p, torch.Tensor):
                 raise ValueError("groups must consist of torch.Tensor")
             if p not in assignment:
-                raise ValueError("groups names a tensor that is not a trainable parameter of this optimizer")
+                raise ValueError("groups names a tensor that is not a parameter of this optimizer")
             if assignment[p] is not None:
                 raise ValueError("a parameter can only appear once in groups")
             assignment[p] = index

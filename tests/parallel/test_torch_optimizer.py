@@ -302,6 +302,74 @@ def test_parameter_unused_on_one_rank_does_not_hang():
     torch.testing.assert_close(extra.detach(), torch.full((2,), expected, dtype=torch.float64))
 
 
+ADAM_DECAY = lambda params: torch.optim.Adam(params, lr=0.01, weight_decay=0.1)  # noqa: E731
+
+
+def fine_tune(make_optimizer, wrap=None, rows=my_rows, add_backbone_at=None, steps=6):
+    """The fine-tuning recipe: the first layer (the backbone) starts frozen
+    and is unfrozen at step 2, the last layer is frozen from step 4. With
+    add_backbone_at, the optimizer starts with the head only and the
+    backbone's parameters join it in a new param group at that step.
+    wrap(optimizer, model) makes the distributed one; None trains one
+    process on the whole batch."""
+    model = make_model()
+    backbone, head = list(model[0].parameters()), list(model[2].parameters())
+    for p in backbone:
+        p.requires_grad_(False)
+    optimizer = make_optimizer(head if add_backbone_at is not None else model.parameters())
+    if wrap is not None:
+        optimizer = wrap(optimizer, model)
+    for step in range(steps):
+        for p in backbone:
+            p.requires_grad_(step >= 2)
+        for p in head:
+            p.requires_grad_(step < 4)
+        if step == add_backbone_at:
+            optimizer.add_param_group({"params": backbone, "lr": 0.05})
+        x, y = batch(step)
+        if wrap is not None:
+            x, y = rows(x), rows(y)
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+    return model
+
+
+def wrapped(**options):
+    return lambda optimizer, model: hvd.DistributedOptimizer(
+        optimizer, named_parameters=model.named_parameters(), **options)
+
+
+@pytest.mark.parametrize("options", [{}, {"groups": 1}, {"num_groups": 2}],
+                         ids=["alone", "one-group", "two-groups"])
+@pytest.mark.parametrize("make_optimizer", [SGD, ADAM_DECAY], ids=["sgd-momentum", "adam-weight-decay"])
+def test_parameters_frozen_and_unfrozen_during_training_match_one_process(make_optimizer, options):
+    # A parameter frozen when the optimizer was wrapped and unfrozen later
+    # is averaged from then on; one frozen later is left alone (an optimizer
+    # with momentum or weight decay would move it on a zero gradient).
+    expected = [p.detach() for p in fine_tune(make_optimizer).parameters()]
+    assert_same(fine_tune(make_optimizer, wrapped(**options)), expected, atol=1e-12)
+
+
+@pytest.mark.parametrize("named", [True, False], ids=["named", "unnamed"])
+def test_a_param_group_added_after_wrapping_is_averaged_and_matches_one_process(named):
+    expected = [p.detach() for p in fine_tune(SGD, add_backbone_at=2).parameters()]
+    wrap = wrapped() if named else (lambda optimizer, model: hvd.DistributedOptimizer(optimizer))
+    assert_same(fine_tune(SGD, wrap, add_backbone_at=2), expected, atol=1e-12)
+
+
+@pytest.mark.parametrize("add_backbone_at", [None, 2], ids=["unfrozen", "added"])
+def test_adasum_combines_parameters_unfrozen_or_added_after_wrapping(add_backbone_at):
+    model = fine_tune(SGD, wrapped(op=hvd.Adasum), add_backbone_at=add_backbone_at)
+    # Each rank trained on its own rows: only the combined deltas make the
+    # ranks hold the same parameters.
+    for name, p in model.named_parameters():
+        gathered = hvd.allgather(p.detach().unsqueeze(0), name="adasum.check." + name)
+        for other in range(hvd.size()):
+            torch.testing.assert_close(gathered[other], p.detach(), rtol=0, atol=0,
+                                       msg="%s differs on rank %d" % (name, other))
+
+
 def test_named_parameters_checks():
     model = make_model()
     with pytest.raises(ValueError, match="tuples"):
@@ -418,3 +486,11 @@ def test_broadcast_and_allgather_object():
     assert torch.equal(got["tensor"], torch.full((2,), n - 1))
     gathered = hvd.allgather_object({"rank": r, "pad": "y" * (100 * r)})
     assert gathered == [{"rank": k, "pad": "y" * (100 * k)} for k in range(n)]
+
+
+@pytest.mark.parametrize("add_backbone_at", [None, 2], ids=["unfrozen", "added"])
+def test_zero_redundancy_optimizer_fine_tunes_as_one_process(add_backbone_at):
+    expected = [p.detach() for p in fine_tune(SGD, add_backbone_at=add_backbone_at).parameters()]
+    zero = lambda params: hvd.ZeroRedundancyOptimizer(params, torch.optim.SGD, lr=0.1, momentum=0.9)  # noqa: E731
+    assert_same(fine_tune(zero, lambda optimizer, model: optimizer, add_backbone_at=add_backbone_at), expected,
+                atol=1e-12)
