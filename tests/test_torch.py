@@ -57,6 +57,26 @@ def test_use_before_init_is_a_clear_error():
             hvd.shutdown()
 
 
+@pytest.mark.parametrize("dynamo_first", [False, True], ids=["unison-first", "dynamo-first"])
+def test_torch_compile_skips_unison_whichever_is_imported_first(dynamo_first):
+    # Dynamo is loaded by torch.compile, 1.5 s into a program's life or
+    # never: importing unison.torch must not load it, and the skip must be
+    # in place whenever it does load.
+    script = """
+import sys
+%s
+import unison.torch, unison.torch.ops, unison.frontend
+assert ("torch._dynamo" in sys.modules) == %s, "importing unison.torch loaded Dynamo"
+from torch._dynamo import trace_rules
+for module in (unison.torch.ops, unison.frontend):
+    result = trace_rules.check_file(module.__file__)
+    assert result.skipped, (module.__file__, result.reason)
+print("skipped")
+""" % ("import torch._dynamo" if dynamo_first else "", dynamo_first)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "skipped" in done.stdout, done.stderr
+
+
 def test_num_groups_split_as_every_framework_splits():
     # 7 parameters in 5 groups: Horovod's split, the first groups one longer.
     from unison.arguments import split_into_groups

@@ -2,6 +2,8 @@
 non-contiguous tensors, the average flag, gradients, sparse handles and
 errors, with exact values: every rank computes what every other rank
 sent."""
+import warnings
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -107,6 +109,42 @@ def test_gradients_of_each_differentiable_op():
     scattered = hvd.grouped_reducescatter([xs[1]], op=hvd.Sum, name="g.grs")
     (scattered[0] * (r + 1)).sum().backward()
     exact(xs[1].grad, n * torch.arange(1, n + 1, dtype=torch.float32).reshape(n, 1))
+
+
+def test_collectives_called_from_compiled_code_run_between_graphs_with_exact_values_and_gradients():
+    r, n = hvd.rank(), hvd.size()
+
+    def step(x):
+        total = hvd.allreduce(x * 2, op=hvd.Sum, name="compiled.ar")
+        firsts = hvd.allgather(x[:1] + total[:1], name="compiled.ag")
+        root = hvd.broadcast(x, root_rank=n - 1, name="compiled.bc")
+        return (total.sum() + firsts.sum() + root.sum()) * (r + 1)
+
+    compiled = torch.compile(step, backend="aot_eager")
+    for i in range(2):   # the second call runs the graphs already compiled
+        x = torch.full((3,), float(r + i), requires_grad=True)
+        with warnings.catch_warnings():
+            # Dynamo warned that it could not trace the core's C calls when
+            # it traced into unison; now it does not go there.
+            warnings.filterwarnings("error", message=".*Dynamo.*")
+            loss = compiled(x)
+        loss.backward()
+        ranks_values = sum(k + i for k in range(n))
+        total = 2 * ranks_values
+        assert float(loss.detach()) == (3 * total + ranks_values + n * total + 3 * (n - 1 + i)) * (r + 1)
+        eager_x = x.detach().clone().requires_grad_()
+        eager_loss = step(eager_x)
+        eager_loss.backward()
+        exact(loss.detach(), eager_loss.detach())
+        exact(x.grad, eager_x.grad)
+
+
+def test_a_collective_in_a_fullgraph_compile_is_refused_naming_it():
+    compiled = torch.compile(lambda x: hvd.allreduce(x, name="compiled.full") + 1, backend="aot_eager",
+                             fullgraph=True)
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="allreduce"):
+        compiled(torch.ones(2))
+    exact(hvd.allreduce(torch.ones(2), op=hvd.Sum, name="after.full"), torch.full((2,), float(hvd.size())))
 
 
 def test_join_and_barrier():

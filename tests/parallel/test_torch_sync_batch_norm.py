@@ -117,7 +117,10 @@ def test_convert_sync_batchnorm_keeps_state():
     assert float(converted[1].running_mean[0]) == 0.25
 
 
-def test_training_with_distributed_optimizer_matches_one_process():
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "torch.compile"])
+def test_training_with_distributed_optimizer_matches_one_process(compiled):
+    # Compiled, each SyncBatchNorm runs between the graphs torch.compile
+    # makes of the layers around it (it failed inside Dynamo's graph before).
     rows = 4
 
     def make():
@@ -130,6 +133,7 @@ def test_training_with_distributed_optimizer_matches_one_process():
     model = hvd.SyncBatchNorm.convert_sync_batchnorm(make())
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                    named_parameters=model.named_parameters())
+    forward = torch.compile(model, backend="aot_eager") if compiled else model
     mine = slice(hvd.rank() * rows, (hvd.rank() + 1) * rows)
     for step in range(4):
         g = torch.Generator().manual_seed(step)
@@ -139,7 +143,7 @@ def test_training_with_distributed_optimizer_matches_one_process():
         torch.nn.functional.mse_loss(reference(x), y).backward()
         ref_opt.step()
         opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
+        torch.nn.functional.mse_loss(forward(x[mine]), y[mine]).backward()
         opt.step()
     for p, q in zip(model.state_dict().values(), reference.state_dict().values()):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-12)
@@ -149,3 +153,23 @@ def test_every_rank_empty_is_an_error():
     _, synced = layers(2)
     with pytest.raises(ValueError, match="every rank's batch is empty"):
         synced(torch.zeros(0, C, dtype=torch.float64))
+
+
+def test_a_compiled_convolutional_model_matches_the_eager_one():
+    # Dynamo used to trace into the collectives and failed here, in a view
+    # of the buffer the core hands back, at the first compiled step.
+    def make():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), hvd.SyncBatchNorm(8), torch.nn.ReLU(),
+                                   torch.nn.Conv2d(8, 4, 3), hvd.SyncBatchNorm(4))
+
+    eager, compiled_copy = make(), make()
+    compiled = torch.compile(compiled_copy, backend="aot_eager")
+    for step in range(2):
+        x = torch.randn(hvd.rank() + 2, 3, 7, 7, generator=torch.Generator().manual_seed(10 * step + hvd.rank()))
+        y_eager, y = eager(x), compiled(x)
+        (y_eager * y_eager).sum().backward()
+        (y * y).sum().backward()
+        torch.testing.assert_close(y, y_eager, rtol=0, atol=0)
+        for p, q in zip(compiled_copy.parameters(), eager.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
