@@ -354,3 +354,14 @@ def test_broadcast_callback_leaves_local_variables_alone():
     np.testing.assert_array_equal(mine.numpy(), np.full(mine.shape, float(RANK)))
     root_kernel = hvd.broadcast_object(model.layers[0].kernel.numpy(), root_rank=0, name="check.kernel")
     np.testing.assert_array_equal(model.layers[0].kernel.numpy(), root_kernel)
+
+
+def test_keras_on_another_backend_is_refused_at_import_naming_the_setting(monkeypatch):
+    import importlib
+    monkeypatch.setenv("KERAS_BACKEND", "jax")
+    monkeypatch.setattr(keras.backend, "backend", lambda: "jax")
+    with pytest.raises(ImportError, match="TensorFlow backend, but Keras is using 'jax' \\(KERAS_BACKEND='jax'\\)"):
+        importlib.reload(unison.tensorflow.keras)
+    monkeypatch.undo()
+    importlib.reload(unison.tensorflow.keras)
+

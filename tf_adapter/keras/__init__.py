@@ -2,6 +2,18 @@
 Keras API for the Keras 3 that comes with TensorFlow 2.21.
 `import unison.tensorflow.keras as hvd` in place of
 `import horovod.tensorflow.keras as hvd` (or `horovod.keras`)."""
+import os as _os
+
+import keras as _keras
+
+# Keras 3 also runs on JAX and PyTorch (KERAS_BACKEND). Its optimizers and
+# fit() then hold that backend's arrays, which the TensorFlow ops below
+# cannot take: say so here rather than fail deep inside the first step.
+if _keras.backend.backend() != "tensorflow":
+    raise ImportError(
+        "unison.keras runs Keras on its TensorFlow backend, but Keras is using %r (KERAS_BACKEND=%r): "
+        "set KERAS_BACKEND=tensorflow, or train a PyTorch model with unison.torch"
+        % (_keras.backend.backend(), _os.environ.get("KERAS_BACKEND", "")))
 from unison.basics import (  # noqa: F401
     ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled, init,
     is_homogeneous, is_initialized, local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported,
