@@ -3,8 +3,8 @@
 A front end names its tensor's dtype the way numpy does ('float32',
 'bfloat16', 'uint16', 'bool'); this table turns the name into the core's
 code, and the error for a dtype outside it is the same in every framework.
-The core reduces every type here, unsigned ones included; a framework that
-cannot make a type simply never asks for it.
+The core reduces every type here, unsigned ones included (complex ones by Sum
+or Average); a framework that cannot make a type simply never asks for it.
 """
 from unison.exceptions import InvalidArgumentError
 from unison._native import lib
@@ -23,10 +23,14 @@ CODES = {
     "float32": lib.UNISON_FLOAT32,
     "float64": lib.UNISON_FLOAT64,
     "bool": lib.UNISON_BOOL,
+    # Moved as they are; reduced by Sum or Average only, part by part.
+    "complex64": lib.UNISON_COMPLEX64,
+    "complex128": lib.UNISON_COMPLEX128,
 }
 
 ITEM_BYTES = {"uint8": 1, "int8": 1, "uint16": 2, "int16": 2, "uint32": 4, "int32": 4, "uint64": 8, "int64": 8,
-              "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "bool": 1}
+              "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "bool": 1,
+              "complex64": 8, "complex128": 16}
 
 FLOATING = frozenset(("float16", "bfloat16", "float32", "float64"))
 

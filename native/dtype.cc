@@ -2,14 +2,15 @@
 
 namespace unison {
 
-bool dtype_valid(int dtype) { return dtype >= UNISON_UINT8 && dtype <= UNISON_UINT64; }
+bool dtype_valid(int dtype) { return dtype >= UNISON_UINT8 && dtype <= UNISON_COMPLEX128; }
 
 size_t dtype_size(int dtype) {
   switch (dtype) {
     case UNISON_UINT8: case UNISON_INT8: case UNISON_BOOL: return 1;
     case UNISON_INT16: case UNISON_UINT16: case UNISON_FLOAT16: case UNISON_BFLOAT16: return 2;
     case UNISON_INT32: case UNISON_UINT32: case UNISON_FLOAT32: return 4;
-    case UNISON_INT64: case UNISON_UINT64: case UNISON_FLOAT64: return 8;
+    case UNISON_INT64: case UNISON_UINT64: case UNISON_FLOAT64: case UNISON_COMPLEX64: return 8;
+    case UNISON_COMPLEX128: return 16;
     default: return 0;
   }
 }
@@ -29,6 +30,8 @@ const char* dtype_name(int dtype) {
     case UNISON_UINT16: return "uint16";
     case UNISON_UINT32: return "uint32";
     case UNISON_UINT64: return "uint64";
+    case UNISON_COMPLEX64: return "complex64";
+    case UNISON_COMPLEX128: return "complex128";
     default: return "unknown dtype";
   }
 }
@@ -36,6 +39,14 @@ const char* dtype_name(int dtype) {
 bool dtype_is_float(int dtype) {
   return dtype == UNISON_FLOAT16 || dtype == UNISON_BFLOAT16 || dtype == UNISON_FLOAT32 ||
          dtype == UNISON_FLOAT64;
+}
+
+bool dtype_is_complex(int dtype) { return dtype == UNISON_COMPLEX64 || dtype == UNISON_COMPLEX128; }
+
+int reduced_as(int dtype) {
+  if (dtype == UNISON_COMPLEX64) return UNISON_FLOAT32;
+  if (dtype == UNISON_COMPLEX128) return UNISON_FLOAT64;
+  return dtype;
 }
 
 const char* op_name(int op) {

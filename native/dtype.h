@@ -15,6 +15,11 @@ bool dtype_valid(int dtype);
 size_t dtype_size(int dtype);
 const char* dtype_name(int dtype);
 bool dtype_is_float(int dtype);
+bool dtype_is_complex(int dtype);
+// The type a reduction combines: a complex number's parts are summed (and
+// scaled) as two reals, each alike on every rank, so complex64 reduces as
+// twice as many float32s; every other type as itself.
+int reduced_as(int dtype);
 const char* op_name(int op);
 const char* reduce_op_name(int reduce_op);
 

@@ -128,6 +128,12 @@ Status Engine::enqueue(const unison_op_options& o, int64_t* handle) {
       if (r.prescale != 1.0 || r.postscale != 1.0)
         return invalid(what() + ": Adasum takes no prescale or postscale factor");
     }
+    // Part by part, Sum and Average are a complex number's; Min, Max and
+    // Product are not (complex numbers have no order, and a product mixes
+    // the parts), so they are refused rather than computed wrongly.
+    if (dtype_is_complex(o.dtype) && o.reduce_op != UNISON_SUM && o.reduce_op != UNISON_AVERAGE)
+      return invalid(what() + ": " + dtype_name(o.dtype) + " tensors reduce by Sum or Average, not " +
+                     reduce_op_name(o.reduce_op));
     if (o.dtype == UNISON_BOOL && (o.reduce_op == UNISON_AVERAGE || r.prescale != 1.0 || r.postscale != 1.0))
       return invalid(what() + ": bool tensors support Sum (any), Max (any), Min (all) and Product (all) without scale factors");
   }

@@ -234,7 +234,7 @@ void Engine::execute(ProcessSetState& set, const std::vector<const Response*>& g
   switch (head.op) {
     case UNISON_ALLREDUCE: {
       AllreduceOptions o;
-      o.reduce = ReduceSpec{head.dtype, head.reduce_op, head.prescale, head.postscale, size};
+      o.reduce = ReduceSpec{reduced_as(head.dtype), head.reduce_op, head.prescale, head.postscale, size};
       for (size_t i = 0; i < group.size(); ++i) {
         const TensorPlan& t = group[i]->tensors[0];
         const size_t bytes = (size_t)element_count(t.shape) * dtype_size(head.dtype);
@@ -315,7 +315,7 @@ void Engine::execute(ProcessSetState& set, const std::vector<const Response*>& g
     }
     case UNISON_REDUCESCATTER: {
       ReducescatterOptions o;
-      o.reduce = ReduceSpec{head.dtype, head.reduce_op, head.prescale, head.postscale, size};
+      o.reduce = ReduceSpec{reduced_as(head.dtype), head.reduce_op, head.prescale, head.postscale, size};
       for (size_t i = 0; i < group.size(); ++i) {
         const TensorPlan& t = group[i]->tensors[0];
         Entry* e = local(t.name);

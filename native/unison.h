@@ -50,7 +50,9 @@ enum {
   UNISON_BOOL = 9,
   UNISON_UINT16 = 10,
   UNISON_UINT32 = 11,
-  UNISON_UINT64 = 12
+  UNISON_UINT64 = 12,
+  UNISON_COMPLEX64 = 13,            /* two float32: real, imaginary */
+  UNISON_COMPLEX128 = 14            /* two float64 */
 };
 
 /* Collectives. */

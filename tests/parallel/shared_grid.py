@@ -29,6 +29,7 @@ OPS = ["Sum", "Average", "Min", "Max", "Product"]
 SHAPES = [(0,), (), (1,), (17,), (3, 4, 5)]
 ROW_SHAPES = [(0, 3), (1,), (5,), (3, 4, 5)]  # ops that need a first dimension
 FLOATS = ["float16", "bfloat16", "float32", "float64"]
+COMPLEX = ["complex64", "complex128"]   # moved by every op, reduced by Sum and Average
 
 
 def np_dtype(name):
@@ -161,7 +162,8 @@ def pytest_generate_tests(metafunc):
     shim = metafunc.module.SHIM
     axes = {"fw": ([shim], [shim.name]), "op": (OPS, OPS), "shape": (SHAPES, None), "row_shape": (ROW_SHAPES, None),
             "dtype": (shim.dtypes, None), "reduce_dtype": (shim.reduce_dtypes, None),
-            "float_dtype": ([d for d in FLOATS if d in shim.reduce_dtypes], None)}
+            "float_dtype": ([d for d in FLOATS if d in shim.reduce_dtypes], None),
+            "complex_dtype": ([d for d in COMPLEX if d in shim.dtypes], None)}
     for argument, (values, ids) in axes.items():
         if argument in metafunc.fixturenames:
             metafunc.parametrize(argument, values, ids=ids or [str(v) for v in values])
@@ -174,6 +176,8 @@ def rank_values(shape, dtype, rank):
     n = int(np.prod(shape))
     if dtype == "bool":
         return ((np.arange(n) + rank) % 2 == 0).reshape(shape)
+    if dtype in COMPLEX:   # the imaginary parts differ from the real ones, and by rank
+        return ((np.arange(n) % 5) + rank + 1 + 1j * ((np.arange(n) % 3) - rank)).astype(dtype).reshape(shape)
     return ((np.arange(n) % 5) + rank + 1).astype(np_dtype(dtype)).reshape(shape)
 
 
@@ -186,7 +190,7 @@ def reduced(op, inputs, dtype, ranks):
                "Min": lambda: np.min(wide, axis=0), "Max": lambda: np.max(wide, axis=0),
                "Average": lambda: np.trunc(sum(wide) / ranks).astype(np.int64)}[op]()
         return np.asarray(out).astype(np_dtype(dtype))
-    wide = [x.astype(np.float64) for x in inputs]
+    wide = [x.astype(np.complex128 if dtype in COMPLEX else np.float64) for x in inputs]
     out = {"Sum": lambda: sum(wide), "Product": lambda: np.prod(wide, axis=0),
            "Min": lambda: np.min(wide, axis=0), "Max": lambda: np.max(wide, axis=0),
            "Average": lambda: sum(wide) / ranks}[op]()
@@ -197,7 +201,8 @@ def assert_exact(fw, tensor, expected):
     got = fw.numpy(tensor)
     assert got.dtype == expected.dtype, (got.dtype, expected.dtype)
     assert got.shape == expected.shape, (got.shape, expected.shape)
-    np.testing.assert_array_equal(got.astype(np.float64), expected.astype(np.float64))
+    wide = np.complex128 if np.iscomplexobj(expected) else np.float64
+    np.testing.assert_array_equal(got.astype(wide), expected.astype(wide))
 
 
 def subset():
@@ -232,6 +237,39 @@ def test_allreduce_every_op_dtype_shape(fw, op, reduce_dtype, shape):
     sync = next(iter(fw.allreduce_forms().values()))
     out = sync(fw.tensor(inputs[me]), getattr(fw.api, op), tag("ar", op, reduce_dtype, shape), 1.0, 1.0, None)
     assert_exact(fw, out, reduced(op, inputs, reduce_dtype, n))
+
+
+def test_complex_tensors_reduce_by_sum_and_average_in_every_form(fw, complex_dtype):
+    n, me = unison.size(), unison.rank()
+    inputs = [rank_values((2, 3), complex_dtype, r) for r in range(n)]
+    for op in ["Sum", "Average"]:
+        for form, allreduce in fw.allreduce_forms().items():
+            out = allreduce(fw.tensor(inputs[me]), getattr(fw.api, op), tag("cx", form, op, complex_dtype),
+                            1.0, 1.0, None)
+            assert_exact(fw, out, reduced(op, inputs, complex_dtype, n))
+        sync = next(iter(fw.allreduce_forms().values()))
+        out = sync(fw.tensor(inputs[me]), getattr(fw.api, op), tag("cx.scaled", op, complex_dtype), 2.0, 0.25, None)
+        assert_exact(fw, out, (reduced(op, inputs, "complex128", n) * 0.5).astype(complex_dtype))
+        counts = [2 // n + (1 if r < 2 % n else 0) for r in range(n)]
+        start = sum(counts[:me])
+        for form, reducescatter in fw.reducescatter_forms().items():
+            out = reducescatter(fw.tensor(inputs[me]), getattr(fw.api, op), tag("cx.rs", form, op, complex_dtype),
+                                None)
+            assert_exact(fw, out, reduced(op, inputs, complex_dtype, n)[start:start + counts[me]])
+
+
+def test_complex_tensors_refuse_min_max_product_and_adasum_on_every_rank_naming_the_tensor(fw):
+    x = rank_values((3,), "complex64", unison.rank())
+    sync = next(iter(fw.allreduce_forms().values()))
+    for op in ["Min", "Max", "Product"]:
+        with pytest.raises(unison.InvalidArgumentError,
+                           match=r"'cx\.%s': complex64 tensors reduce by Sum or Average, not %s" % (op, op)):
+            sync(fw.tensor(x), getattr(fw.api, op), "cx." + op, 1.0, 1.0, None)
+    with pytest.raises(unison.InvalidArgumentError, match="'cx.adasum': Adasum needs a floating-point tensor"):
+        sync(fw.tensor(x), fw.api.Adasum, "cx.adasum", 1.0, 1.0, None)
+    assert_exact(fw, sync(fw.tensor(x), fw.api.Sum, "cx.after", 1.0, 1.0, None),
+                 reduced("Sum", [rank_values((3,), "complex64", r) for r in range(unison.size())], "complex64",
+                         unison.size()))
 
 
 def test_allreduce_every_form(fw, reduce_dtype):

@@ -25,7 +25,7 @@ def eager_and_traced(forms):
 class TensorFlowShim(Shim):
     name = "tensorflow"
     api = hvd
-    dtypes = NUMBERS + ["bool"]
+    dtypes = NUMBERS + ["bool", "complex64", "complex128"]
     reduce_dtypes = NUMBERS
 
     def tensor(self, array):

@@ -27,7 +27,7 @@ NUMBERS = ["uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int
 class TorchShim(Shim):
     name = "torch"
     api = hvd
-    dtypes = NUMBERS + ["bool"]
+    dtypes = NUMBERS + ["bool", "complex64", "complex128"]
     reduce_dtypes = NUMBERS
 
     def tensor(self, array):

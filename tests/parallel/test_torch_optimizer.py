@@ -494,3 +494,28 @@ def test_zero_redundancy_optimizer_fine_tunes_as_one_process(add_backbone_at):
     zero = lambda params: hvd.ZeroRedundancyOptimizer(params, torch.optim.SGD, lr=0.1, momentum=0.9)  # noqa: E731
     assert_same(fine_tune(zero, lambda optimizer, model: optimizer, add_backbone_at=add_backbone_at), expected,
                 atol=1e-12)
+
+
+def test_complex_parameters_match_one_process():
+    # A spectral layer's weights are complex; their gradients are averaged
+    # part by part, which is the average of the complex numbers.
+    def make():
+        torch.manual_seed(5)
+        return torch.nn.Parameter(torch.randn(6, 3, dtype=torch.complex128))
+
+    def loss(weight, x, y):
+        return ((x.to(torch.complex128) @ weight).abs() - y).pow(2).mean()
+
+    reference = make()
+    reference_optimizer = torch.optim.Adam([reference], lr=0.01)
+    weight = make()
+    optimizer = hvd.DistributedOptimizer(torch.optim.Adam([weight], lr=0.01), named_parameters=[("spectral", weight)])
+    for step in range(STEPS):
+        x, y = batch(step)
+        reference_optimizer.zero_grad()
+        loss(reference, x, y).backward()
+        reference_optimizer.step()
+        optimizer.zero_grad()
+        loss(weight, my_rows(x), my_rows(y)).backward()
+        optimizer.step()
+    torch.testing.assert_close(weight.detach(), reference.detach(), rtol=0, atol=1e-12)
