@@ -22,7 +22,7 @@ from unison.handles import synchronize as _wait
 from unison import process_sets
 from unison.process_sets import global_process_set
 from unison.torch.compression import Compression
-from unison.torch.ops import (Adasum, Average, allreduce_async_, grouped_allreduce_async_,
+from unison.torch.ops import (Adasum, Average, allreduce_, allreduce_async_, grouped_allreduce_async_,
                               sparse_allreduce_async)
 
 
@@ -286,6 +286,13 @@ class _DistributedOptimizer(_TrackedParameters):
             self._should_synchronize = True
 
     def step(self, closure=None):
+        if closure is not None:
+            closure = self._averaged(closure)
+            if not self._handles:
+                # The closure makes this step's gradients: nothing to wait
+                # for before it (synchronize() would allreduce stale ones).
+                self._synchronized = False
+                return super().step(closure)
         if self._should_synchronize:
             if self._synchronized:
                 warnings.warn("optimizer.step() called without optimizer.skip_synchronize() after "
@@ -301,6 +308,25 @@ class _DistributedOptimizer(_TrackedParameters):
                 raise InvalidArgumentError(_UNSCALED_IN_FLIGHT)
         self._synchronized = False
         return super().step(closure)
+
+    def _averaged(self, closure):
+        """The closure an optimizer calls from step() (LBFGS calls it several
+        times a step), made to return what one process on the whole batch
+        would: the gradients it makes are averaged before the optimizer
+        reads them, and so is its loss. LBFGS's line search and its stopping
+        tests read the loss: averaged, they decide alike on every rank, and
+        every rank evaluates the closure as often as the others."""
+        def averaged():
+            loss = closure()
+            self.synchronize()
+            self._synchronized = False
+            if loss is None:
+                return None
+            local = loss.detach() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss), dtype=torch.float64)
+            total = allreduce_(local.clone(), name="DistributedOptimizer.closure_loss", op=self._op,
+                               process_set=self._process_set)
+            return total if isinstance(loss, torch.Tensor) else float(total)
+        return averaged
 
     def zero_grad(self, set_to_none=True):
         if self._handles:

@@ -519,3 +519,38 @@ def test_complex_parameters_match_one_process():
         loss(weight, my_rows(x), my_rows(y)).backward()
         optimizer.step()
     torch.testing.assert_close(weight.detach(), reference.detach(), rtol=0, atol=1e-12)
+
+
+LBFGS = lambda params: torch.optim.LBFGS(params, lr=0.5, max_iter=5, line_search_fn="strong_wolfe")  # noqa: E731
+
+
+def train_with_closure(make_optimizer, distributed):
+    model = make_model()
+    optimizer = make_optimizer(model.parameters())
+    if distributed:
+        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+    losses = []
+    for step in range(3):
+        x, y = batch(step)
+        if distributed:
+            x, y = my_rows(x), my_rows(y)
+
+        def closure():
+            optimizer.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            return loss
+        losses.append(float(optimizer.step(closure).detach()))
+    return model, losses
+
+
+@pytest.mark.parametrize("make_optimizer", [SGD, LBFGS], ids=["sgd", "lbfgs"])
+def test_a_step_with_a_closure_averages_each_evaluation_and_matches_one_process(make_optimizer):
+    # The optimizer reads the gradients (and LBFGS the loss, for its line
+    # search and stopping tests) as soon as the closure returns: both are
+    # averaged by then, so every rank decides alike, as one process would.
+    reference, reference_losses = train_with_closure(make_optimizer, False)
+    model, losses = train_with_closure(make_optimizer, True)
+    assert_same(model, [p.detach() for p in reference.parameters()], atol=1e-10)
+    assert losses == pytest.approx(reference_losses, abs=1e-10)
+    assert hvd.allgather_object(losses) == [losses] * hvd.size()
