@@ -69,7 +69,7 @@ def prepare(op, name, dtype, shape, reduce_op, prescale_factor, postscale_factor
 
 def enqueue(op, name, dtype=0, shape=(), input=NULL, output=NULL, reduce_op=0,
             prescale_factor=1.0, postscale_factor=1.0, root_rank=0, splits=None,
-            process_set=None, placement=HOST, output_bytes=0, input_ready=NULL):
+            process_set=None, placement=HOST, output_bytes=0, input_ready=NULL, placeholder=False):
     """Starts one collective and returns the core's handle id.
 
     input and output are cffi pointers (or NULL); output_bytes is the
@@ -79,7 +79,8 @@ def enqueue(op, name, dtype=0, shape=(), input=NULL, output=NULL, reduce_op=0,
     `name` may be None for an automatically numbered one; `shape` a tuple
     (or list) of ints; placement, (CUDA device, cffi pointer to the stream
     that produces the input and uses the output) for GPU tensors, HOST for
-    host memory."""
+    host memory; placeholder, for an allreduce whose input is zeros standing
+    in for a tensor this rank does not have (unison.h)."""
     scratch = _scratch
     device = placement[0]
     if not isinstance(shape, tuple):
@@ -105,6 +106,7 @@ def enqueue(op, name, dtype=0, shape=(), input=NULL, output=NULL, reduce_op=0,
     options.output_bytes = output_bytes
     options.input_ready = input_ready
     options.stream = placement[1]
+    options.placeholder = placeholder
     return start(options)
 
 

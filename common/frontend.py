@@ -198,15 +198,41 @@ class FrontEnd:
         return collective.prepare(_ALLREDUCE, name, code, shape, op, prescale_factor, postscale_factor, 0,
                                   None, set_id, device)
 
+    def allreduce_placeholder_async_(self, tensor, name=None, op=Average, prescale_factor=1.0,
+                                     postscale_factor=1.0, process_set=None):
+        """An in-place allreduce to which this rank contributes `tensor`,
+        zeros standing in for a tensor it does not have (a parameter it did
+        not use this step). The result is the others' reduction in `tensor`,
+        or None where no rank had the tensor (every rank's contribution a
+        placeholder): one process would have had no gradient either, and
+        an optimizer treats none differently from zeros."""
+        code = self.dtype_code(tensor, name)
+        if op not in _PLAIN_ALLREDUCE_OPS:
+            arguments.check_reduce("allreduce", op, prescale_factor, postscale_factor, name)
+        t = self.tensors
+        buffer, copy_back = t.writable(tensor, name)
+        pointer = t.pointer(buffer)
+        handle_id = collective.enqueue(_ALLREDUCE, name, code, t.shape(buffer), pointer, pointer, op, prescale_factor,
+                                       postscale_factor, 0, None, process_set, t.placement(buffer), placeholder=True)
+
+        def finish(hid):
+            if _handles.unused_everywhere(hid):
+                return None
+            return tensor if copy_back is None else copy_back(hid)
+        return Handle(handle_id, name, (tensor, buffer), finish)
+
     def grouped_allreduce_async(self, tensors, name=None, op=Average, prescale_factor=1.0, postscale_factor=1.0,
-                                process_set=None, in_place=False):
+                                process_set=None, in_place=False, placeholders=None):
         """One HandleGroup for every tensor's allreduce; enqueued together, so
-        the core fuses them."""
+        the core fuses them. In place, `placeholders` may say which tensors
+        stand in for ones this rank does not have (allreduce_placeholder_async_)."""
         start = self.allreduce_async_ if in_place else self.allreduce_async
         names = arguments.member_names(name, len(tensors))
+        stand_ins = placeholders or [False] * len(tensors)
         with collective.enqueued_together():
-            return HandleGroup([start(x, n, op, prescale_factor, postscale_factor, process_set)
-                                for x, n in zip(tensors, names)])
+            return HandleGroup([(self.allreduce_placeholder_async_ if stands_in else start)(
+                                    x, n, op, prescale_factor, postscale_factor, process_set)
+                                for x, n, stands_in in zip(tensors, names, stand_ins)])
 
     # ---- allgather -----------------------------------------------------------------
 

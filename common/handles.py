@@ -159,3 +159,10 @@ def join_rank(handle_id):
     out = ffi.new("int*")
     basics.check(lib.unison_handle_join_rank(handle_id, out))
     return out[0]
+
+
+def unused_everywhere(handle_id):
+    """Whether every rank's contribution to a completed allreduce was a placeholder."""
+    out = ffi.new("int*")
+    basics.check(lib.unison_handle_unused(handle_id, out))
+    return bool(out[0])

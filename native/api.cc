@@ -294,6 +294,13 @@ int unison_handle_join_rank(unison_handle handle, int* last_rank) {
   }));
 }
 
+int unison_handle_unused(unison_handle handle, int* unused) {
+  if (forked_from != 0) return refuse_in_forked_child();
+  return report(handles.with_result(handle, [&](const Status&, const OpResult& result) {
+    if (unused) *unused = result.unused_everywhere ? 1 : 0;
+  }));
+}
+
 int unison_release(unison_handle handle) {
   if (forked_from != 0) return refuse_in_forked_child();
   return report(handles.release(handle));

@@ -189,6 +189,18 @@ Response Coordinator::build(const Pending& p) const {
       return fail("splits (the rows each rank receives)", [](const Request& r) { return shape_string(r.splits); });
     plan.splits = first.splits;
   }
+  if (first.op == UNISON_ALLREDUCE) {
+    // A joined rank adds zeros too: it has no tensor of its own either.
+    bool any_placeholder = false, all_placeholders = true;
+    for (const Request* r : present) {
+      any_placeholder |= r->placeholder;
+      all_placeholders &= r->placeholder;
+    }
+    response.unused_everywhere = all_placeholders;
+    // The next step's placeholders may differ; a response with any is
+    // negotiated afresh each time rather than remembered.
+    if (any_placeholder) response.cacheable = false;
+  }
   response.tensors.push_back(plan);
   return response;
 }

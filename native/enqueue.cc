@@ -63,6 +63,7 @@ Status Engine::enqueue(const unison_op_options& o, int64_t* handle) {
   r.postscale = o.postscale_factor == 0.0 ? 1.0 : o.postscale_factor;
   r.root = o.root_rank;
   r.device = o.device;
+  r.placeholder = o.placeholder != 0;
   e.process_set = o.process_set_id;
   e.input = o.input;
   e.output = o.output;
@@ -116,6 +117,8 @@ Status Engine::enqueue(const unison_op_options& o, int64_t* handle) {
     if ((o.op == UNISON_ALLGATHER || o.op == UNISON_ALLTOALL || o.op == UNISON_REDUCESCATTER) && o.ndim == 0)
       return invalid(what() + ": needs a tensor with at least one dimension, got a scalar");
   }
+  if (o.placeholder != 0 && o.op != UNISON_ALLREDUCE)
+    return invalid(what() + ": only an allreduce takes a placeholder contribution");
   if (o.op == UNISON_ALLREDUCE || o.op == UNISON_REDUCESCATTER) {
     if (o.reduce_op < UNISON_SUM || o.reduce_op > UNISON_ADASUM)
       return invalid(what() + ": unknown reduce op " + std::to_string(o.reduce_op));

@@ -243,6 +243,7 @@ void Engine::execute(ProcessSetState& set, const std::vector<const Response*>& g
           results[i].data = e->output;
           results[i].bytes = (int64_t)bytes;
           results[i].shape = t.shape;
+          results[i].unused_everywhere = group[i]->unused_everywhere;
           o.segments.push_back({e->input, e->output, bytes});
         } else {
           char* z = zeros(bytes);

@@ -76,15 +76,18 @@ void put_request(Writer& w, const Request& r) {
   w.put<int32_t>(r.root);
   w.put_vector(r.splits);
   w.put<int32_t>(r.device);
+  w.put<uint8_t>(r.placeholder ? 1 : 0);
 }
 
 bool get_request(Reader& rd, Request* r) {
   int32_t rank = 0, op = 0, dtype = 0, reduce_op = 0, root = 0, device = 0;
+  uint8_t placeholder = 0;
   bool ok = rd.get(&rank) && rd.get(&op) && rd.get_string(&r->name) && rd.get(&dtype) &&
             rd.get_vector(&r->shape) && rd.get(&reduce_op) && rd.get(&r->prescale) &&
-            rd.get(&r->postscale) && rd.get(&root) && rd.get_vector(&r->splits) && rd.get(&device);
+            rd.get(&r->postscale) && rd.get(&root) && rd.get_vector(&r->splits) && rd.get(&device) &&
+            rd.get(&placeholder);
   r->rank = rank; r->op = op; r->dtype = dtype; r->reduce_op = reduce_op; r->root = root;
-  r->device = device;
+  r->device = device; r->placeholder = placeholder != 0;
   return ok;
 }
 
@@ -99,7 +102,7 @@ void put_response(Writer& w, const Response& r) {
   w.put<int32_t>(r.error_code);
   w.put_string(r.error);
   w.put<int32_t>(r.last_joined_rank);
-  w.put<uint8_t>(r.cacheable ? 1 : 0);
+  w.put<uint8_t>((r.cacheable ? 1 : 0) | (r.unused_everywhere ? 2 : 0));
   w.put<uint32_t>((uint32_t)r.tensors.size());
   for (const TensorPlan& t : r.tensors) {
     w.put_string(t.name);
@@ -118,7 +121,9 @@ bool get_response(Reader& rd, Response* r) {
         rd.get_string(&r->error) && rd.get(&last) && rd.get(&cacheable) && rd.get(&n)))
     return false;
   r->op = op; r->dtype = dtype; r->reduce_op = reduce_op; r->root = root; r->device = device;
-  r->error_code = error_code; r->last_joined_rank = last; r->cacheable = cacheable != 0;
+  r->error_code = error_code; r->last_joined_rank = last;
+  r->cacheable = (cacheable & 1) != 0;
+  r->unused_everywhere = (cacheable & 2) != 0;
   r->tensors.resize(n);
   for (TensorPlan& t : r->tensors) {
     if (!(rd.get_string(&t.name) && rd.get_vector(&t.shape) && rd.get_vector(&t.first_dims) &&

@@ -7,6 +7,9 @@ namespace {
 
 // Whether `request` is what `rank` would send for the cached response.
 bool matches(const Response& cached, const Request& request, int size) {
+  // A placeholder is negotiated in full: whether every rank's is one is
+  // for the coordinator to see.
+  if (request.placeholder) return false;
   if (cached.op != request.op || cached.dtype != request.dtype || cached.device != request.device)
     return false;
   const TensorPlan& plan = cached.tensors[0];

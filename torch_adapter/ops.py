@@ -255,6 +255,20 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
                                           in_place=True)
 
 
+# DistributedOptimizer's allreduces of gradients this rank did not compute:
+# zeros stand in for them, and the result is None where no rank computed
+# one (FrontEnd.allreduce_placeholder_async_). Not Horovod's API.
+
+def placeholder_allreduce_async_(tensor, name, op, prescale_factor, postscale_factor, process_set):
+    return _front.allreduce_placeholder_async_(tensor, name, op, prescale_factor, postscale_factor, process_set)
+
+
+def grouped_gradient_allreduce_async_(tensors, name, op, prescale_factor, postscale_factor, process_set,
+                                      placeholders):
+    return _front.grouped_allreduce_async(tensors, name, op, prescale_factor, postscale_factor, process_set,
+                                          in_place=True, placeholders=placeholders)
+
+
 def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
                       prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
     """Each tensor reduced across ranks; enqueued together so they fuse. Differentiable."""

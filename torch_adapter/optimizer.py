@@ -22,8 +22,8 @@ from unison.handles import synchronize as _wait
 from unison import process_sets
 from unison.process_sets import global_process_set
 from unison.torch.compression import Compression
-from unison.torch.ops import (Adasum, Average, allreduce_, allreduce_async_, grouped_allreduce_async_,
-                              sparse_allreduce_async)
+from unison.torch.ops import (Adasum, Average, allreduce_, allreduce_async_, grouped_gradient_allreduce_async_,
+                              placeholder_allreduce_async_, sparse_allreduce_async)
 
 
 # Each gradient's allreduce reads and writes its .grad in place, from the
@@ -181,15 +181,16 @@ class _DistributedOptimizer(_TrackedParameters):
 
     def _start_group(self, group):
         members = [p for p in self._group_members[group] if self._takes_part(p)]
-        tensors, started = [], []
+        tensors, placeholders, started = [], [], []
         for p in members:
+            placeholders.append(p.grad is None)
             tensor, ctx, sent = self._wire_tensor(p)
             tensors.append(tensor)
             started.append((ctx, sent))
         prescale, postscale = self._scale_factors()
         name = "allreduce.group." + self._parameter_names[members[0]]
-        group_handle = grouped_allreduce_async_(tensors, op=self._op, name=name, prescale_factor=prescale,
-                                                postscale_factor=postscale, process_set=self._process_set)
+        group_handle = grouped_gradient_allreduce_async_(tensors, name, self._op, prescale, postscale,
+                                                         self._process_set, placeholders)
         for p, h, (ctx, sent) in zip(members, group_handle.handles, started):
             self._handles[p] = (h, ctx, sent)
 
@@ -199,7 +200,11 @@ class _DistributedOptimizer(_TrackedParameters):
     def _wire_tensor(self, p):
         if p.grad is None:
             # A parameter this rank did not use still takes part: every rank
-            # must allreduce the same names, or the others wait forever.
+            # must allreduce the same names, or the others wait forever. Its
+            # zeros go as a placeholder: where no rank used the parameter,
+            # the allreduce says so and synchronize() leaves it without a
+            # gradient, as one process would (momentum and weight decay
+            # would move it on zeros).
             p.grad = torch.zeros_like(p)
         if p.grad.is_sparse and self._sparse_as_dense:
             p.grad = p.grad.to_dense()
@@ -210,10 +215,14 @@ class _DistributedOptimizer(_TrackedParameters):
         name = "allreduce." + self._parameter_names[p]
         if p.grad is not None and p.grad.is_sparse and not self._sparse_as_dense:
             return sparse_allreduce_async(p.grad, name, self._op, self._process_set), "sparse", None
+        placeholder = p.grad is None
         tensor, ctx, sent = self._wire_tensor(p)
         prescale, postscale = self._scale_factors()
-        handle = allreduce_async_(tensor, name=name, op=self._op, prescale_factor=prescale,
-                                  postscale_factor=postscale, process_set=self._process_set)
+        if placeholder:
+            handle = placeholder_allreduce_async_(tensor, name, self._op, prescale, postscale, self._process_set)
+        else:
+            handle = allreduce_async_(tensor, name=name, op=self._op, prescale_factor=prescale,
+                                      postscale_factor=postscale, process_set=self._process_set)
         return handle, ctx, sent
 
     # ---- the optimizer API -------------------------------------------------------
@@ -262,6 +271,8 @@ class _DistributedOptimizer(_TrackedParameters):
                 p.grad = result
             elif changed_in_flight:
                 changed.append(self._parameter_names[p])
+            elif result is None:
+                p.grad = None   # no rank used it: no gradient, as in one process
             else:
                 restored = self._compression.decompress(result, ctx)
                 if restored.data_ptr() != p.grad.data_ptr():

@@ -283,6 +283,34 @@ def test_joined_rank_contributes_zeros():
     assert unp.allreduce(np.ones(2), op=unison.Sum, name="after.join")[0] == n
 
 
+def test_placeholder_contributions_say_when_no_rank_had_the_tensor():
+    # DistributedOptimizer's zeros for a gradient this rank did not compute
+    # (unison.h's placeholder): where every rank's is one, the allreduce
+    # reports it (None) instead of a tensor of zeros; where some rank had
+    # the tensor, the placeholders count as zeros. Repeated under one name,
+    # so that a negotiated (and cached) real response meets placeholders.
+    from unison.numpy import front_end
+    n, me = unison.size(), unison.rank()
+    for step, holders in enumerate([set(range(n)), {0}, set(), set(range(n)), set(), {n - 1}]):
+        x = np.full(5, float(me + 1)) if me in holders else np.zeros(5)
+        if me in holders:
+            out = unp.synchronize(unp.allreduce_async_(x, name="placeholder.grad", op=unp.Sum))
+        else:
+            out = unp.synchronize(front_end.allreduce_placeholder_async_(x, "placeholder.grad", unp.Sum))
+        if holders:
+            assert out is x, step
+            np.testing.assert_array_equal(out, np.full(5, float(sum(r + 1 for r in holders))))
+        else:
+            assert out is None, step
+    from unison import collective
+    from unison._native import lib
+    buffer = np.zeros(1)
+    pointer = front_end.tensors.pointer(buffer)
+    with pytest.raises(unison.InvalidArgumentError, match="broadcast 'placeholder.bc': only an allreduce takes a"):
+        collective.enqueue(lib.UNISON_BROADCAST, "placeholder.bc", lib.UNISON_FLOAT64, (1,), pointer, pointer,
+                           placeholder=True)
+
+
 def test_while_a_rank_has_joined_only_allreduce_runs():
     # As Horovod: allgather, broadcast, alltoall and reducescatter fail on
     # every rank that called them, naming the joined rank; allreduce goes on

@@ -554,3 +554,58 @@ def test_a_step_with_a_closure_averages_each_evaluation_and_matches_one_process(
     assert_same(model, [p.detach() for p in reference.parameters()], atol=1e-10)
     assert losses == pytest.approx(reference_losses, abs=1e-10)
     assert hvd.allgather_object(losses) == [losses] * hvd.size()
+
+
+class WithUnusedLayers(torch.nn.Module):
+    """A model with a layer no step uses (as a BERT pooler under token
+    classification) and one that only some rows use, some steps."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(7)
+        self.a = torch.nn.Linear(6, 8)
+        self.b = torch.nn.Linear(8, 3)
+        self.pooler = torch.nn.Linear(8, 8)
+        self.extra = torch.nn.Linear(8, 3)
+
+    def forward(self, x, extra_rows):
+        h = torch.tanh(self.a(x))
+        out = self.b(h)
+        if extra_rows.any():
+            out = out + self.extra(h) * extra_rows.unsqueeze(1)
+        return out
+
+
+# Which ranks' rows use `extra` at each step: rank 0's only, none, all, none.
+EXTRA_BY_STEP = [lambda r: r == 0, lambda r: False, lambda r: True, lambda r: False]
+
+
+@pytest.mark.parametrize("options", [{}, {"groups": 2}], ids=["alone", "groups"])
+def test_parameters_no_rank_used_are_left_without_a_gradient_as_in_one_process(options):
+    # Horovod averaged zeros for them, and AdamW's weight decay (and its
+    # moments, once it had any) then moved parameters one process leaves
+    # alone; a parameter only some ranks used is averaged with zeros.
+    n = hvd.size()
+
+    def train(distributed):
+        model = WithUnusedLayers().double()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+        if distributed:
+            optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), **options)
+        grads_after = []
+        for step, uses_extra in enumerate(EXTRA_BY_STEP):
+            x, y = batch(step)
+            rows = torch.tensor([uses_extra(i // ROWS_PER_RANK) for i in range(n * ROWS_PER_RANK)],
+                                dtype=torch.float64)
+            if distributed:
+                x, y, rows = my_rows(x), my_rows(y), my_rows(rows)
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(model(x, rows), y).backward()
+            optimizer.step()
+            grads_after.append((model.pooler.weight.grad is None, model.extra.weight.grad is None))
+        return model, grads_after
+
+    reference, reference_grads = train(False)
+    model, grads = train(True)
+    assert_same(model, [p.detach() for p in reference.parameters()], atol=1e-12)
+    assert grads == reference_grads == [(True, False), (True, True), (True, False), (True, True)]
