@@ -320,11 +320,14 @@ class FrontEnd:
     # ---- reducescatter ----------------------------------------------------------------
 
     def reducescatter_async(self, tensor, name=None, op=Average, prescale_factor=1.0, postscale_factor=1.0,
-                            process_set=None, splits=None, output=None):
+                            process_set=None, splits=None, output=None, placeholder=False):
         """This rank's rows of the reduction: an even share of the first
         dimension (the lower ranks take one more where it does not divide),
         or splits[rank] rows where `splits` gives every rank's count (the
-        same list on every rank); in a new tensor, or in `output`."""
+        same list on every rank); in a new tensor, or in `output`. With
+        placeholder, `tensor` is zeros standing in for one this rank does not
+        have, and the result is None where no rank had it (as
+        allreduce_placeholder_async_)."""
         prepared = self.prepare("reducescatter", tensor, name, op, prescale_factor, postscale_factor)
         counts = arguments.split_counts(splits, name, "reducescatter")
         source = self.tensors.readable(tensor)
@@ -333,7 +336,14 @@ class FrontEnd:
                                        self.tensors.pointer(source), target, reduce_op=op,
                                        prescale_factor=prescale_factor, postscale_factor=postscale_factor,
                                        splits=counts, process_set=process_set,
-                                       placement=self.tensors.placement(source), output_bytes=capacity)
+                                       placement=self.tensors.placement(source), output_bytes=capacity,
+                                       placeholder=placeholder)
+        if placeholder:
+            result = (lambda _: output) if output is not None else self._core_result(tensor)
+
+            def finish(hid):
+                return None if _handles.unused_everywhere(hid) else result(hid)
+            return Handle(handle_id, name, (tensor, source, output), finish)
         if output is not None:
             return Handle(handle_id, name, (tensor, source, output), None, output)
         return Handle(handle_id, name, (tensor, source), self._core_result(tensor))

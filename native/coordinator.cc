@@ -189,7 +189,7 @@ Response Coordinator::build(const Pending& p) const {
       return fail("splits (the rows each rank receives)", [](const Request& r) { return shape_string(r.splits); });
     plan.splits = first.splits;
   }
-  if (first.op == UNISON_ALLREDUCE) {
+  if (reduces) {
     // A joined rank adds zeros too: it has no tensor of its own either.
     bool any_placeholder = false, all_placeholders = true;
     for (const Request* r : present) {

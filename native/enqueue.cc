@@ -117,8 +117,8 @@ Status Engine::enqueue(const unison_op_options& o, int64_t* handle) {
     if ((o.op == UNISON_ALLGATHER || o.op == UNISON_ALLTOALL || o.op == UNISON_REDUCESCATTER) && o.ndim == 0)
       return invalid(what() + ": needs a tensor with at least one dimension, got a scalar");
   }
-  if (o.placeholder != 0 && o.op != UNISON_ALLREDUCE)
-    return invalid(what() + ": only an allreduce takes a placeholder contribution");
+  if (o.placeholder != 0 && o.op != UNISON_ALLREDUCE && o.op != UNISON_REDUCESCATTER)
+    return invalid(what() + ": only an allreduce or a reducescatter takes a placeholder contribution");
   if (o.op == UNISON_ALLREDUCE || o.op == UNISON_REDUCESCATTER) {
     if (o.reduce_op < UNISON_SUM || o.reduce_op > UNISON_ADASUM)
       return invalid(what() + ": unknown reduce op " + std::to_string(o.reduce_op));

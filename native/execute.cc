@@ -329,6 +329,7 @@ void Engine::execute(ProcessSetState& set, const std::vector<const Response*>& g
                                    : output_buffer(memory, nullptr, 0, part.bytes_per_rank[rank], &results[i]);
         results[i].shape = t.shape;
         results[i].shape[0] = t.splits[rank];
+        results[i].unused_everywhere = group[i]->unused_everywhere;
         o.tensors.push_back(part);
       }
       status = memory.failure().ok() ? backend->reducescatter(o) : memory.failure();

@@ -20,7 +20,7 @@ struct OpResult {
   std::vector<int64_t> shape;
   std::vector<int64_t> received_splits;
   int join_rank = -1;
-  bool unused_everywhere = false;  // allreduce: every rank's contribution was a placeholder
+  bool unused_everywhere = false;  // allreduce, reducescatter: every rank's contribution was a placeholder
   int process_set_id = -1;  // add_process_set: the new set
 };
 

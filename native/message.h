@@ -26,7 +26,7 @@ struct Request {
   // set's global ranks. remove_process_set carries the set's id as root.
   std::vector<int64_t> splits;
   int device = -1;
-  bool placeholder = false;  // allreduce: zeros for a tensor this rank does not have
+  bool placeholder = false;  // allreduce, reducescatter: zeros for a tensor this rank does not have
 };
 
 // One tensor of an agreed response, with what each rank contributes.
@@ -51,7 +51,7 @@ struct Response {
   std::string error;
   int last_joined_rank = -1;  // join
   bool cacheable = true;
-  bool unused_everywhere = false;  // allreduce: every contribution was a placeholder
+  bool unused_everywhere = false;  // allreduce, reducescatter: every contribution was a placeholder
   std::vector<TensorPlan> tensors;
 
   bool is_error() const { return error_code != 0; }

@@ -129,9 +129,9 @@ typedef struct {
      not offered for negotiation; the timeline shows the wait as
      WAIT_FOR_DATA. The int must outlive the op. */
   const int32_t* input_ready;
-  /* Allreduce: non-zero when this rank has no tensor of its own under this
-     name (a parameter it did not use this step) and contributes the zeros
-     in `input`. Where every rank's contribution is a placeholder, no rank
+  /* Allreduce and reducescatter: non-zero when this rank has no tensor of
+     its own under this name (a parameter it did not use this step) and
+     contributes the zeros in `input`. Where every rank's contribution is a placeholder, no rank
      had the tensor, which is not the same as a tensor of zeros: the op
      completes with unison_handle_unused() set, so that the caller can leave
      it absent, as one process would have. */
@@ -224,7 +224,7 @@ int unison_add_process_set(const int* ranks, int nranks, int* process_set_id);
 int unison_remove_process_set(int process_set_id);
 /* Join: the last rank to join. */
 int unison_handle_join_rank(unison_handle handle, int* last_rank);
-/* Allreduce: 1 when every rank's contribution was a placeholder. */
+/* Allreduce, reducescatter: 1 when every rank's contribution was a placeholder. */
 int unison_handle_unused(unison_handle handle, int* unused);
 int unison_release(unison_handle handle);
 void unison_free(void* data);

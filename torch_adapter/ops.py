@@ -255,12 +255,16 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
                                           in_place=True)
 
 
-# DistributedOptimizer's allreduces of gradients this rank did not compute:
+# The optimizers' reductions of gradients this rank did not compute:
 # zeros stand in for them, and the result is None where no rank computed
 # one (FrontEnd.allreduce_placeholder_async_). Not Horovod's API.
 
 def placeholder_allreduce_async_(tensor, name, op, prescale_factor, postscale_factor, process_set):
     return _front.allreduce_placeholder_async_(tensor, name, op, prescale_factor, postscale_factor, process_set)
+
+
+def placeholder_reducescatter_async(tensor, name, op, process_set, splits, output):
+    return _front.reducescatter_async(tensor, name, op, 1.0, 1.0, process_set, splits, output, placeholder=True)
 
 
 def grouped_gradient_allreduce_async_(tensors, name, op, prescale_factor, postscale_factor, process_set,

@@ -36,7 +36,7 @@ import torch
 from unison.handles import synchronize
 from unison.process_sets import global_process_set
 from unison.torch.functions import allgather_object
-from unison.torch.ops import Average, allgather_async, reducescatter_async
+from unison.torch.ops import Average, allgather_async, placeholder_reducescatter_async, reducescatter_async
 
 _instances = itertools.count()   # names ops per optimizer; ranks build theirs in the same order
 
@@ -190,8 +190,14 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         output = self._averaged.get(p)
         if output is not None and output.data_ptr() == flat.data_ptr():
             output = None   # last step's average, accumulated into in place (zero_grad(set_to_none=False))
-        handle = reducescatter_async(flat, name=self._prefix + "grad.%d" % self._index[p], op=Average,
-                                     process_set=self._process_set, splits=splits, output=output)
+        name = self._prefix + "grad.%d" % self._index[p]
+        if p.grad is None:
+            # Zeros standing in: where no rank used p, the owner leaves it
+            # without a gradient, as one process would (DistributedOptimizer's rule).
+            handle = placeholder_reducescatter_async(flat, name, Average, self._process_set, splits, output)
+        else:
+            handle = reducescatter_async(flat, name=name, op=Average, process_set=self._process_set, splits=splits,
+                                         output=output)
         self._in_flight[p] = (handle, p.grad, p.grad._version if p.grad is not None else None)
 
     def _wait_in_flight(self):
@@ -225,7 +231,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         for p, averaged in self._wait_in_flight().items():
             if self._owner[p] == me:
                 replaced.append(p.grad)
-                p.grad = averaged.view_as(p)
+                p.grad = None if averaged is None else averaged.view_as(p)
         # The gradients backward made for this rank's parameters are freed
         # with the others, in zero_grad(), not here: freed mid-step, their
         # memory went to the next forward's activations, and the next

@@ -306,7 +306,7 @@ def test_placeholder_contributions_say_when_no_rank_had_the_tensor():
     from unison._native import lib
     buffer = np.zeros(1)
     pointer = front_end.tensors.pointer(buffer)
-    with pytest.raises(unison.InvalidArgumentError, match="broadcast 'placeholder.bc': only an allreduce takes a"):
+    with pytest.raises(unison.InvalidArgumentError, match="broadcast 'placeholder.bc': only an allreduce or a reducescatter takes a"):
         collective.enqueue(lib.UNISON_BROADCAST, "placeholder.bc", lib.UNISON_FLOAT64, (1,), pointer, pointer,
                            placeholder=True)
 
