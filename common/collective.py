@@ -79,8 +79,8 @@ def enqueue(op, name, dtype=0, shape=(), input=NULL, output=NULL, reduce_op=0,
     `name` may be None for an automatically numbered one; `shape` a tuple
     (or list) of ints; placement, (CUDA device, cffi pointer to the stream
     that produces the input and uses the output) for GPU tensors, HOST for
-    host memory; placeholder, for an allreduce whose input is zeros standing
-    in for a tensor this rank does not have (unison.h)."""
+    host memory; placeholder, for an allreduce or reducescatter whose input
+    is zeros standing in for a tensor this rank does not have (unison.h)."""
     scratch = _scratch
     device = placement[0]
     if not isinstance(shape, tuple):

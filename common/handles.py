@@ -162,7 +162,8 @@ def join_rank(handle_id):
 
 
 def unused_everywhere(handle_id):
-    """Whether every rank's contribution to a completed allreduce was a placeholder."""
+    """Whether every rank's contribution to a completed allreduce (or
+    reducescatter) was a placeholder: no rank had the tensor."""
     out = ffi.new("int*")
     basics.check(lib.unison_handle_unused(handle_id, out))
     return bool(out[0])

@@ -114,16 +114,16 @@ void put_response(Writer& w, const Response& r) {
 
 bool get_response(Reader& rd, Response* r) {
   int32_t op = 0, dtype = 0, reduce_op = 0, root = 0, device = 0, error_code = 0, last = 0;
-  uint8_t cacheable = 0;
+  uint8_t flags = 0;
   uint32_t n;
   if (!(rd.get(&op) && rd.get(&dtype) && rd.get(&reduce_op) && rd.get(&r->prescale) &&
         rd.get(&r->postscale) && rd.get(&root) && rd.get(&device) && rd.get(&error_code) &&
-        rd.get_string(&r->error) && rd.get(&last) && rd.get(&cacheable) && rd.get(&n)))
+        rd.get_string(&r->error) && rd.get(&last) && rd.get(&flags) && rd.get(&n)))
     return false;
   r->op = op; r->dtype = dtype; r->reduce_op = reduce_op; r->root = root; r->device = device;
   r->error_code = error_code; r->last_joined_rank = last;
-  r->cacheable = (cacheable & 1) != 0;
-  r->unused_everywhere = (cacheable & 2) != 0;
+  r->cacheable = (flags & 1) != 0;
+  r->unused_everywhere = (flags & 2) != 0;
   r->tensors.resize(n);
   for (TensorPlan& t : r->tensors) {
     if (!(rd.get_string(&t.name) && rd.get_vector(&t.shape) && rd.get_vector(&t.first_dims) &&
