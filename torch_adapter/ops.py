@@ -40,6 +40,14 @@ class _DeviceResult:
                                          "data": (int(ffi.cast("uintptr_t", owned)), False)}
 
 
+def _sign_in_a_flag(tensor):
+    """Whether `tensor` is a conjugate or negative view (z.conj(),
+    z.conj().imag): torch keeps the sign of its values in a flag, not in
+    memory, and the core reads and writes memory. Such a view is always a
+    view, so a tensor with no _base is never one."""
+    return tensor.is_conj() or tensor.is_neg()
+
+
 class TorchTensors(frontend.Tensors):
     """Torch tensors, on the CPU or a CUDA device, for the shared front end."""
 
@@ -56,6 +64,9 @@ class TorchTensors(frontend.Tensors):
         if not (tensor.is_cpu or tensor.is_cuda):   # two flags: reading .device.type builds an object per call
             raise UnsupportedError("unison: tensor %s is on %s; unison moves CPU and CUDA tensors"
                                    % (_label(name), tensor.device))
+        if tensor.is_nested:
+            raise InvalidArgumentError("unison: tensor %s is a nested tensor; pass a dense one (its components, "
+                                       "or torch.nested.to_padded_tensor)" % _label(name))
         if tensor.layout != torch.strided:
             raise InvalidArgumentError("unison: tensor %s has layout %s; pass a dense tensor (or use "
                                        "sparse_allreduce_async)" % (_label(name), tensor.layout))
@@ -67,6 +78,8 @@ class TorchTensors(frontend.Tensors):
         return device, ffi.cast("void*", torch.cuda.current_stream(device).cuda_stream)
 
     def readable(self, tensor):
+        if tensor._base is not None and _sign_in_a_flag(tensor):
+            return tensor.detach().resolve_conj().resolve_neg().contiguous()
         return tensor.detach().contiguous()
 
     def shape(self, tensor):
@@ -83,9 +96,9 @@ class TorchTensors(frontend.Tensors):
         # copied back when the op completes. A contiguous one is its own
         # buffer: the core writes it through its pointer, which autograd
         # never sees, so no detached alias is needed.
-        if tensor.is_contiguous():
+        if tensor.is_contiguous() and not (tensor._base is not None and _sign_in_a_flag(tensor)):
             return tensor, None
-        target = tensor.detach().contiguous()
+        target = self.readable(tensor)
 
         def finish(_):
             with torch.no_grad():
@@ -94,9 +107,11 @@ class TorchTensors(frontend.Tensors):
         return target, finish
 
     def in_place(self, tensor, name):
-        # A contiguous dense CPU tensor, every gradient's case, in as few
-        # reads of its attributes as it takes; the rest go the general way.
-        if type(tensor) is torch.Tensor and tensor.is_cpu and tensor.layout == _STRIDED and tensor.is_contiguous():
+        # A contiguous dense CPU tensor that is no view, every gradient's
+        # case, in as few reads of its attributes as it takes; the rest go
+        # the general way (views, for _sign_in_a_flag).
+        if (type(tensor) is torch.Tensor and tensor.is_cpu and tensor.layout == _STRIDED and tensor._base is None
+                and tensor.is_contiguous()):
             pointer = ffi.cast(_VOID_P, tensor.data_ptr()) if tensor.numel() else ffi.NULL
             return tensor, None, tensor.dtype, tensor.shape, pointer, _HOST
         return super().in_place(tensor, name)

@@ -147,6 +147,33 @@ def test_a_collective_in_a_fullgraph_compile_is_refused_naming_it():
     exact(hvd.allreduce(torch.ones(2), op=hvd.Sum, name="after.full"), torch.full((2,), float(hvd.size())))
 
 
+def test_conjugate_and_negative_views_are_reduced_by_their_values():
+    # torch keeps the sign of a conjugate view's values (z.conj()) and of a
+    # negative one (z.conj().imag) in a flag, not in memory; the core reads
+    # memory. Even ranks pass views, odd ones plain tensors of the same values.
+    r, n = hvd.rank(), hvd.size()
+
+    def values(k):
+        return torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64) * (k + 1)
+
+    def as_passed(k, z):   # z.conj()'s values, as a view on even ranks
+        return z.conj() if k % 2 == 0 else z.conj().resolve_conj()
+    mine = as_passed(r, values(r))
+    total = sum(values(k) for k in range(n)).conj()
+    exact(hvd.allreduce(mine, op=hvd.Sum, name="conj.sum").resolve_conj(), total)
+    exact(hvd.allgather(mine, name="conj.gather").resolve_conj(), torch.cat([values(k).conj() for k in range(n)]))
+    exact(hvd.broadcast(mine, 0, name="conj.bcast").resolve_conj(), values(0).conj())
+    buffer = as_passed(r, values(r).clone())
+    assert hvd.allreduce_(buffer, op=hvd.Sum, name="conj.in.place") is buffer
+    exact(buffer.resolve_conj(), total)
+    # A negative view under an op whose result is not linear in the signs.
+    z = values(r).clone()
+    negative = z.conj().imag if r % 2 == 0 else z.conj().imag.resolve_neg()
+    hvd.allreduce_(negative, op=hvd.Max, name="neg.max")
+    # Rank k's values are [-2 (k + 1), k + 1]: the largest, rank 0's first and rank n-1's second.
+    exact(negative.resolve_neg(), torch.tensor([-2.0, float(n)]))
+
+
 def test_join_and_barrier():
     hvd.barrier()
     assert hvd.join() in range(hvd.size())
@@ -191,6 +218,8 @@ def test_wrong_types_are_refused_before_negotiation():
         hvd.allreduce_async(torch.ones(2).to(torch.float8_e4m3fn), name="float8")
     with pytest.raises(ValueError, match="scalar"):
         hvd.allgather(torch.tensor(1.0), name="scalar")
+    with pytest.raises(ValueError, match="'nested' is a nested tensor; pass a dense one"):
+        hvd.allreduce(torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), name="nested")
     with pytest.raises(hvd.UnisonError, match="Sum, Average and Adasum"):
         x = torch.ones(2, requires_grad=True)
         hvd.allreduce(x, op=hvd.Max, name="max.grad").sum().backward()
