@@ -137,7 +137,7 @@ class _DistributedOptimizer(_TrackedParameters):
     def _takes_part(self, p):
         # A parameter that requires a gradient takes part even when this
         # rank did not use it: every rank must allreduce the same names, or
-        # the others wait forever (its gradient counts as zero, as Horovod's).
+        # the others wait forever (its zeros go as a placeholder: _wire_tensor).
         return p in self._handles or p.requires_grad
 
     def _added(self, p):
