@@ -287,6 +287,16 @@ class _DistributedOptimizer(_TrackedParameters):
                                                              if len(changed) > 5 else ""))
         self._synchronized = True
 
+    def set_backward_passes_per_step(self, passes):
+        """Horovod's: backward_passes_per_step from the next pass on (an
+        elastic job keeping its global batch as ranks come and go). Every
+        parameter's count starts again, as in Horovod."""
+        if passes < 1:
+            raise ValueError("backward_passes_per_step must be at least 1, got %r" % (passes,))
+        self.backward_passes_per_step = passes
+        for p in self._allreduce_delay:
+            self._allreduce_delay[p] = passes
+
     @contextlib.contextmanager
     def skip_synchronize(self):
         """For clipping: call synchronize(), clip, then step() inside this."""
@@ -382,6 +392,11 @@ class _DistributedAdasumOptimizer(_TrackedParameters):
 
     def synchronize(self):
         pass  # gradients stay local; step() combines the updates
+
+    def set_backward_passes_per_step(self, passes):
+        if passes < 1:
+            raise ValueError("backward_passes_per_step must be at least 1, got %r" % (passes,))
+        self.backward_passes_per_step = passes   # each rank steps on its own gradients, however accumulated
 
     @contextlib.contextmanager
     def skip_synchronize(self):

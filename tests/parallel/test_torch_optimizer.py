@@ -83,6 +83,28 @@ def test_backward_passes_per_step_2(make_optimizer):
     assert_same(model, reference(make_optimizer))
 
 
+def test_set_backward_passes_per_step_changes_the_count_from_the_next_step():
+    # Horovod's method, for elastic jobs that keep their global batch: two
+    # passes a step, then one, as distributed(passes=...) runs them.
+    model = make_model()
+    optimizer = hvd.DistributedOptimizer(SGD(model.parameters()), named_parameters=model.named_parameters(),
+                                         backward_passes_per_step=2)
+    for step in range(STEPS):
+        if step == 2:
+            optimizer.set_backward_passes_per_step(1)
+        passes = optimizer.backward_passes_per_step
+        x, y = batch(step)
+        x, y = my_rows(x), my_rows(y)
+        optimizer.zero_grad()
+        for part in range(passes):
+            rows = slice(part * ROWS_PER_RANK // passes, (part + 1) * ROWS_PER_RANK // passes)
+            (torch.nn.functional.mse_loss(model(x[rows]), y[rows]) / passes).backward()
+        optimizer.step()
+    assert_same(model, reference(SGD), atol=1e-12)
+    with pytest.raises(ValueError, match="at least 1, got 0"):
+        optimizer.set_backward_passes_per_step(0)
+
+
 def test_fp16_compression_is_close():
     model, _ = distributed(SGD, dtype=torch.float32, compression=hvd.Compression.fp16)
     assert_same(model, reference(SGD, dtype=torch.float32), atol=2e-3)
