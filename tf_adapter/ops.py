@@ -167,8 +167,22 @@ def _run(fn, inputs, out_dtypes, kind, name=_NO_TENSOR):
     return list(outputs)
 
 
-def _tensors(values):
-    return [tf.convert_to_tensor(v) for v in values]
+def _dense(value, name):
+    """`value` as a tensor. A ragged or sparse tensor is refused here,
+    naming it: the core moves dense memory, and TensorFlow's own error for
+    the conversion does not say which op or tensor it was."""
+    if isinstance(value, tf.RaggedTensor):
+        raise InvalidArgumentError("unison: tensor %s is a tf.RaggedTensor; pass a dense tensor (.to_tensor(), "
+                                   "or its .flat_values)" % _label(name))
+    if isinstance(value, tf.SparseTensor):
+        raise InvalidArgumentError("unison: tensor %s is a tf.SparseTensor; pass a dense tensor "
+                                   "(tf.sparse.to_dense)" % _label(name))
+    return tf.convert_to_tensor(value)
+
+
+def _tensors(values, name):
+    values = list(values)
+    return [_dense(v, n) for v, n in zip(values, _member_names(name, len(values)))]
 
 
 _member_names = arguments.member_names
@@ -304,7 +318,7 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="", compressi
     op = arguments.resolve_op(op, average)
     if isinstance(tensor, tf.IndexedSlices):
         return _sparse_allreduce(tensor, name, op, prescale_factor, postscale_factor, process_set)
-    tensor = tf.convert_to_tensor(tensor)
+    tensor = _dense(tensor, name)
     wire, ctx = compression.compress(tensor)
     reduced = _grouped_allreduce([wire], name, op, prescale_factor, postscale_factor, process_set)[0]
     return compression.decompress(reduced, ctx)
@@ -322,7 +336,7 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
                           postscale_factor=postscale_factor, name=arguments.member_name(name, i),
                           process_set=process_set)
                 for i, t in enumerate(tensors)]
-    wires, ctxs = zip(*[compression.compress(tf.convert_to_tensor(t)) for t in tensors])
+    wires, ctxs = zip(*[compression.compress(t) for t in _tensors(tensors, name)])
     reduced = _grouped_allreduce(list(wires), name, op, prescale_factor, postscale_factor, process_set)
     return [compression.decompress(r, c) for r, c in zip(reduced, ctxs)]
 
@@ -343,7 +357,7 @@ def _grouped_allgather_raw(tensors, name, process_set):
 def grouped_allgather(tensors, name=None, ignore_name_scope=False, process_set=global_process_set):
     """Each tensor concatenated across ranks on the first dimension, which
     may differ between ranks. Differentiable."""
-    tensors = _tensors(tensors)
+    tensors = _tensors(tensors, name)
     if not tensors:
         return []
     for t, n in zip(tensors, _member_names(name, len(tensors))):
@@ -375,7 +389,7 @@ def _broadcast_raw(tensors, root_rank, name, process_set):
 
 def broadcast(tensor, root_rank, name=None, ignore_name_scope=False, process_set=global_process_set):
     """root_rank's `tensor` on every rank. Differentiable."""
-    tensor = tf.convert_to_tensor(tensor)
+    tensor = _dense(tensor, name)
     _check(tensor, name)
     if not _needs_gradient([tensor]):
         return _broadcast_raw([tensor], root_rank, name, process_set)[0]
@@ -430,7 +444,7 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_se
     """Sends splits[i] rows of `tensor` to rank i (equal parts when None) and
     returns what every rank sent here, in rank order; with splits, also the
     rows received from each rank. Differentiable."""
-    tensor = tf.convert_to_tensor(tensor)
+    tensor = _dense(tensor, name)
     _check(tensor, name)
     arguments.check_has_rows("alltoall", tuple(tensor.shape), name)
     split_tensor = None if splits is None else tf.reshape(tf.convert_to_tensor(splits), [-1])
@@ -473,7 +487,7 @@ def grouped_reducescatter(tensors, op=Average, name=None, ignore_name_scope=Fals
     """Each tensor reduced across ranks; this rank keeps its rows of the
     first dimension (split as evenly as possible, the first ranks taking
     one more). Differentiable."""
-    tensors = _tensors(tensors)
+    tensors = _tensors(tensors, name)
     if not tensors:
         return []
     for t, n in zip(tensors, _member_names(name, len(tensors))):

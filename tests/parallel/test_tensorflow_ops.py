@@ -297,6 +297,13 @@ def test_unsupported_dtype_is_refused_here():
         hvd.allreduce(tf.cast(tf.ones([2]), tf.dtypes.experimental.float8_e4m3fn), name="f8")
     with pytest.raises(unison.InvalidArgumentError, match="at least one dimension"):
         hvd.allgather(tf.constant(1.0), name="scalar")
+    ragged, sparse = tf.ragged.constant([[1.0], [2.0, 3.0]]), tf.sparse.from_dense(tf.eye(2))
+    for collective in (hvd.allreduce, hvd.allgather, lambda t, name: hvd.broadcast(t, 0, name=name),
+                       hvd.alltoall, lambda t, name: hvd.grouped_allreduce([t], name=name)):
+        with pytest.raises(unison.InvalidArgumentError, match="'ragged' is a tf.RaggedTensor; pass a dense"):
+            collective(ragged, name="ragged")
+        with pytest.raises(unison.InvalidArgumentError, match="'sparse' is a tf.SparseTensor; pass a dense"):
+            collective(sparse, name="sparse")
 
 
 def test_horovods_mpi_ops_module_path():
