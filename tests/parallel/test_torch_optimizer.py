@@ -45,12 +45,15 @@ def reference(make_optimizer, dtype=torch.float64, steps=STEPS, clip=None):
     return [p.detach().clone() for p in model.parameters()]
 
 
-def distributed(make_optimizer, dtype=torch.float64, steps=STEPS, passes=1, **options):
+def distributed(make_optimizer, dtype=torch.float64, steps=STEPS, passes=1, before_step=None, **options):
     model = make_model(dtype)
     optimizer = hvd.DistributedOptimizer(make_optimizer(model.parameters()),
                                          named_parameters=model.named_parameters(),
                                          backward_passes_per_step=passes, **options)
     for step in range(steps):
+        if before_step is not None:
+            before_step(step, optimizer)
+        passes = optimizer.backward_passes_per_step
         x, y = batch(step, dtype)
         x, y = my_rows(x), my_rows(y)
         optimizer.zero_grad()
@@ -85,21 +88,12 @@ def test_backward_passes_per_step_2(make_optimizer):
 
 def test_set_backward_passes_per_step_changes_the_count_from_the_next_step():
     # Horovod's method, for elastic jobs that keep their global batch: two
-    # passes a step, then one, as distributed(passes=...) runs them.
-    model = make_model()
-    optimizer = hvd.DistributedOptimizer(SGD(model.parameters()), named_parameters=model.named_parameters(),
-                                         backward_passes_per_step=2)
-    for step in range(STEPS):
+    # passes a step, then one from the third step.
+    def from_the_third_step(step, optimizer):
         if step == 2:
             optimizer.set_backward_passes_per_step(1)
-        passes = optimizer.backward_passes_per_step
-        x, y = batch(step)
-        x, y = my_rows(x), my_rows(y)
-        optimizer.zero_grad()
-        for part in range(passes):
-            rows = slice(part * ROWS_PER_RANK // passes, (part + 1) * ROWS_PER_RANK // passes)
-            (torch.nn.functional.mse_loss(model(x[rows]), y[rows]) / passes).backward()
-        optimizer.step()
+    model, optimizer = distributed(SGD, passes=2, before_step=from_the_third_step)
+    assert optimizer.backward_passes_per_step == 1
     assert_same(model, reference(SGD), atol=1e-12)
     with pytest.raises(ValueError, match="at least 1, got 0"):
         optimizer.set_backward_passes_per_step(0)
