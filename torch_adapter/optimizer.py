@@ -183,9 +183,9 @@ class _DistributedOptimizer(_TrackedParameters):
         members = [p for p in self._group_members[group] if self._takes_part(p)]
         tensors, placeholders, started = [], [], []
         for p in members:
-            placeholders.append(p.grad is None)
-            tensor, ctx, sent = self._wire_tensor(p)
+            tensor, ctx, sent, placeholder = self._wire_tensor(p)
             tensors.append(tensor)
+            placeholders.append(placeholder)
             started.append((ctx, sent))
         prescale, postscale = self._scale_factors()
         name = "allreduce.group." + self._parameter_names[members[0]]
@@ -198,7 +198,10 @@ class _DistributedOptimizer(_TrackedParameters):
         return gradient_scaling(self._op, self._gradient_predivide_factor)
 
     def _wire_tensor(self, p):
-        if p.grad is None:
+        """(what goes on the wire, its compression context, sent, whether
+        it is a placeholder's zeros)."""
+        placeholder = p.grad is None
+        if placeholder:
             # A parameter this rank did not use still takes part: every rank
             # must allreduce the same names, or the others wait forever. Its
             # zeros go as a placeholder: where no rank used the parameter,
@@ -209,14 +212,13 @@ class _DistributedOptimizer(_TrackedParameters):
         if p.grad.is_sparse and self._sparse_as_dense:
             p.grad = p.grad.to_dense()
         tensor, ctx = self._compression.compress(p.grad)
-        return tensor, ctx, (p.grad, p.grad._version)
+        return tensor, ctx, (p.grad, p.grad._version), placeholder
 
     def _allreduce_grad_async(self, p):
         name = "allreduce." + self._parameter_names[p]
         if p.grad is not None and p.grad.is_sparse and not self._sparse_as_dense:
             return sparse_allreduce_async(p.grad, name, self._op, self._process_set), "sparse", None
-        placeholder = p.grad is None
-        tensor, ctx, sent = self._wire_tensor(p)
+        tensor, ctx, sent, placeholder = self._wire_tensor(p)
         prescale, postscale = self._scale_factors()
         if placeholder:
             handle = placeholder_allreduce_async_(tensor, name, self._op, prescale, postscale, self._process_set)
