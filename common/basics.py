@@ -74,12 +74,11 @@ def init(comm=None, process_sets=None):
 
     process_sets: ProcessSets (or rank lists) to register now, in order,
     as Horovod's static process sets; every rank passes the same list.
-    comm: Horovod's way to run on part of an MPI job; unison runs on the
-    ranks its launcher started, so only None is accepted."""
-    if comm is not None:
-        raise exceptions.UnsupportedError(
-            "unison: init(comm=%r): unison runs on every rank its launcher started; use process sets "
-            "for collectives among some of them" % (comm,))
+    comm: Horovod's communicator for the job, an mpi4py communicator or a
+    list of ranks. unison runs on every rank its launcher started, so comm
+    must be that whole job in rank order (MPI.COMM_WORLD under mpirun, or
+    list(range(size()))); anything else fails this init, naming what
+    differed, and leaves unison stopped, as before the call."""
     if _in_forked_child():
         return  # the rank's state came with the fork; init() again is harmless, as Horovod's
     _refuse_an_inherited_rank()
@@ -89,12 +88,49 @@ def init(comm=None, process_sets=None):
         # This round's rank and size, from unisonrun's driver, and the port
         # this worker offered for the rendezvous, held until the core listens.
         worker.join_round().close()
+    started_here = not lib.unison_is_initialized()
     check(lib.unison_init())
+    if comm is not None:
+        problem = _communicator_problem(comm)
+        if problem is not None:
+            if started_here:
+                lib.unison_shutdown()
+            raise exceptions.UnsupportedError(problem)
     global _initialized_in
     _initialized_in = os.getpid()
     if size() > 1:  # a job of one shares nothing, so a copy of its identity harms nobody
         os.environ[INITIALIZED_BY] = "%d:%d" % (os.getpid(), rank())
     sets.register_at_init(process_sets)
+
+
+def _communicator_problem(comm):
+    """Why `comm` is not this whole job in rank order, or None when it is.
+    Horovod runs on the ranks of any communicator, several jobs side by side
+    in one MPI world; unison's ranks are the ones its launcher started, and
+    a job on fewer ranks would disagree with the launcher about who is in
+    it. Collectives among some ranks are process sets."""
+    n, me = size(), rank()
+    if hasattr(comm, "Get_group"):
+        from mpi4py import MPI
+        world = MPI.COMM_WORLD
+        if world.Get_size() != n or world.Get_rank() != me:
+            return ("unison: init(comm=%r): this process is rank %d of %d in MPI.COMM_WORLD but rank %d of %d in "
+                    "this job: the job was not started through mpirun (unisonrun --mpi), so no MPI communicator "
+                    "spans it; call init() without comm" % (comm, world.Get_rank(), world.Get_size(), me, n))
+        group = comm.Get_group()
+        ranks = list(MPI.Group.Translate_ranks(group, list(range(group.Get_size())), world.Get_group()))
+        given = "a communicator of MPI.COMM_WORLD's ranks %s" % ranks
+    else:
+        try:
+            ranks = [int(r) for r in comm]
+        except (TypeError, ValueError):
+            return "unison: init(comm=%r): give an mpi4py communicator or a list of ranks" % (comm,)
+        given = "ranks %s" % ranks
+    if ranks == list(range(n)):
+        return None
+    return ("unison: init(comm=...) names %s, but this job is ranks 0 to %d, the ones its launcher started, in "
+            "that order, and unison runs on all of them: give the whole job (or no comm), and use process sets "
+            "(add_process_set) for collectives among some ranks" % (given, n - 1))
 
 
 # Called by shutdown() while unison still runs, for what was started on top

@@ -201,7 +201,8 @@ class ElasticDriver:
         self.workers[name] = worker
         # Appended to: a worker restarted on a host that came back keeps its name.
         folder = os.path.join(self.args.output_filename, "worker.%s" % name) if self.args.output_filename else None
-        run.forward_output(proc, name, folder, self.threads, self.logs, mode="ab")
+        run.forward_output(proc, name, folder, self.threads, self.logs, mode="ab",
+                           timestamped=self.args.prefix_output_with_timestamp)
         threading.Thread(target=self.await_exit, args=(worker,), daemon=True).start()
 
     def await_exit(self, worker):

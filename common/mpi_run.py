@@ -74,9 +74,10 @@ def slots(hosts):
     return sum(int(h.rsplit(":", 1)[1]) if ":" in h else 1 for h in hosts.split(","))
 
 
-def mpirun_command(mpirun, family, np_, hosts, variables, wrapper, mpi_args=""):
+def mpirun_command(mpirun, family, np_, hosts, variables, wrapper, mpi_args="", binding_args=None):
     """The mpirun command line: `variables` are the names of the
-    environment variables every rank must get."""
+    environment variables every rank must get; `binding_args` replace the
+    default binding and mapping."""
     command = [mpirun, "-np", str(np_)]
     if family == "openmpi":
         if hosts:
@@ -87,13 +88,14 @@ def mpirun_command(mpirun, family, np_, hosts, variables, wrapper, mpi_args=""):
             command += ["--allow-run-as-root"]
         # Frameworks run their own threads; pinning each rank to one core
         # would serialise them.
-        command += ["--bind-to", "none", "--map-by", "slot"]
+        command += binding_args.split() if binding_args else ["--bind-to", "none", "--map-by", "slot"]
         for name in variables:
             command += ["-x", name]
     else:
         if hosts:
             command += ["-hosts", hosts]
-        # Hydra passes the whole environment by default.
+        # Hydra passes the whole environment by default, and binds nothing.
+        command += binding_args.split() if binding_args else []
     command += mpi_args.split() if mpi_args else []
     return command + wrapper
 
@@ -121,8 +123,10 @@ def launch(args, settings):
     if args.output_filename:
         wrapper += ["--output-filename", args.output_filename]
     wrapper += ["--failure-grace-seconds", str(args.failure_grace_seconds)]
+    if args.prefix_output_with_timestamp:
+        wrapper += ["--prefix-output-with-timestamp"]
     command = mpirun_command(mpirun, family, args.np, hosts, variables, wrapper + ["--"] + args.command,
-                             args.mpi_args)
+                             args.mpi_args, args.binding_args)
     if args.verbose:
         print("unisonrun: " + " ".join(command), file=sys.stderr, flush=True)
     proc = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -176,6 +180,7 @@ def rank_wrapper(argv):
     simulate_hosts = 0
     output_filename = None
     grace_seconds = 3.0
+    timestamped = False
     while argv and argv[0] != "--":
         option = argv.pop(0)
         if option == "--simulate-hosts":
@@ -184,6 +189,8 @@ def rank_wrapper(argv):
             output_filename = argv.pop(0)
         elif option == "--failure-grace-seconds":
             grace_seconds = float(argv.pop(0))
+        elif option == "--prefix-output-with-timestamp":
+            timestamped = True
         else:
             raise SystemExit("unison.mpi_run: unknown option %s" % option)
     command = argv[1:]
@@ -213,7 +220,8 @@ def rank_wrapper(argv):
             os.makedirs(folder, exist_ok=True)
             log_file = open(os.path.join(folder, kind), "wb")
             logs.append(log_file)
-        t = threading.Thread(target=_forward, args=(stream, rank, kind, sink, log_file), daemon=True)
+        t = threading.Thread(target=_forward, args=(stream, rank, kind, sink, log_file, None, timestamped),
+                             daemon=True)
         t.start()
         threads.append(t)
     code = proc.wait()

@@ -45,19 +45,34 @@ def _parse(argv):
                    help="warn about tensors some ranks have waited on this long (default 60)")
     p.add_argument("--stall-check-shutdown-time-seconds", type=float,
                    help="fail such tensors after this long (default: never)")
-    p.add_argument("--no-stall-check", action="store_true", help="disable the stall inspector")
+    stall_check = p.add_mutually_exclusive_group()
+    stall_check.add_argument("--no-stall-check", action="store_true", default=None, help="disable the stall inspector")
+    stall_check.add_argument("--stall-check", dest="no_stall_check", action="store_false", default=None,
+                             help="horovodrun's: the stall inspector on (the default; over a --config-file that turns "
+                                  "it off)")
     p.add_argument("--peer-timeout-seconds", type=float,
                    help="declare a silent (frozen) rank failed after this long (default 10)")
-    p.add_argument("--start-timeout", type=float,
-                   help="seconds the ranks may take to start and meet (default 60)")
+    start_timeout = p.add_mutually_exclusive_group()
+    start_timeout.add_argument("--start-timeout", type=float,
+                               help="seconds the ranks may take to start and meet (default 60)")
+    start_timeout.add_argument("--gloo-timeout-seconds", dest="start_timeout", type=float,
+                               help="horovodrun's name for --start-timeout here: what Gloo's timeout bounds in "
+                                    "Horovod, the ranks meeting, is what --start-timeout bounds; a peer that stops "
+                                    "answering later is --peer-timeout-seconds' and the stall check's to find")
     p.add_argument("--failure-grace-seconds", type=float, default=3.0,
                    help="after a rank fails, how long the others may take to exit on their own (default 3)")
     p.add_argument("--timeline-filename",
                    help="rank 0 writes a Chrome trace of every tensor's phases here (python -m unison.timeline "
                         "summarises it)")
-    p.add_argument("--timeline-mark-cycles", action="store_true",
-                   help="mark each negotiation cycle on the timeline")
-    p.add_argument("--autotune", action="store_true",
+    mark_cycles = p.add_mutually_exclusive_group()
+    mark_cycles.add_argument("--timeline-mark-cycles", action="store_true", default=None,
+                             help="mark each negotiation cycle on the timeline")
+    mark_cycles.add_argument("--no-timeline-mark-cycles", dest="timeline_mark_cycles", action="store_false", default=None,
+                             help="horovodrun's: no cycle marks (the default; over a --config-file's)")
+    autotune = p.add_mutually_exclusive_group()
+    autotune.add_argument("--no-autotune", dest="autotune", action="store_false", default=None,
+                          help="horovodrun's: no autotuning (the default; over a --config-file's)")
+    autotune.add_argument("--autotune", action="store_true", default=None,
                    help="tune the fusion threshold, the cycle time, the response cache and, across hosts, "
                         "hierarchical allreduce during the first steps (not those set by an option or variable; "
                         "UNISON_AUTOTUNE_CACHE=0 leaves the cache out)")
@@ -80,11 +95,27 @@ def _parse(argv):
     p.add_argument("--log-level", type=str.lower, choices=["trace", "debug", "info", "warning", "error", "fatal"],
                    help="the core's messages on stderr: warning (default) prints its warnings, error silences "
                         "them, fatal its errors too (UNISON_LOG_LEVEL; the core has no info or debug messages)")
-    p.add_argument("--log-with-timestamp", "--log-hide-timestamp", dest="log_with_timestamp", action="store_true",
-                   help="horovodrun's; no effect: the core's few messages carry no timestamp")
-    p.add_argument("--mpi-threads-disable", action="store_true",
-                   help="horovodrun's; no effect: unison's engine thread calls MPI, so it needs at least "
-                        "MPI_THREAD_SERIALIZED and asks for MPI_THREAD_MULTIPLE (native/mpi/world.cc)")
+    timestamps = p.add_mutually_exclusive_group()
+    timestamps.add_argument("--log-with-timestamp", "--no-log-hide-timestamp", dest="log_with_timestamp",
+                            action="store_true", default=None,
+                            help="horovodrun's; no effect: the core's few messages carry no timestamp (to "
+                                 "timestamp every line of the ranks' output: --prefix-output-with-timestamp)")
+    timestamps.add_argument("--log-without-timestamp", "--log-hide-timestamp", dest="log_with_timestamp",
+                            action="store_false", default=None, help="horovodrun's; no effect, as --log-with-timestamp")
+    p.add_argument("-prefix-timestamp", "--prefix-output-with-timestamp", dest="prefix_output_with_timestamp",
+                   action="store_true",
+                   help="begin each line of the ranks' output with the time the launcher read it "
+                        "(2026-11-28 05:27:27.123456), before its [rank]<stdout>: prefix")
+    mpi_threads = p.add_mutually_exclusive_group()
+    mpi_threads.add_argument("--mpi-threads-disable", action="store_true", default=None,
+                             help="horovodrun's; no effect: unison's engine thread calls MPI, so it needs at least "
+                                  "MPI_THREAD_SERIALIZED and asks for MPI_THREAD_MULTIPLE (native/mpi/world.cc)")
+    mpi_threads.add_argument("--no-mpi-threads-disable", dest="mpi_threads_disable", action="store_false", default=None,
+                             help="horovodrun's; no effect, as --mpi-threads-disable")
+    p.add_argument("--thread-affinity", metavar="CORES",
+                   help="pin each rank's engine thread to a core: a comma-separated list with one core for each "
+                        "rank on a host, local rank r taking the r-th (UNISON_THREAD_AFFINITY; Horovod's "
+                        "HOROVOD_THREAD_AFFINITY). The ranks' own threads are left where they are")
     p.add_argument("--num-nccl-streams", type=int,
                    help="horovodrun's; no effect: unison runs NCCL on one stream per device")
     p.add_argument("--tcp", dest="tcp_flag", action="store_true",
@@ -96,9 +127,11 @@ def _parse(argv):
     cluster = p.add_argument_group("across hosts")
     cluster.add_argument("-H", "--hosts", help="hosts and their slots, e.g. host1:4,host2:4")
     cluster.add_argument("-hostfile", "--hostfile", help="a file of `host slots=N` (or `host:N`) lines")
-    cluster.add_argument("--network-interface",
+    cluster.add_argument("--network-interface", "--network-interfaces", dest="network_interfaces",
+                         action="append", metavar="INTERFACE",
                          help="the interface (such as eth0) or IPv4 address ranks listen on for each other; "
-                              "default: the one that reaches the first host. 0.0.0.0 listens on every interface")
+                              "default: the one that reaches the first host. 0.0.0.0 listens on every interface. "
+                              "horovodrun's list form is accepted when it names one interface")
     cluster.add_argument("-p", "--ssh-port", type=int, help="the port of sshd on the hosts")
     cluster.add_argument("-i", "--ssh-identity-file", help="the key ssh logs in with")
     cluster.add_argument("--rendezvous-port", type=int,
@@ -106,6 +139,8 @@ def _parse(argv):
     controller = cluster.add_mutually_exclusive_group()
     controller.add_argument("--mpi", action="store_true",
                             help="start the ranks through mpirun (MPI across hosts), even on this host alone")
+    controller.add_argument("--jsrun", action="store_true",
+                            help="horovodrun's; refused: unisonrun does not start ranks through LSF's jsrun")
     controller.add_argument("--gloo", action="store_true",
                             help="horovodrun's name for running without MPI: shared memory within a host and TCP "
                                  "across hosts, started over ssh; unisonrun's default")
@@ -113,6 +148,9 @@ def _parse(argv):
                          help="through mpirun, split the ranks of this machine into K hosts (each rank is told "
                               "its host in UNISON_HOSTNAME): the cross-host paths on one machine, for testing")
     cluster.add_argument("--mpi-args", help="more arguments for mpirun, in one string")
+    cluster.add_argument("--binding-args",
+                         help="with --mpi: how mpirun binds and maps the ranks, in one string, in place of "
+                              "unisonrun's default (Open MPI: --bind-to none --map-by slot; MPICH: none)")
     hierarchy = cluster.add_mutually_exclusive_group()
     hierarchy.add_argument("--hierarchical-allreduce", dest="hierarchical", action="store_true", default=None,
                            help="shared memory within each host, MPI across hosts (the default)")
@@ -149,6 +187,13 @@ def _parse(argv):
     args = p.parse_args(argv)
     if args.check_build:
         return args
+    args.network_interface = _one_interface(p, args.network_interfaces)
+    if args.jsrun:
+        p.error("--jsrun: unisonrun does not start ranks through LSF's jsrun; use --mpi (LSF's mpirun) or -H/--hostfile "
+                "with the job's hosts")
+    if args.thread_affinity is not None and not re.fullmatch(r"\s*\d+\s*(,\s*\d+\s*)*", args.thread_affinity):
+        p.error("--thread-affinity %s: give core numbers separated by commas, one for each rank on a host (0,1,2,3)"
+                % args.thread_affinity)
     # On the command line only: a file may keep an autotune section switched off.
     if args.autotune_log_file and not args.autotune:
         p.error("--autotune-log-file %s needs --autotune" % args.autotune_log_file)
@@ -157,7 +202,7 @@ def _parse(argv):
         # What parsing nothing gives (get_default would say True for a dest
         # that a store_false shares with a store_true).
         defaults = vars(p.parse_args([]))
-        given = {dest for dest, value in vars(args).items() if value != defaults[dest]}
+        given = {dest for dest, value in vars(args).items() if value != defaults.get(dest)}
         try:
             run_config.apply(args, args.config_file, given)
         except ValueError as e:
@@ -190,6 +235,9 @@ def _parse(argv):
     cooldown = args.blacklist_cooldown_range
     if cooldown is not None and not 0 <= cooldown[0] <= cooldown[1]:
         p.error("--blacklist-cooldown-range %g %g: 0 <= LOW <= HIGH" % tuple(cooldown))
+    if args.binding_args and not _through_mpirun(args):
+        p.error("--binding-args %s: binding is mpirun's, and this job does not start through mpirun: add --mpi"
+                % args.binding_args)
     if _elastic(args) and _through_mpirun(args):
         p.error("an elastic job (--min-np, --max-np, --host-discovery-script) runs over TCP, not --mpi")
     if args.gloo and args.simulate_hosts:
@@ -256,7 +304,22 @@ def _settings(args):
         env["UNISON_TIMELINE_MARK_CYCLES"] = "1"
     if args.hierarchical is not None:
         env["UNISON_HIERARCHICAL_ALLREDUCE"] = "1" if args.hierarchical else "0"
+    if args.thread_affinity is not None:
+        env["UNISON_THREAD_AFFINITY"] = args.thread_affinity.replace(" ", "")
     return env
+
+
+def _one_interface(parser, given):
+    """The one interface of --network-interface(s): horovodrun takes several
+    and uses those every host has; unison's ranks listen on one address, so
+    naming more is refused rather than one of them picked."""
+    if not given:
+        return None
+    names = list(dict.fromkeys(n.strip() for item in given for n in item.split(",") if n.strip()))
+    if len(names) != 1:
+        parser.error("--network-interface(s) %s: the ranks listen on one interface or address; give one"
+                     % ",".join(given))
+    return names[0]
 
 
 def _version():
@@ -289,19 +352,29 @@ def _die_with_parent():
 FAILURE = re.compile(rb"unisonrun: rank (\d+) .*?((?:exited with status|was killed by signal) \d+.*)$")
 
 
-def _forward(stream, rank, kind, sink, log_file, report=None):
+def _forward(stream, rank, kind, sink, log_file, report=None, timestamped=False):
     prefix = ("[%s]<%s>:" % (rank, kind)).encode()  # a rank, or an elastic worker host:slot
     for line in iter(stream.readline, b""):
         if report is not None:
             match = FAILURE.search(line.rstrip(b"\n"))
             if match:
                 report.setdefault(rank, match.group(2).decode(errors="replace"))
+        if not line.endswith(b"\n"):
+            line += b"\n"
+        # The time the line arrived (a rank's buffered output arrives late),
+        # in the files too: they are what is read afterwards.
+        stamp = _timestamp() if timestamped else b""
         if log_file is not None:
-            log_file.write(line)
+            log_file.write(stamp + line)
             log_file.flush()
-        sink.buffer.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
+        sink.buffer.write(stamp + prefix + line)
         sink.buffer.flush()
     stream.close()
+
+
+def _timestamp():
+    now = time.time()
+    return (time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now)) + ".%06d " % int(now % 1 * 1e6)).encode()
 
 
 def _describe(code):
@@ -327,10 +400,11 @@ def start_process(command, env, stdin_text=None):
     return proc
 
 
-def forward_output(proc, label, folder, threads, logs, report=None, mode="wb"):
-    """Copies the process's output to ours, each line prefixed with label,
-    and to folder/stdout and folder/stderr when folder is given; `report`
-    collects a remote wrapper's account of how its rank ended (stderr)."""
+def forward_output(proc, label, folder, threads, logs, report=None, mode="wb", timestamped=False):
+    """Copies the process's output to ours, each line prefixed with label
+    (and the time, when timestamped), and to folder/stdout and folder/stderr
+    when folder is given; `report` collects a remote wrapper's account of how
+    its rank ended (stderr)."""
     for stream, kind, sink in ((proc.stdout, "stdout", sys.stdout), (proc.stderr, "stderr", sys.stderr)):
         log_file = None
         if folder:
@@ -338,7 +412,8 @@ def forward_output(proc, label, folder, threads, logs, report=None, mode="wb"):
             log_file = open(os.path.join(folder, kind), mode)
             logs.append(log_file)
         t = threading.Thread(target=_forward, args=(stream, label, kind, sink, log_file,
-                                                    report if kind == "stderr" else None), daemon=True)
+                                                    report if kind == "stderr" else None, timestamped),
+                             daemon=True)
         t.start()
         threads.append(t)
 
@@ -415,7 +490,8 @@ class Job:
             waiter.start()
             folder = os.path.join(self.args.output_filename, "rank.%d" % rank) if self.args.output_filename else None
             forward_output(proc, rank, folder, self.threads, self.logs,
-                           report=self.reported if launch.host is not None else None)
+                           report=self.reported if launch.host is not None else None,
+                           timestamped=self.args.prefix_output_with_timestamp)
 
     def _await_exit(self, rank, proc):
         code = proc.wait()

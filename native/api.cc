@@ -97,7 +97,12 @@ int unison_init(void) {
   std::unique_ptr<Backend> backend;
   Status made = make_backend(&c, c.elastic_round >= 0 ? c.elastic_round : generation, &backend);
   if (!made.ok()) return report(made);
+  // Counted once the backend exists, so that an init retried after the
+  // failure below meets its peers under new names.
   ++generation;
+  // After the backend: under mpirun the local rank is MPI's answer.
+  Status pinned = c.choose_engine_core();
+  if (!pinned.ok()) return report(pinned);
   config = c;
   std::atomic_store(&engine, std::make_shared<Engine>(c, std::move(backend), &handles));
   return UNISON_OK;

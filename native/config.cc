@@ -2,6 +2,7 @@
 
 #include <sched.h>
 
+#include <algorithm>
 #include <cctype>
 #include <cerrno>
 #include <cmath>
@@ -151,6 +152,32 @@ Status read_auto_or_flag(int* field, const char* name) {
   return Status::OK();
 }
 
+// A comma-separated list of core numbers (HOROVOD_THREAD_AFFINITY's form).
+Status read_core_list(std::vector<int>* field, std::string* setting, const char* unison_name,
+                      const char* horovod_name) {
+  const char* name = nullptr;
+  const char* v = lookup(unison_name, horovod_name, &name);
+  if (v == nullptr) return Status::OK();
+  std::vector<int> cores;
+  const std::string text(v);
+  size_t at = 0;
+  while (true) {
+    const size_t comma = std::min(text.find(',', at), text.size());
+    const std::string item = trimmed(text.substr(at, comma - at).c_str());
+    char* end = nullptr;
+    errno = 0;
+    const long parsed = std::strtol(item.c_str(), &end, 10);
+    if (item.empty() || *end != '\0' || errno == ERANGE || parsed < 0 || parsed >= CPU_SETSIZE)
+      return bad_setting(name, v, "a comma-separated list of core numbers, one for each rank on the host");
+    cores.push_back((int)parsed);
+    if (comma == text.size()) break;
+    at = comma + 1;
+  }
+  *field = std::move(cores);
+  *setting = std::string(name) + "='" + v + "'";
+  return Status::OK();
+}
+
 // Keeps the first failure of a sequence of reads, so that init reports the
 // first bad setting and every read stays one line.
 struct Settings {
@@ -288,6 +315,8 @@ Status Config::from_environment(Config* out) {
       read(bad_setting("UNISON_GPU_DATA_PLANE", v, "auto, nccl or staging"));
   }
   read(read_log_level(&c.log_level));
+  read(read_core_list(&c.thread_affinity, &c.thread_affinity_setting, "UNISON_THREAD_AFFINITY",
+                      "HOROVOD_THREAD_AFFINITY"));
   if (const char* v = lookup("UNISON_TIMELINE", "HOROVOD_TIMELINE")) c.timeline_path = trimmed(v);
   read(read_flag(&c.autotune, "UNISON_AUTOTUNE", "HOROVOD_AUTOTUNE"));
   if (const char* v = lookup("UNISON_AUTOTUNE_LOG", "HOROVOD_AUTOTUNE_LOG")) c.autotune_log = trimmed(v);
@@ -302,6 +331,28 @@ Status Config::from_environment(Config* out) {
   read(read_flag(&c.timeline_mark_cycles, "UNISON_TIMELINE_MARK_CYCLES", "HOROVOD_TIMELINE_MARK_CYCLES"));
   if (read.status.ok()) *out = c;
   return read.status;
+}
+
+Status Config::choose_engine_core() {
+  engine_core = -1;
+  if (thread_affinity.empty()) return Status::OK();
+  const std::string setting = "unison: " + thread_affinity_setting;
+  if ((int)thread_affinity.size() < local_size)
+    return Status::Error(UNISON_ERR_INVALID_ARGUMENT,
+                         setting + " names " + std::to_string(thread_affinity.size()) + " core(s), but this host runs " +
+                             std::to_string(local_size) + " ranks: give one core for each");
+  const int core = thread_affinity[local_rank];
+  cpu_set_t usable;
+  if (sched_getaffinity(0, sizeof(usable), &usable) == 0 && !CPU_ISSET(core, &usable)) {
+    std::string list;
+    for (int c = 0; c < CPU_SETSIZE; ++c)
+      if (CPU_ISSET(c, &usable)) list += (list.empty() ? "" : ",") + std::to_string(c);
+    return Status::Error(UNISON_ERR_INVALID_ARGUMENT,
+                         setting + " gives local rank " + std::to_string(local_rank) + " core " +
+                             std::to_string(core) + ", which this process may not run on (it may use " + list + ")");
+  }
+  engine_core = core;
+  return Status::OK();
 }
 
 }  // namespace unison

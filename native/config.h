@@ -142,6 +142,16 @@ struct Config {
   // "staging" never uses NCCL (for comparing the two, or around an NCCL bug).
   std::string gpu_data_plane = "auto";
   LogLevel log_level = LogLevel::warning;  // UNISON_LOG_LEVEL (log.h)
+
+  // UNISON_THREAD_AFFINITY (Horovod's HOROVOD_THREAD_AFFINITY): one core per
+  // local rank, comma-separated; local rank r pins its engine thread to the
+  // r-th. Empty: the thread runs wherever the process may. Read here, and
+  // checked against the host's ranks once the backend knows them
+  // (engine_thread_core): under mpirun the local rank comes from MPI.
+  std::vector<int> thread_affinity;
+  std::string thread_affinity_setting;  // "NAME=value", as the user wrote it, for errors
+  // The core this rank's engine thread is pinned to, or -1.
+  int engine_core = -1;
   // UNISON_AUTOTUNE: rank 0 searches the four settings below (autotune.h),
   // except those the user set, which are *_fixed.
   bool autotune = false;
@@ -158,6 +168,11 @@ struct Config {
   // Every value is either understood or rejected with an error naming the
   // variable and its value; nothing set is silently ignored.
   static Status from_environment(Config* out);
+
+  // Sets engine_core from thread_affinity for this local rank, or says why
+  // it cannot: too few cores for the host's ranks, or one this process may
+  // not run on.
+  Status choose_engine_core();
 };
 
 // The CPUs this process may run on (its affinity mask).

@@ -47,8 +47,10 @@
 // this (Backend::callers_may_drive: shared memory and the single process);
 // elsewhere callers wait for the thread, as before.
 #include <pthread.h>
+#include <sched.h>
 
 #include <chrono>
+#include <cstring>
 #include <mutex>
 
 #include "caller_activity.h"
@@ -88,6 +90,17 @@ void Engine::start_thread() {
     thread_ = std::thread([this] { loop(); });
   }
   pthread_setname_np(thread_.native_handle(), "unison-engine");  // as top -H and gdb show it
+  if (config_.engine_core >= 0) {
+    // Only this thread: a caller that drives the engine (below) stays
+    // wherever the framework put it.
+    cpu_set_t core;
+    CPU_ZERO(&core);
+    CPU_SET(config_.engine_core, &core);
+    const int failed = pthread_setaffinity_np(thread_.native_handle(), sizeof(core), &core);
+    if (failed != 0)
+      log_message(LogLevel::warning, "unison: cannot pin the engine thread to core %d (%s): %s\n",
+                  config_.engine_core, config_.thread_affinity_setting.c_str(), std::strerror(failed));
+  }
 }
 
 Engine::~Engine() { stop(); }

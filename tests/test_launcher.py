@@ -529,6 +529,131 @@ def test_horovodrun_flags(tmp_path):
     assert _parse(["-np", "2", "-hostfile", "hosts.txt", "true"]).hostfile == "hosts.txt"
 
 
+def test_the_rest_of_horovodruns_flags(tmp_path, monkeypatch):
+    from unison.run import _parse, _settings
+
+    def refused(*argv):
+        proc = subprocess.run([sys.executable, "-m", "unison.run", "-np", "2", *argv, "true"],
+                              stderr=subprocess.PIPE, timeout=60)
+        assert proc.returncode == 2, proc.stderr
+        return proc.stderr.decode()
+
+    # horovodrun's list form of the interface, and its hidden negations;
+    # the log timestamp flags change nothing.
+    assert _parse(["-np", "2", "--network-interfaces", "eth0", "true"]).network_interface == "eth0"
+    assert _parse(["-np", "2", "--network-interface", "eth0", "--network-interface", "eth0", "true"]
+                  ).network_interface == "eth0"
+    assert _parse(["-np", "2", "true"]).network_interface is None
+    for flags in (["--log-without-timestamp"], ["--log-hide-timestamp"], ["--no-log-hide-timestamp"],
+                  ["--no-mpi-threads-disable"], ["--stall-check"], ["--no-autotune"], ["--no-timeline-mark-cycles"]):
+        assert _settings(_parse(["-np", "2", *flags, "true"])) == {}, flags
+    # Gloo's timeout is the ranks' meeting here.
+    assert _settings(_parse(["-np", "2", "--gloo-timeout-seconds", "45", "true"])) == {"UNISON_START_TIMEOUT": "45.0"}
+    assert _settings(_parse(["-np", "2", "--thread-affinity", "3, 1", "true"])) == {"UNISON_THREAD_AFFINITY": "3,1"}
+    # A negation on the command line wins over the file's setting.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "on.json").write_text('{"autotune": {"enabled": true}, "stall_check": {"enabled": false}, '
+                                      '"timeline": {"filename": "t.json", "mark_cycles": true}}')
+    assert set(_settings(_parse(["-np", "2", "--config-file", "on.json", "true"]))) == {
+        "UNISON_AUTOTUNE", "UNISON_STALL_CHECK_DISABLE", "UNISON_TIMELINE", "UNISON_TIMELINE_MARK_CYCLES"}
+    assert set(_settings(_parse(["-np", "2", "--no-autotune", "--stall-check", "--no-timeline-mark-cycles",
+                                 "--config-file", "on.json", "true"]))) == {"UNISON_TIMELINE"}
+    # What cannot be honoured is refused, naming the flag and its value.
+    assert ("--network-interface(s) eth0,eth1: the ranks listen on one interface or address; give one"
+            in refused("--network-interfaces", "eth0,eth1"))
+    assert "--network-interface(s) eth0,eth1: " in refused("--network-interface", "eth0", "--network-interface", "eth1")
+    assert "--jsrun: unisonrun does not start ranks through LSF's jsrun" in refused("--jsrun")
+    assert ("--binding-args --bind-to core: binding is mpirun's, and this job does not start through mpirun: add "
+            "--mpi" in refused("--binding-args=--bind-to core"))
+    assert "--thread-affinity 0,x: give core numbers separated by commas" in refused("--thread-affinity", "0,x")
+    assert "not allowed with argument" in refused("--start-timeout", "5", "--gloo-timeout-seconds", "6")
+
+
+def test_prefix_output_with_timestamp(tmp_path):
+    proc = run(tmp_path, """
+        import sys
+        import unison
+        unison.init()
+        print("out of", unison.rank(), flush=True)
+        print("err of", unison.rank(), file=sys.stderr, flush=True)
+    """, extra=("-prefix-timestamp", "--output-filename", "logs"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    stamp = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{6} "
+    for rank in range(2):
+        assert re.search(r"(?m)^%s\[%d\]<stdout>:out of %d$" % (stamp, rank, rank), proc.stdout.decode()), proc.stdout
+        assert re.search(r"(?m)^%s\[%d\]<stderr>:err of %d$" % (stamp, rank, rank), proc.stderr.decode()), proc.stderr
+        logged = (tmp_path / "logs" / ("rank.%d" % rank) / "stdout").read_text()
+        assert re.fullmatch(r"%sout of %d\n" % (stamp, rank), logged), logged
+    # Without the flag, the lines are as before.
+    plain = run(tmp_path, "print('plain', flush=True)\n", np_=1)
+    assert plain.stdout.decode() == "[0]<stdout>:plain\n", plain.stdout
+
+
+ENGINE_THREAD_CORES = """
+    import glob, os
+    import numpy as np
+    import unison, unison.numpy as unp
+
+    def cores(task):
+        for line in open(task + "/status"):
+            if line.startswith("Cpus_allowed_list:"):
+                return line.split()[1]
+
+    try:
+        unison.init()
+    except unison.InvalidArgumentError as e:
+        print("refused:", e, flush=True)
+        # The process stays usable: with the setting put right, init works.
+        os.environ["UNISON_THREAD_AFFINITY"] = ",".join(["0"] * unison_size_here)
+        unison.init()
+    engine = [cores(t) for t in glob.glob("/proc/self/task/*") if open(t + "/comm").read().strip() == "unison-engine"]
+    total = unp.allreduce(np.full(3, unison.rank() + 1.0), op=unison.Sum, name="x")
+    print("engine", ",".join(engine), "main", cores("/proc/self/task/%d" % os.getpid()), "sum", total.tolist(),
+          flush=True)
+"""
+
+
+def own_cores():
+    for line in open("/proc/self/status"):
+        if line.startswith("Cpus_allowed_list:"):
+            return line.split()[1]
+
+
+@pytest.mark.parametrize("np_,how", [(2, "flag"), (3, "flag"), (2, "HOROVOD_THREAD_AFFINITY")])
+def test_thread_affinity_pins_each_local_ranks_engine_thread_and_nothing_else(tmp_path, np_, how):
+    usable = sorted(os.sched_getaffinity(0))
+    # Local rank r takes the core after the r-th, so rank 0 is not on the first core by chance.
+    cores = [usable[(r + 1) % len(usable)] for r in range(np_)]
+    listed = ",".join(map(str, cores))
+    extra, env = (("--thread-affinity", listed), None) if how == "flag" else ((), {how: listed})
+    proc = run(tmp_path, ENGINE_THREAD_CORES.replace("unison_size_here", str(np_)), np_=np_, extra=extra, env=env)
+    out = proc.stdout.decode()
+    assert proc.returncode == 0, out + proc.stderr.decode()
+    total = [np_ * (np_ + 1) / 2] * 3
+    for r in range(np_):
+        assert "[%d]<stdout>:engine %d main %s sum %s\n" % (r, cores[r], own_cores(), total) in out, out
+    assert "refused" not in out, out
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+@pytest.mark.parametrize("setting,message", [
+    ("0", "UNISON_THREAD_AFFINITY='0' names 1 core(s), but this host runs {np} ranks: give one core for each"),
+    ("1000,1001,1002", "UNISON_THREAD_AFFINITY='1000,1001,1002' gives local rank {rank} core 100{rank}, which this "
+                       "process may not run on (it may use {usable})"),
+    ("0,x", "UNISON_THREAD_AFFINITY='0,x' is not a comma-separated list of core numbers, one for each rank on the host"),
+])
+def test_a_thread_affinity_that_cannot_be_honoured_fails_init_naming_it(tmp_path, np_, setting, message):
+    proc = run(tmp_path, ENGINE_THREAD_CORES.replace("unison_size_here", str(np_)), np_=np_,
+               env={"UNISON_THREAD_AFFINITY": setting})
+    out = proc.stdout.decode()
+    assert proc.returncode == 0, out + proc.stderr.decode()
+    usable = ",".join(map(str, sorted(os.sched_getaffinity(0))))
+    for r in range(np_):
+        assert "[%d]<stdout>:refused: unison: %s\n" % (r, message.format(np=np_, rank=r, usable=usable)) in out, out
+        # and then, with the setting put right, the job runs.
+        assert "[%d]<stdout>:engine %s main %s sum %s\n" % (r, "0", own_cores(), [np_ * (np_ + 1) / 2] * 3) in out, out
+
+
 HOROVOD_CONFIG = """
 controller: gloo
 params:

@@ -276,6 +276,132 @@ def test_mpirun_command_for_each_family():
     assert openmpi == (["mpirun", "-np", "8", "-H", "a:4,b:4"] + root +
                        ["--bind-to", "none", "--map-by", "slot", "-x", "PATH", "-x", "UNISON_CYCLE_TIME",
                         "--mca", "btl", "^openib"] + wrapper)
+    # --binding-args take the place of the default binding (Hydra has none).
+    bound = mpi_run.mpirun_command("mpirun", "openmpi", 2, None, [], wrapper, binding_args="--bind-to core")
+    assert bound == ["mpirun", "-np", "2", "--oversubscribe"] + root + ["--bind-to", "core"] + wrapper
+    assert mpi_run.mpirun_command("mpirun", "hydra", 2, None, [], wrapper, binding_args="-bind-to core") == (
+        ["mpirun", "-np", "2", "-bind-to", "core"] + wrapper)
+
+
+ENGINE_CORE = """
+import glob
+import numpy as np
+import unison, unison.numpy as unp
+unison.init()
+engine = [t for t in glob.glob("/proc/self/task/*") if open(t + "/comm").read().strip() == "unison-engine"]
+cores = [line.split()[1] for line in open(engine[0] + "/status") if line.startswith("Cpus_allowed_list:")]
+total = unp.allreduce(np.full(2, unison.rank() + 1.0), op=unison.Sum, name="x")
+print("rank %d local %d engine core %s sum %s" % (unison.rank(), unison.local_rank(), cores[0], total.tolist()),
+      flush=True)
+"""
+
+
+@needs_mpi
+@pytest.mark.timeout(120)
+def test_thread_affinity_follows_the_local_rank_that_the_hosts_give(tmp_path):
+    # 2 simulated hosts x 2: the local rank comes from the layout, not from
+    # the launcher's numbering, and each host's ranks take the list afresh.
+    script = tmp_path / "engine_core.py"
+    script.write_text(ENGINE_CORE)
+    usable = sorted(os.sched_getaffinity(0))
+    cores = [usable[-1], usable[0]]
+    proc = unisonrun(["-np", "4", "--simulate-hosts", "2", "--thread-affinity", "%d,%d" % tuple(cores)],
+                     [sys.executable, str(script)], timeout=100)
+    out = proc.stdout.decode(errors="replace")
+    assert proc.returncode == 0, out
+    for rank in range(4):
+        assert "rank %d local %d engine core %d sum [10.0, 10.0]" % (rank, rank % 2, cores[rank % 2]) in out, out
+
+
+COMMUNICATOR = """
+import numpy as np
+from mpi4py import MPI
+import unison, unison.numpy as unp
+world = MPI.COMM_WORLD
+unison.init(comm=world)
+me, n = unison.rank(), unison.size()
+total = unp.allreduce(np.full(2, me + 1.0), op=unison.Sum, name="x")
+# mpi4py's own collectives work beside unison's.
+print("rank %d of %d sum %s mpi4py %d" % (me, n, total.tolist(), world.allreduce(me + 1)), flush=True)
+unison.shutdown()
+halves = world.Split(me % 2, me)
+try:
+    unison.init(comm=halves)
+except unison.UnsupportedError as e:
+    print("rank %d refused: %s" % (me, e), flush=True)
+unison.init()
+print("rank %d again %s" % (me, unp.allreduce(np.ones(1), op=unison.Sum, name="y").tolist()), flush=True)
+"""
+
+
+@needs_mpi
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("np_", [2, 3])
+def test_init_takes_an_mpi4py_communicator_of_the_whole_job(tmp_path, np_):
+    script = tmp_path / "communicator.py"
+    script.write_text(COMMUNICATOR)
+    proc = unisonrun(["--mpi", "-np", str(np_)], [sys.executable, str(script)], timeout=100)
+    out = proc.stdout.decode(errors="replace")
+    assert proc.returncode == 0, out
+    total = np_ * (np_ + 1) // 2
+    for me in range(np_):
+        assert "rank %d of %d sum %s mpi4py %d" % (me, np_, [float(total)] * 2, total) in out, out
+        half = [r for r in range(np_) if r % 2 == me % 2]
+        assert ("rank %d refused: unison: init(comm=...) names a communicator of MPI.COMM_WORLD's ranks %s, but this "
+                "job is ranks 0 to %d" % (me, half, np_ - 1)) in out, out
+        assert "rank %d again [%s]" % (me, float(np_)) in out, out
+
+
+@needs_mpi
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("np_", [2, 3])
+def test_an_mpi4py_communicator_in_a_job_mpirun_did_not_start_is_refused(tmp_path, np_):
+    # Under unisonrun without --mpi, each rank's MPI.COMM_WORLD is itself alone.
+    script = tmp_path / "communicator.py"
+    script.write_text(COMMUNICATOR)
+    proc = unisonrun(["-np", str(np_)], [sys.executable, str(script)], timeout=100)
+    out = proc.stdout.decode(errors="replace")
+    assert proc.returncode != 0, out
+    for me in range(np_):
+        assert re.search(r"init\(comm=<mpi4py\.MPI\.Intracomm object at 0x[0-9a-f]+>\): this process is rank 0 of 1 "
+                         r"in MPI\.COMM_WORLD but rank %d of %d in this job" % (me, np_), out), out
+
+
+BOUND = """
+import os, sys
+import numpy as np
+import unison, unison.numpy as unp
+unison.init()
+total = unp.allreduce(np.full(2, unison.rank() + 1.0), op=unison.Sum, name="x")
+print("rank", unison.rank(), "cores", sorted(os.sched_getaffinity(0)), "sum", total.tolist(), flush=True)
+"""
+
+
+@needs_mpi
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("np_", [2, 3])
+def test_binding_args_bind_the_ranks_and_output_can_be_timestamped(tmp_path, np_):
+    script = tmp_path / "bound.py"
+    script.write_text(BOUND)
+    if mpi_run.mpirun_family(mpi_run.find_mpirun()) == "openmpi":
+        binding = "--bind-to core:overload-allowed --map-by core:OVERSUBSCRIBE"
+    else:
+        binding = "-bind-to core"
+    proc = unisonrun(["--mpi", "-np", str(np_), "--binding-args", binding, "--prefix-output-with-timestamp"],
+                     [sys.executable, str(script)], timeout=100)
+    out = proc.stdout.decode(errors="replace")
+    assert proc.returncode == 0, out
+    usable = sorted(os.sched_getaffinity(0))
+    found = {}
+    for rank, cores, total in re.findall(r"(?m)^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{6} \[\d+\]<stdout>:"
+                                         r"rank (\d+) cores (\[[\d, ]*\]) sum (.*)$", out):
+        found[int(rank)] = eval(cores)
+        assert total == str([np_ * (np_ + 1) / 2] * 2), out
+    assert sorted(found) == list(range(np_)), out
+    # Each rank bound to one core, and the ranks spread over every core
+    # (which rank shares a core when they outnumber the cores is mpirun's).
+    assert all(len(cores) == 1 and cores[0] in usable for cores in found.values()), found
+    assert len({cores[0] for cores in found.values()}) == min(np_, len(usable)), found
 
 
 # ---- across a real network interface ---------------------------------------------------

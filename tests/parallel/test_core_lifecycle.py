@@ -164,3 +164,32 @@ def test_init_in_a_process_that_inherited_a_rank_fails_at_once():
         child = subprocess.run([sys.executable, "-c", script], env=alone, capture_output=True, text=True, timeout=60)
         assert (child.returncode, child.stdout.split()) == (0, ["0", "1"]), child.stderr
     assert unp.allreduce(np.full(1, me, np.int64), op=unison.Sum, name="inherited.after").tolist() == [n * (n - 1) // 2]
+
+
+def test_init_takes_horovods_comm_when_it_is_the_whole_job_and_refuses_any_other():
+    n, me = unison.size(), unison.rank()
+    unp.barrier()
+    unison.shutdown()
+    try:
+        # Horovod's list form: every rank, in order.
+        unison.init(comm=list(range(n)))
+        assert unp.allreduce(np.full(2, me + 1, np.int64), op=unison.Sum, name="comm.whole").tolist() == [
+            n * (n + 1) // 2] * 2
+        unp.barrier()
+        unison.shutdown()
+        job = "this job is ranks 0 to %d, the ones its launcher started, in that order" % (n - 1)
+        for comm, named in (([0], "names ranks [0], but " + job),
+                            (list(range(n))[::-1], "names ranks %s, but %s" % (list(range(n))[::-1], job)),
+                            ("rank 0", "give an mpi4py communicator or a list of ranks")):
+            with pytest.raises(unison.UnsupportedError, match=re.escape(named)):
+                unison.init(comm=comm)
+            assert not unison.is_initialized()  # refused: stopped, as before the call
+        # The same comm again, once running, changes nothing.
+        unison.init()
+        unison.init(comm=list(range(n)))
+        with pytest.raises(unison.UnsupportedError, match=re.escape("names ranks [0]")):
+            unison.init(comm=[0])
+        assert unison.is_initialized()  # a job this call did not start goes on
+    finally:
+        unison.init()
+    assert unp.allreduce(np.ones(1), op=unison.Sum, name="after.comm")[0] == n
