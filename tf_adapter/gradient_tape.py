@@ -8,7 +8,7 @@ from unison import process_sets
 from unison.process_sets import global_process_set
 from unison.compression import check_compressor
 from unison.tensorflow.compression import Compression
-from unison.tensorflow.ops import Average, Sum, _grouped_allreduce, allreduce
+from unison.tensorflow.ops import Average, Sum, _grouped_allreduce, _grouped_allreduce_with_stand_ins, allreduce
 
 
 class GradientReducer:
@@ -22,7 +22,18 @@ class GradientReducer:
     Variables registered as local (register_local) keep their own rank's
     gradient, divided by the set's size when scale_local_gradients (as
     Horovod: the loss of a data-parallel step is an average, so a local
-    gradient then has the scale a reduced one has)."""
+    gradient then has the scale a reduced one has).
+
+    A gradient this rank does not have (None: its batch never reached the
+    variable) is, eagerly, sent as zeros marked as a stand-in: the others'
+    gradients are averaged with it, as one process on the whole batch
+    would average them, and it stays None where no rank had one. Horovod
+    leaves it out, and the ranks that have it wait for it until the stall
+    check. Inside a tf.function a None is fixed when the function is traced
+    and a graph cannot return one by value, so there it stays None, unsent,
+    as in Horovod: every rank must trace the same variables as used. An
+    embedding whose gradient some ranks lack needs sparse_as_dense, since
+    the stand-in is dense."""
 
     def __init__(self, prefix, compression=Compression.none, sparse_as_dense=False, op=Average,
                  gradient_predivide_factor=1.0, num_groups=0, groups=None, process_set=global_process_set,
@@ -96,8 +107,15 @@ class GradientReducer:
         op, prescale, postscale = self._scaling()
         out = list(grads)
         dense = []
+        stand_ins = set()
+        eager = tf.executing_eagerly()
         for i, g in enumerate(grads):
             if g is None:
+                v = variables[i]
+                if eager and id(v) not in self._local and (v.dtype.is_floating or v.dtype.is_complex):
+                    grads[i] = tf.zeros_like(v)
+                    stand_ins.add(i)
+                    dense.append(i)
                 continue
             if id(variables[i]) in self._local:
                 out[i] = self._local_gradient(g)
@@ -113,10 +131,15 @@ class GradientReducer:
                 dense.append(i)
         for group in self._partition(dense, variables):
             wires, ctxs = zip(*[self.compression.compress(tf.convert_to_tensor(grads[i])) for i in group])
-            reduced = _grouped_allreduce(list(wires), [names[i] for i in group], op, prescale, postscale,
-                                         self.process_set)
+            if any(i in stand_ins for i in group):
+                reduced = _grouped_allreduce_with_stand_ins(list(wires), [names[i] for i in group],
+                                                            [i in stand_ins for i in group], op, prescale,
+                                                            postscale, self.process_set)
+            else:
+                reduced = _grouped_allreduce(list(wires), [names[i] for i in group], op, prescale, postscale,
+                                             self.process_set)
             for i, r, c in zip(group, reduced, ctxs):
-                out[i] = self.compression.decompress(r, c)
+                out[i] = None if r is None else self.compression.decompress(r, c)
         return out
 
 

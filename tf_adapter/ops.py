@@ -282,6 +282,28 @@ def _grouped_allreduce(tensors, name, op, prescale_factor, postscale_factor, pro
     return list(forward(*tensors))
 
 
+def _grouped_allreduce_with_stand_ins(tensors, names, stand_ins, op, prescale_factor, postscale_factor,
+                                      process_set):
+    """Eagerly, a grouped allreduce in which the tensors marked in
+    `stand_ins` are zeros standing in for gradients this rank does not have
+    (frontend.allreduce_placeholder_async_). Each result is the reduction,
+    or None where every rank's tensor was a stand-in."""
+    for t, n in zip(tensors, names):
+        _check(t, n)
+        arguments.check_reduce("allreduce", op, prescale_factor, postscale_factor, n)
+    arrays = [np.zeros(t.shape, t.dtype.as_numpy_dtype) if stands_in else _view(t)
+              for t, stands_in in zip(tensors, stand_ins)]
+    try:
+        results = synchronize(_front.grouped_allreduce_async(arrays, names, op, prescale_factor, postscale_factor,
+                                                             process_set, placeholders=list(stand_ins)))
+    except (MismatchError, InvalidArgumentError) as error:
+        translated = _as_tensorflow_error(error)
+        if translated is None:
+            raise
+        raise translated from error
+    return [None if r is None else _to_tensor(r, t.dtype) for r, t in zip(results, tensors)]
+
+
 def _group_label(name):
     """One name for a group whose members may be named one by one."""
     if isinstance(name, (list, tuple)):

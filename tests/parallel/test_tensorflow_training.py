@@ -92,6 +92,62 @@ def test_gradient_tape_matches_one_process(kind, predivide, num_groups, mode):
     assert_same_weights(model, train_reference(initial, x, y, kind))
 
 
+def uses_extra(step, rank):
+    """Whether `rank`'s batch of `step` reaches the extra variable: at 2 and
+    3 ranks some steps reach it on one rank, and some on none."""
+    return (step + rank) % 3 == 0
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_a_variable_only_some_ranks_used_is_averaged_as_one_process_eagerly(kind):
+    """A Python branch takes the extra variable into some ranks' losses
+    only: its gradient is None on the others. Averaged with zeros in their
+    place it is what one process gets; where no rank used it, it is None,
+    which the optimizer skips (Adam's moments and SGD's momentum would move
+    a zero gradient's variable)."""
+    x, y = data()
+    rng = np.random.RandomState(7)
+    extra_initial = rng.normal(size=(5, 3))
+
+    def extra_loss(extra, xb, yb):
+        return tf.reduce_mean(tf.square(tf.matmul(xb, extra) - yb))
+
+    model = make_model(RANK)
+    hvd.broadcast_variables(model.variables, root_rank=0)
+    initial = model.get_weights()
+    extra = tf.Variable(extra_initial)
+    variables = model.trainable_variables + [extra]
+    optimizer = make_optimizer(kind)
+    for s in range(STEPS):
+        xb, yb = tf.constant(shard(x, s)), tf.constant(shard(y, s))
+        with tf.GradientTape() as tape:
+            loss = mse(model, xb, yb)
+            if uses_extra(s, RANK):
+                loss += extra_loss(extra, xb, yb)
+        grads = hvd.DistributedGradientTape(tape).gradient(loss, variables)
+        assert (grads[-1] is None) == (not any(uses_extra(s, r) for r in range(N))), s
+        optimizer.apply_gradients(zip(grads, variables))
+
+    reference = make_model(123)
+    reference.set_weights(initial)
+    reference_extra = tf.Variable(extra_initial)
+    reference_variables = reference.trainable_variables + [reference_extra]
+    reference_optimizer = make_optimizer(kind)
+    for s in range(STEPS):
+        xs, ys = whole(x, s), whole(y, s)
+        with tf.GradientTape() as tape:
+            loss = mse(reference, xs, ys)
+            for r in range(N):
+                if uses_extra(s, r):
+                    rows = slice(r * B, (r + 1) * B)
+                    loss += extra_loss(reference_extra, xs[rows], ys[rows]) / N
+        grads = tape.gradient(loss, reference_variables)
+        reference_optimizer.apply_gradients(zip(grads, reference_variables))
+    assert_same_weights(model, reference)
+    np.testing.assert_allclose(extra.numpy(), reference_extra.numpy(), atol=1e-10, rtol=0)
+    assert not np.array_equal(extra.numpy(), extra_initial)
+
+
 def test_gradient_tape_with_listed_groups():
     """groups= as lists of variables: the listed ones in their own nodes,
     the rest together; the result is the same averaged gradients."""
