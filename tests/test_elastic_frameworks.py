@@ -1,10 +1,11 @@
-"""Elastic Keras (model.fit with KerasState and the elastic callbacks) and
-MXNet Gluon (MXNetState over a DistributedTrainer) under the elastic
+"""Elastic Keras (model.fit with KerasState and the elastic callbacks), a
+TensorFlow custom loop (TensorFlowKerasState, DistributedGradientTape in a
+tf.function) and MXNet Gluon (MXNetState over a DistributedTrainer) under the elastic
 launcher with two simulated hosts: a worker dies mid-step and the job
 finishes on the rest; a host appears and the job grows. The final
 parameters are those of one process on the same committed steps
 (tests/elastic/reference.py). Each framework's tox env runs its cases
-(-k keras, -k mxnet); torch has its own, larger file."""
+(-k keras, -k tensorflow, -k mxnet); torch has its own, larger file."""
 import importlib.util
 import os
 import sys
@@ -22,6 +23,8 @@ pytestmark = pytest.mark.timeout(300)
 # the first host's slots, the added host's slots)
 FRAMEWORKS = {
     "keras": ("tensorflow", "train_keras.py", "keras_reference", 2, 1),
+    # A custom loop whose tf.function is traced in a job of one, then grows.
+    "tensorflow": ("tensorflow", "train_tensorflow.py", "keras_reference", 1, 2),
     "mxnet": ("mxnet", "train_mxnet.py", "mxnet_reference", 1, 2),  # grows from a job of one
 }
 

@@ -8,7 +8,8 @@ from unison import process_sets
 from unison.process_sets import global_process_set
 from unison.compression import check_compressor
 from unison.tensorflow.compression import Compression
-from unison.tensorflow.ops import Average, Sum, _grouped_allreduce, _grouped_allreduce_with_stand_ins, allreduce
+from unison.tensorflow.ops import (Average, Sum, _alone, _grouped_allreduce, _grouped_allreduce_with_stand_ins,
+                                   allreduce)
 
 
 class GradientReducer:
@@ -95,7 +96,7 @@ class GradientReducer:
 
     def reduce(self, grads, variables):
         """The averaged gradients, in order; None stays None."""
-        if self.process_set.size() == 1:
+        if _alone(self.process_set):
             return list(grads)
         grads = list(grads)
         # Named by position alone. Keras names layers from a per-process

@@ -44,6 +44,16 @@ Sum, Average, Min, Max, Product, Adasum = (basics.Sum, basics.Average, basics.Mi
 _last_in_graph = weakref.WeakKeyDictionary()
 
 
+def _alone(process_set):
+    """Whether a collective over `process_set` may be left out because the
+    set is one rank. Eagerly the question is asked again at every call. In a
+    graph the answer is fixed when it is traced, and an elastic job that
+    traced its step as a job of one runs that graph on after it grows: there
+    the collective is always built (at one rank it costs one node)."""
+    from unison.elastic import worker
+    return process_set.size() == 1 and (tf.executing_eagerly() or not worker.in_elastic_job())
+
+
 def _check(tensor, name):
     dtypes.code_of(tensor.dtype.name, name)
     device = tensor.device if tf.executing_eagerly() else ""

@@ -15,7 +15,7 @@ import tensorflow as tf
 
 from unison import process_sets
 from unison.process_sets import global_process_set
-from unison.tensorflow.ops import Sum, _grouped_allreduce
+from unison.tensorflow.ops import Sum, _alone, _grouped_allreduce
 
 
 class SyncBatchNormalization(keras.layers.BatchNormalization):
@@ -28,7 +28,7 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         self._process_set = process_set
 
     def _moments(self, inputs, mask):
-        if self._process_set.size() == 1:
+        if _alone(self._process_set):
             return super()._moments(inputs, mask)
         axes = list(self._reduction_axes)
         if mask is None:

@@ -110,10 +110,10 @@ class _DistributedOptimizer(_TrackedParameters):
                  gradient_predivide_factor, groups, sparse_as_dense, process_set):
         super().__init__(params)
         self._compression = compression
-        self._op = op
-        self._gradient_predivide_factor = gradient_predivide_factor
-        self._sparse_as_dense = sparse_as_dense
-        self._process_set = process_set
+        self.op = op
+        self.gradient_predivide_factor = gradient_predivide_factor
+        self.sparse_as_dense = sparse_as_dense
+        self.process_set = process_set
         self.backward_passes_per_step = backward_passes_per_step
 
         self._track(named_parameters)
@@ -151,7 +151,7 @@ class _DistributedOptimizer(_TrackedParameters):
         # torch refuses a hook on a tensor that requires no gradient: a
         # frozen parameter gets its hook when synchronize() first finds it
         # unfrozen (that step's allreduce starts there, after backward).
-        if p.requires_grad and p not in self._hooked and self._process_set.size() > 1:
+        if p.requires_grad and p not in self._hooked and self.process_set.size() > 1:
             p.register_post_accumulate_grad_hook(self._make_hook(p))
             self._hooked.add(p)
 
@@ -189,13 +189,13 @@ class _DistributedOptimizer(_TrackedParameters):
             started.append((ctx, sent))
         prescale, postscale = self._scale_factors()
         name = "allreduce.group." + self._parameter_names[members[0]]
-        group_handle = grouped_gradient_allreduce_async_(tensors, name, self._op, prescale, postscale,
-                                                         self._process_set, placeholders)
+        group_handle = grouped_gradient_allreduce_async_(tensors, name, self.op, prescale, postscale,
+                                                         self.process_set, placeholders)
         for p, h, (ctx, sent) in zip(members, group_handle.handles, started):
             self._handles[p] = (h, ctx, sent)
 
     def _scale_factors(self):
-        return gradient_scaling(self._op, self._gradient_predivide_factor)
+        return gradient_scaling(self.op, self.gradient_predivide_factor)
 
     def _wire_tensor(self, p):
         """(what goes on the wire, its compression context, sent, whether
@@ -209,22 +209,22 @@ class _DistributedOptimizer(_TrackedParameters):
             # gradient, as one process would (momentum and weight decay
             # would move it on zeros).
             p.grad = torch.zeros_like(p)
-        if p.grad.is_sparse and self._sparse_as_dense:
+        if p.grad.is_sparse and self.sparse_as_dense:
             p.grad = p.grad.to_dense()
         tensor, ctx = self._compression.compress(p.grad)
         return tensor, ctx, (p.grad, p.grad._version), placeholder
 
     def _allreduce_grad_async(self, p):
         name = "allreduce." + self._parameter_names[p]
-        if p.grad is not None and p.grad.is_sparse and not self._sparse_as_dense:
-            return sparse_allreduce_async(p.grad, name, self._op, self._process_set), "sparse", None
+        if p.grad is not None and p.grad.is_sparse and not self.sparse_as_dense:
+            return sparse_allreduce_async(p.grad, name, self.op, self.process_set), "sparse", None
         tensor, ctx, sent, placeholder = self._wire_tensor(p)
         prescale, postscale = self._scale_factors()
         if placeholder:
-            handle = placeholder_allreduce_async_(tensor, name, self._op, prescale, postscale, self._process_set)
+            handle = placeholder_allreduce_async_(tensor, name, self.op, prescale, postscale, self.process_set)
         else:
-            handle = allreduce_async_(tensor, name=name, op=self._op, prescale_factor=prescale,
-                                      postscale_factor=postscale, process_set=self._process_set)
+            handle = allreduce_async_(tensor, name=name, op=self.op, prescale_factor=prescale,
+                                      postscale_factor=postscale, process_set=self.process_set)
         return handle, ctx, sent
 
     # ---- the optimizer API -------------------------------------------------------
@@ -232,7 +232,7 @@ class _DistributedOptimizer(_TrackedParameters):
     def synchronize(self):
         """Waits for every gradient's allreduce (starting those whose hook did
         not fire) and writes the results into the .grad fields."""
-        if self._process_set.size() == 1 and not self._handles:
+        if self.process_set.size() == 1 and not self._handles:
             # Nothing to average. (Hooks made when the job was larger, before
             # an elastic job shrank to one rank, still start allreduces: the
             # loop below finishes those.)
@@ -346,8 +346,8 @@ class _DistributedOptimizer(_TrackedParameters):
             if loss is None:
                 return None
             local = loss.detach() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss), dtype=torch.float64)
-            total = allreduce_(local.clone(), name="DistributedOptimizer.closure_loss", op=self._op,
-                               process_set=self._process_set)
+            total = allreduce_(local.clone(), name="DistributedOptimizer.closure_loss", op=self.op,
+                               process_set=self.process_set)
             return total if isinstance(loss, torch.Tensor) else float(total)
         return averaged
 
@@ -384,7 +384,7 @@ class _DistributedAdasumOptimizer(_TrackedParameters):
         super().__init__(params)
         self._track(named_parameters)
         self._compression = compression
-        self._process_set = process_set
+        self.process_set = process_set
         self.backward_passes_per_step = backward_passes_per_step
 
     def _takes_part(self, p):
@@ -413,7 +413,7 @@ class _DistributedAdasumOptimizer(_TrackedParameters):
             delta, ctx = self._compression.compress(p.detach() - before)
             deltas.append((delta, ctx))
         handles = [allreduce_async_(d, name="adasum." + self._parameter_names[p], op=Adasum,
-                                    process_set=self._process_set)
+                                    process_set=self.process_set)
                    for p, (d, _) in zip(trained, deltas)]
         with torch.no_grad():
             for p, before, handle, (_, ctx) in zip(trained, start, handles, deltas):

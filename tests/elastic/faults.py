@@ -27,6 +27,15 @@ def log(**event):
             f.write(json.dumps(event) + "\n")
 
 
+def log_end_of_keras_job(model, step, rank, size):
+    """Rank 0's final weights (the dense layer's), then every rank's end."""
+    if rank == 0:
+        weights = model.get_weights()
+        log(event="final", size=size, step=step,
+            params={"weight": weights[0].flatten().tolist(), "bias": weights[1].flatten().tolist()})
+    log(event="done", rank=rank, size=size)
+
+
 def fault_at(step):
     spec = os.environ.get("ELASTIC_FAULT")
     if not spec:

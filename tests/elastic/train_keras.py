@@ -5,7 +5,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from faults import fault_at, log, maybe_add_host, wait_for_growth  # noqa: E402
+from faults import fault_at, log, log_end_of_keras_job, maybe_add_host, wait_for_growth  # noqa: E402
 from reference import BATCH, STEPS, batch_of, make_keras_model  # noqa: E402
 
 import keras  # noqa: E402
@@ -48,11 +48,7 @@ def main():
                                  hvd.elastic.CommitStateCallback(state)])
 
     train(state)
-    if hvd.rank() == 0:
-        weights = model.get_weights()
-        log(event="final", size=hvd.size(), step=state.step,
-            params={"weight": weights[0].flatten().tolist(), "bias": weights[1].flatten().tolist()})
-    log(event="done", rank=hvd.rank(), size=hvd.size())
+    log_end_of_keras_job(model, state.step, hvd.rank(), hvd.size())
 
 
 if __name__ == "__main__":

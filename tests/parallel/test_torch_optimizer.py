@@ -99,6 +99,23 @@ def test_set_backward_passes_per_step_changes_the_count_from_the_next_step():
         optimizer.set_backward_passes_per_step(0)
 
 
+def test_horovods_public_attributes_say_how_gradients_are_reduced_and_op_is_read_at_each_allreduce():
+    model, optimizer = distributed(SGD, steps=1, sparse_as_dense=True)
+    assert (optimizer.op, optimizer.gradient_predivide_factor, optimizer.sparse_as_dense, optimizer.process_set,
+            optimizer.backward_passes_per_step) == (hvd.Average, 1.0, True, hvd.global_process_set, 1)
+    x, y = batch(1)
+
+    def reduced_gradients():
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(my_rows(x)), my_rows(y)).backward()
+        optimizer.synchronize()
+        return [p.grad.clone() for p in model.parameters()]
+    averaged = reduced_gradients()
+    optimizer.op = hvd.Sum  # as in Horovod: the next allreduces sum
+    for summed, average in zip(reduced_gradients(), averaged):
+        torch.testing.assert_close(summed, average * hvd.size(), rtol=0, atol=1e-12)
+
+
 def test_fp16_compression_is_close():
     model, _ = distributed(SGD, dtype=torch.float32, compression=hvd.Compression.fp16)
     assert_same(model, reference(SGD, dtype=torch.float32), atol=2e-3)
