@@ -175,7 +175,7 @@ def _rank_from_environment():
 
 
 def rank_wrapper(argv):
-    from unison.run import _describe, _die_with_parent, _forward, remove_shared_memory
+    from unison.run import _describe, _die_with_parent, forward_output, remove_shared_memory
 
     simulate_hosts = 0
     output_filename = None
@@ -213,17 +213,8 @@ def rank_wrapper(argv):
     signal.signal(signal.SIGINT, forward)
     signal.signal(signal.SIGTERM, forward)
     threads, logs = [], []
-    for stream, kind, sink in ((proc.stdout, "stdout", sys.stdout), (proc.stderr, "stderr", sys.stderr)):
-        log_file = None
-        if output_filename:
-            folder = os.path.join(output_filename, "rank.%d" % rank)
-            os.makedirs(folder, exist_ok=True)
-            log_file = open(os.path.join(folder, kind), "wb")
-            logs.append(log_file)
-        t = threading.Thread(target=_forward, args=(stream, rank, kind, sink, log_file, None, timestamped),
-                             daemon=True)
-        t.start()
-        threads.append(t)
+    folder = os.path.join(output_filename, "rank.%d" % rank) if output_filename else None
+    forward_output(proc, rank, folder, threads, logs, timestamped=timestamped)
     code = proc.wait()
     for t in threads:
         t.join(timeout=5)

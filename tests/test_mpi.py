@@ -387,8 +387,9 @@ def test_binding_args_bind_the_ranks_and_output_can_be_timestamped(tmp_path, np_
         binding = "--bind-to core:overload-allowed --map-by core:OVERSUBSCRIBE"
     else:
         binding = "-bind-to core"
-    proc = unisonrun(["--mpi", "-np", str(np_), "--binding-args", binding, "--prefix-output-with-timestamp"],
-                     [sys.executable, str(script)], timeout=100)
+    logs = tmp_path / "logs"
+    proc = unisonrun(["--mpi", "-np", str(np_), "--binding-args", binding, "--prefix-output-with-timestamp",
+                      "--output-filename", str(logs)], [sys.executable, str(script)], timeout=100)
     out = proc.stdout.decode(errors="replace")
     assert proc.returncode == 0, out
     usable = sorted(os.sched_getaffinity(0))
@@ -398,6 +399,9 @@ def test_binding_args_bind_the_ranks_and_output_can_be_timestamped(tmp_path, np_
         found[int(rank)] = eval(cores)
         assert total == str([np_ * (np_ + 1) / 2] * 2), out
     assert sorted(found) == list(range(np_)), out
+    for rank in range(np_):  # the rank wrapper's files are stamped too
+        logged = (logs / ("rank.%d" % rank) / "stdout").read_text()
+        assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{6} rank %d cores .*\n" % rank, logged), logged
     # Each rank bound to one core, and the ranks spread over every core
     # (which rank shares a core when they outnumber the cores is mpirun's).
     assert all(len(cores) == 1 and cores[0] in usable for cores in found.values()), found

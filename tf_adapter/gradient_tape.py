@@ -113,7 +113,8 @@ class GradientReducer:
         for i, g in enumerate(grads):
             if g is None:
                 v = variables[i]
-                if eager and id(v) not in self._local and (v.dtype.is_floating or v.dtype.is_complex):
+                dtype = tf.as_dtype(v.dtype)  # a Keras 3 variable's dtype is a string
+                if eager and id(v) not in self._local and (dtype.is_floating or dtype.is_complex):
                     grads[i] = tf.zeros_like(v)
                     stand_ins.add(i)
                     dense.append(i)

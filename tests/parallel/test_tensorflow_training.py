@@ -98,8 +98,20 @@ def uses_extra(step, rank):
     return (step + rank) % 3 == 0
 
 
+def extra_variable(initial, holder):
+    """A tf.Variable, or a Keras layer's kernel (a Keras 3 variable, whose
+    dtype is a string)."""
+    if holder == "tf.Variable":
+        return tf.Variable(initial)
+    layer = keras.layers.Dense(initial.shape[1], use_bias=False)
+    layer.build((None, initial.shape[0]))
+    layer.kernel.assign(initial)
+    return layer.kernel
+
+
+@pytest.mark.parametrize("holder", ["tf.Variable", "keras"])
 @pytest.mark.parametrize("kind", ["sgd", "adam"])
-def test_a_variable_only_some_ranks_used_is_averaged_as_one_process_eagerly(kind):
+def test_a_variable_only_some_ranks_used_is_averaged_as_one_process_eagerly(kind, holder):
     """A Python branch takes the extra variable into some ranks' losses
     only: its gradient is None on the others. Averaged with zeros in their
     place it is what one process gets; where no rank used it, it is None,
@@ -115,7 +127,7 @@ def test_a_variable_only_some_ranks_used_is_averaged_as_one_process_eagerly(kind
     model = make_model(RANK)
     hvd.broadcast_variables(model.variables, root_rank=0)
     initial = model.get_weights()
-    extra = tf.Variable(extra_initial)
+    extra = extra_variable(extra_initial, holder)
     variables = model.trainable_variables + [extra]
     optimizer = make_optimizer(kind)
     for s in range(STEPS):
@@ -130,7 +142,7 @@ def test_a_variable_only_some_ranks_used_is_averaged_as_one_process_eagerly(kind
 
     reference = make_model(123)
     reference.set_weights(initial)
-    reference_extra = tf.Variable(extra_initial)
+    reference_extra = extra_variable(extra_initial, holder)
     reference_variables = reference.trainable_variables + [reference_extra]
     reference_optimizer = make_optimizer(kind)
     for s in range(STEPS):
