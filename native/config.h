@@ -147,9 +147,9 @@ struct Config {
   // local rank, comma-separated; local rank r pins its engine thread to the
   // r-th. Empty: the thread runs wherever the process may. Read here, and
   // checked against the host's ranks once the backend knows them
-  // (engine_thread_core): under mpirun the local rank comes from MPI.
+  // (choose_engine_core): under mpirun the local rank comes from MPI.
   std::vector<int> thread_affinity;
-  std::string thread_affinity_setting;  // "NAME=value", as the user wrote it, for errors
+  std::string thread_affinity_setting;  // "NAME='value'", as the user wrote it, for errors
   // The core this rank's engine thread is pinned to, or -1.
   int engine_core = -1;
   // UNISON_AUTOTUNE: rank 0 searches the four settings below (autotune.h),
