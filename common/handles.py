@@ -167,3 +167,24 @@ def unused_everywhere(handle_id):
     out = ffi.new("int*")
     basics.check(lib.unison_handle_unused(handle_id, out))
     return bool(out[0])
+
+
+class GraphNode:
+    """`with GraphNode(waiting_thread):` around a collective that runs as a
+    node of a framework's graph, on one of the framework's threads, while
+    the thread that called the graph (its threading native id, or 0 when
+    unknown) waits for it. The deadlock test then counts this thread as a
+    submitter only inside the node, and the waiting thread as blocked while
+    the node is (native/caller_activity.h)."""
+    __slots__ = ("_waiting_thread",)
+
+    def __init__(self, waiting_thread):
+        self._waiting_thread = waiting_thread
+
+    def __enter__(self):
+        lib.unison_graph_node_begin(self._waiting_thread)
+        return self
+
+    def __exit__(self, *exc):
+        lib.unison_graph_node_end()
+        return False

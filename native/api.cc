@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "caller_activity.h"
 #include "cuda/device_plane.h"
 #include "engine.h"
 #include "log.h"
@@ -196,6 +197,16 @@ int unison_group_begin(void) {
 
 int unison_group_end(int discard) {
   if (engine != nullptr && forked_from == 0) engine->group_end(discard != 0);
+  return UNISON_OK;
+}
+
+int unison_graph_node_begin(int64_t waiting_thread) {
+  caller_activity::graph_node_begin(waiting_thread);
+  return UNISON_OK;
+}
+
+int unison_graph_node_end(void) {
+  caller_activity::graph_node_end();
   return UNISON_OK;
 }
 

@@ -1,57 +1,141 @@
 #include "caller_activity.h"
 
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <atomic>
+#include <mutex>
+#include <string>
+#include <unordered_map>
 
 namespace unison {
 namespace caller_activity {
 namespace {
 
+// What the deadlock test knows of one thread.
+struct Thread {
+  int64_t tid = 0;
+  // Enqueued outside a graph node, or called a graph that ran a node: a
+  // submitter until it exits.
+  bool submits = false;
+  // Its own thread holds this record and removes it at exit; a record
+  // made for a waiting thread by a node's worker is removed once
+  // /proc/self/task no longer lists that thread.
+  bool attached = false;
+  int node_depth = 0;          // inside graph nodes (graph_node_begin)
+  int64_t waiting_thread = 0;  // while inside one: who waits for the node
+  std::atomic<int> blocked{0};  // BlockedScopes held (touched on every wait, so no lock)
+};
+
 // Process-wide, not per engine: a thread stays a submitter across a
-// shutdown and a new init.
-std::atomic<int> submitters{0};
-std::atomic<int> blocked_submitters{0};
+// shutdown and a new init. Never destroyed, so that threads exiting after
+// static destruction has begun still find them.
+std::mutex& registry_mutex = *new std::mutex;
+auto& threads = *new std::unordered_map<int64_t, Thread>;  // by Linux thread id; elements never move
 std::atomic<double> last_progress{0.0};
 
-// Registers its thread on first use and unregisters it when the thread exits.
-struct Submitter {
-  bool registered = false;
-  void enroll() {
-    if (registered) return;
-    registered = true;
-    submitters.fetch_add(1);
+int64_t linux_thread_id() { return static_cast<int64_t>(syscall(SYS_gettid)); }
+
+// This thread's view of its record: the hot paths (enqueue, wait) read
+// these instead of taking the lock.
+struct Self {
+  Thread* record = nullptr;
+  bool submits = false;
+  int node_depth = 0;
+  ~Self() {
+    if (record == nullptr) return;
+    std::lock_guard<std::mutex> lock(registry_mutex);
+    threads.erase(record->tid);
   }
-  ~Submitter() {
-    if (registered) submitters.fetch_sub(1);
+  // Called with registry_mutex held.
+  Thread& attach() {
+    if (record == nullptr) {
+      const int64_t tid = linux_thread_id();
+      record = &threads[tid];
+      record->tid = tid;
+      record->attached = true;
+      submits = record->submits;  // it may have been named as a waiting thread before
+    }
+    return *record;
   }
 };
 
-thread_local Submitter this_thread;
+thread_local Self self;
 
 void progress(double now) {
   // Callers and the engine both write; any recent time will do.
   if (now > last_progress.load(std::memory_order_relaxed)) last_progress.store(now, std::memory_order_relaxed);
 }
 
+bool alive(int64_t tid) { return access(("/proc/self/task/" + std::to_string(tid)).c_str(), F_OK) == 0; }
+
+// Whether `tid` waits for a graph node whose worker is blocked. Called
+// with registry_mutex held.
+bool waits_on_a_blocked_node(int64_t tid) {
+  for (const auto& [id, t] : threads)
+    if (t.node_depth > 0 && t.waiting_thread == tid && t.blocked.load() > 0) return true;
+  return false;
+}
+
 }  // namespace
 
 void note_enqueue(double now) {
-  this_thread.enroll();
+  if (!self.submits && self.node_depth == 0) {
+    std::lock_guard<std::mutex> lock(registry_mutex);
+    self.attach().submits = true;
+    self.submits = true;
+  }
   progress(now);
 }
 
 void note_completion(double now) { progress(now); }
 
-BlockedScope::BlockedScope() : counted_(this_thread.registered) {
-  if (counted_) blocked_submitters.fetch_add(1);
+BlockedScope::BlockedScope() {
+  if (self.record != nullptr) self.record->blocked.fetch_add(1);
 }
 
 BlockedScope::~BlockedScope() {
-  if (counted_) blocked_submitters.fetch_sub(1);
+  if (self.record != nullptr) self.record->blocked.fetch_sub(1);
+}
+
+void graph_node_begin(int64_t waiting_thread) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  Thread& me = self.attach();
+  ++self.node_depth;
+  if (me.node_depth++ == 0) me.waiting_thread = waiting_thread == me.tid ? 0 : waiting_thread;
+  if (waiting_thread == 0) return;
+  // The waiting thread runs graphs that submit, and will again: a
+  // submitter from now on, like one that enqueued. It may be this very
+  // thread (PyTorch runs a CPU backward's hooks on the caller's thread).
+  Thread& waiting = waiting_thread == me.tid ? me : threads[waiting_thread];
+  waiting.tid = waiting_thread;
+  waiting.submits = true;
+  if (&waiting == &me) self.submits = true;
+}
+
+void graph_node_end() {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  if (self.record == nullptr || self.node_depth == 0) return;
+  --self.node_depth;
+  if (--self.record->node_depth == 0) self.record->waiting_thread = 0;
 }
 
 bool blocked_for(double quiet_seconds, double now) {
-  const int all = submitters.load();
-  return all > 0 && blocked_submitters.load() >= all && now - last_progress.load() >= quiet_seconds;
+  if (now - last_progress.load() < quiet_seconds) return false;  // the usual answer, without the lock
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  bool any = false;
+  for (auto it = threads.begin(); it != threads.end();) {
+    Thread& t = it->second;
+    if (!t.attached && !alive(t.tid)) {
+      it = threads.erase(it);
+      continue;
+    }
+    ++it;
+    if (!t.submits && t.node_depth == 0) continue;
+    any = true;
+    if (t.blocked.load() == 0 && !waits_on_a_blocked_node(t.tid)) return false;
+  }
+  return any;
 }
 
 }  // namespace caller_activity

@@ -9,18 +9,33 @@
 // hides the bug (a rank took another branch), so the inspector fails the
 // stalled ops with a report instead of warning forever.
 //
-// A thread counts as a submitter from its first enqueue until it exits, so a
-// thread that submitted before and is busy elsewhere now (an evaluation loop
-// beside a thread waiting on a gradient) keeps its process unblocked. Only a
-// thread that has never submitted and starts later is unseen; the stall
-// check's switch (UNISON_STALL_CHECK_DISABLE) covers that program.
+// A thread that enqueues counts as a submitter from its first enqueue until
+// it exits, so a thread that submitted before and is busy elsewhere now (an
+// evaluation loop beside a thread waiting on a gradient) keeps its process
+// unblocked. Only a thread that has never submitted and starts later is
+// unseen; the stall check's switch (UNISON_STALL_CHECK_DISABLE) covers that
+// program.
+//
+// Frameworks that run a collective as a node of their own graph (a
+// TensorFlow tf.function) submit from a worker thread of theirs while the
+// thread that called the graph waits inside the framework. Counted like a
+// caller, every worker that once ran a node would count as busy forever
+// after, and the waiting caller (a submitter since an eager broadcast) as
+// busy too: such a process could never look blocked. PyTorch is the same
+// on GPUs, where backward's gradient hooks, which start the allreduces,
+// run on its per-device threads. So the front end brackets the node with
+// graph_node_begin/end: the worker is a submitter only inside it, and the
+// thread the front end names as waiting for the graph counts as a
+// submitter, blocked while it waits itself or while the node is blocked.
 #pragma once
+
+#include <cstdint>
 
 namespace unison {
 namespace caller_activity {
 
-// On every enqueue: registers the calling thread as a submitter and counts
-// as progress.
+// On every enqueue: registers the calling thread as a submitter (for good,
+// unless it is inside a graph node) and counts as progress.
 void note_enqueue(double now);
 // An op of this process completed.
 void note_completion(double now);
@@ -32,10 +47,14 @@ class BlockedScope {
   ~BlockedScope();
   BlockedScope(const BlockedScope&) = delete;
   BlockedScope& operator=(const BlockedScope&) = delete;
-
- private:
-  bool counted_;
 };
+
+// A framework's graph node running on this thread (unison_graph_node_begin
+// and _end). waiting_thread: the Linux thread id of the thread that called
+// the graph and cannot go on before the node ends (it may be this one); 0
+// when not known. It is a submitter from then on.
+void graph_node_begin(int64_t waiting_thread);
+void graph_node_end();
 
 // True when this process has submitters, all of them are blocked waiting,
 // and nothing was enqueued or completed in the last quiet_seconds.

@@ -196,6 +196,18 @@ int unison_enqueue(const unison_op_options* options, unison_handle* out);
 int unison_group_begin(void);
 int unison_group_end(int discard);
 
+/* For a front end whose collectives run as nodes of a framework's graph,
+   on the framework's worker threads (a TensorFlow tf.function, PyTorch's
+   gradient hooks, which run on a GPU's autograd thread): bracket
+   each node's enqueues and waits with these. Inside, this thread submits
+   collectives; after, it does not. waiting_thread is the Linux thread id
+   of the thread that called the graph and waits for it (0: unknown); it
+   counts as blocked while this node is. Without them the deadlock test
+   would see idle workers and the waiting caller as busy (caller_activity.h).
+   Both work before init and after shutdown. */
+int unison_graph_node_begin(int64_t waiting_thread);
+int unison_graph_node_end(void);
+
 /* Handles. */
 int unison_poll(unison_handle handle, int* done);
 /* Waits up to timeout_seconds (negative: forever). Returns the op's status,

@@ -398,6 +398,41 @@ def test_a_rank_whose_other_thread_is_busy_is_not_a_deadlock(tmp_path, np_):
             assert ("[%d]<stdout>:%s [%d. %d.]" % (r, name, np_, np_)) in out, out
 
 
+@pytest.mark.parametrize("np_", [2, 3])
+def test_a_graph_node_counts_its_worker_only_inside_it_and_its_caller_as_blocked(tmp_path, np_):
+    # The contract a graph framework's front end relies on (GraphNode): a
+    # worker thread runs each collective, the main thread waits for it
+    # outside unison. The worker that ran 'warm' and went idle is no
+    # submitter; the main thread, a submitter since 'w', counts as blocked
+    # while the node it waits for is. So the parted ranks are a deadlock.
+    proc = run(tmp_path, """
+        import concurrent.futures, threading
+        import numpy as np
+        import unison, unison.numpy as unp
+        from unison.handles import GraphNode
+        unison.init()
+        r = unison.rank()
+        unp.allreduce(np.ones(2), name="w")
+        caller = threading.get_native_id()
+        def node(name):
+            with GraphNode(caller):
+                return unp.allreduce(np.ones(2), op=unison.Sum, name=name)
+        worker = concurrent.futures.ThreadPoolExecutor(1)
+        print("warm", worker.submit(node, "warm").result().tolist(), flush=True)
+        try:
+            worker.submit(node, "a" if r == 0 else "b").result()
+        except unison.DeadlockError as e:
+            print("rank %d: %s" % (r, e), flush=True)
+        print("after", r, worker.submit(node, "after").result().tolist(), flush=True)
+    """, np_=np_, extra=("--stall-check-warning-time-seconds", "1.5"))
+    out, err = proc.stdout.decode(), proc.stderr.decode()
+    assert proc.returncode == 0, out + err
+    for r in range(np_):
+        assert ("[%d]<stdout>:warm %s" % (r, [float(np_)] * 2)) in out, out
+        assert ("rank %d: unison: deadlock: every rank is blocked" % r) in out, out
+        assert ("after %d %s" % (r, [float(np_)] * 2)) in out, out
+
+
 def test_a_set_whose_members_are_blocked_waits_for_a_busy_rank_outside_it(tmp_path):
     # Set {0, 1}: rank 0 has started the global 'x' and waits on the set's
     # 'z'; rank 1 waits on 'x' before it submits 'z'; rank 2 is busy, then

@@ -167,21 +167,33 @@ def test_rpc_suite_across_hosts(hosts, np_):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("backward_on", ["caller", "worker"])
 @pytest.mark.parametrize("np_", [2, 3])
-def test_a_rank_that_takes_another_branch_mid_training_fails_every_rank_instead_of_hanging(tmp_path, np_):
+def test_a_rank_that_takes_another_branch_mid_training_fails_every_rank_instead_of_hanging(tmp_path, np_,
+                                                                                         backward_on):
     # Rank 0 averages a metric at step 2 that the others skip. They finish
     # step 2 (rank 0's gradients were already in) and wait on step 3's in
     # optimizer.step(); rank 0 waits on 'metric'. Every rank gets the
     # deadlock report, the optimizers that failed are ready for another
-    # backward, and the job's collectives go on.
+    # backward, and the job's collectives go on. backward_on="worker" runs
+    # backward on a thread of its own that lives on, as PyTorch runs a GPU's
+    # backward: the hooks start the allreduces there, and that idle thread
+    # must not count as a busy rank.
     import textwrap
     script = tmp_path / "branch.py"
     script.write_text(textwrap.dedent("""
+        import concurrent.futures, sys
         import torch
         import unison
         import unison.torch as hvd
         torch.set_num_threads(1)
         hvd.init()
+        worker = concurrent.futures.ThreadPoolExecutor(1) if sys.argv[1] == "worker" else None
+        def backward(loss):
+            if worker is None:
+                loss.backward()
+            else:
+                worker.submit(loss.backward).result()
         torch.manual_seed(0)
         model = torch.nn.Linear(4, 1)
         opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
@@ -189,7 +201,7 @@ def test_a_rank_that_takes_another_branch_mid_training_fails_every_rank_instead_
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         for step in range(5):
             opt.zero_grad()
-            model(torch.ones(2, 4) * (hvd.rank() + 1)).sum().backward()
+            backward(model(torch.ones(2, 4) * (hvd.rank() + 1)).sum())
             try:
                 if step == 2 and hvd.rank() == 0:
                     hvd.allreduce(torch.ones(1), name="metric")
@@ -204,7 +216,8 @@ def test_a_rank_that_takes_another_branch_mid_training_fails_every_rank_instead_
         print("rank %d after: %s" % (hvd.rank(), total), flush=True)
     """))
     proc = run_job([sys.executable, "-m", "unison.run", "-np", str(np_), "--stall-check-warning-time-seconds",
-                    "1.5", sys.executable, str(script)], 100, cwd=str(tmp_path), stderr=subprocess.PIPE)
+                    "1.5", sys.executable, str(script), backward_on], 100, cwd=str(tmp_path),
+                   stderr=subprocess.PIPE)
     out, err = proc.stdout.decode(), proc.stderr.decode()
     assert proc.returncode == 0, out + err
     others = "[%s]" % ", ".join(str(r) for r in range(1, np_))

@@ -9,6 +9,7 @@ user built.
 """
 import contextlib
 import sys
+import threading
 import warnings
 import weakref
 
@@ -18,7 +19,7 @@ from unison import basics
 from unison.arguments import gradient_scaling, split_into_groups
 from unison.compression import check_compressor
 from unison.exceptions import InvalidArgumentError, UnisonError
-from unison.handles import synchronize as _wait
+from unison.handles import GraphNode, synchronize as _wait
 from unison import process_sets
 from unison.process_sets import global_process_set
 from unison.torch.compression import Compression
@@ -131,6 +132,11 @@ class _DistributedOptimizer(_TrackedParameters):
         self._synchronized = False
         self._should_synchronize = True
         self._hooked = set()
+        # The thread that steps, which the hooks start allreduces for: on a
+        # GPU, backward runs them on PyTorch's autograd thread for the
+        # device, which must not count as a busy submitter once it idles
+        # (the deadlock test, native/caller_activity.h).
+        self._stepping_thread = threading.get_native_id()
         for p in self._ordered:
             self._hook_if_trained(p)
 
@@ -173,10 +179,11 @@ class _DistributedOptimizer(_TrackedParameters):
             self._handles[p] = (None, None, None)
             if self._allreduce_delay[p] == 0:
                 group = self._group_of[p]
-                if group is None:
-                    self._handles[p] = self._allreduce_grad_async(p)
-                elif all(self._allreduce_delay[m] == 0 for m in self._group_members[group] if m.requires_grad):
-                    self._start_group(group)  # the last of its trained members to be ready
+                with GraphNode(self._stepping_thread):
+                    if group is None:
+                        self._handles[p] = self._allreduce_grad_async(p)
+                    elif all(self._allreduce_delay[m] == 0 for m in self._group_members[group] if m.requires_grad):
+                        self._start_group(group)  # the last of its trained members to be ready
         return hook
 
     def _start_group(self, group):
@@ -232,6 +239,7 @@ class _DistributedOptimizer(_TrackedParameters):
     def synchronize(self):
         """Waits for every gradient's allreduce (starting those whose hook did
         not fire) and writes the results into the .grad fields."""
+        self._stepping_thread = threading.get_native_id()
         if self.process_set.size() == 1 and not self._handles:
             # Nothing to average. (Hooks made when the job was larger, before
             # an elastic job shrank to one rank, still start allreduces: the

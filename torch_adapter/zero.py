@@ -29,11 +29,12 @@ on the number of ranks, so a checkpoint resumes at another world size, or
 in a single process with the plain optimizer class.
 """
 import itertools
+import threading
 import weakref
 
 import torch
 
-from unison.handles import synchronize
+from unison.handles import GraphNode, synchronize
 from unison.process_sets import global_process_set
 from unison.torch.functions import allgather_object
 from unison.torch.ops import Average, allgather_async, placeholder_reducescatter_async, reducescatter_async
@@ -88,6 +89,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._in_flight = {}        # parameter -> (handle, the gradient sent, its version when sent)
         self._stale = False         # a gradient changed after its reduction started
         self._replaced_grads = []   # backward's gradients of own parameters, kept until zero_grad()
+        self._stepping_thread = threading.get_native_id()  # whom the hooks work for (DistributedOptimizer's)
         self.optim = None
         self._consolidated = None
         super().__init__(params, defaults)   # calls add_param_group for each group
@@ -177,7 +179,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             if p in self._in_flight:   # a second backward before step(): accumulation
                 self._stale = True
             elif not self._stale:
-                self._start_reduction(p)
+                with GraphNode(self._stepping_thread):
+                    self._start_reduction(p)
         return hook
 
     def _start_reduction(self, p):
@@ -203,6 +206,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     def _wait_in_flight(self):
         """Waits for every reduction started (a failure is raised once all
         are done); gives {parameter: its averaged gradient, or an empty one}."""
+        self._stepping_thread = threading.get_native_id()
         results, failure = {}, None
         in_flight, self._in_flight = self._in_flight, {}
         for p, (handle, _, _) in in_flight.items():
