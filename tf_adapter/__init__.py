@@ -6,6 +6,7 @@ from unison.basics import (  # noqa: F401
     ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled, init,
     is_homogeneous, is_initialized, local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported,
     nccl_built, rank, rocm_built, shutdown, size, start_timeline, stop_timeline)
+from unison.common.util import gpu_available  # noqa: F401  (horovod.tensorflow exports it too)
 from unison.exceptions import HorovodInternalError, UnisonError  # noqa: F401
 from unison.process_sets import (  # noqa: F401
     ProcessSet, add_process_set, global_process_set, remove_process_set)
@@ -20,3 +21,4 @@ from unison.tensorflow.gradient_tape import DistributedGradientTape, PartialDist
 from unison.tensorflow.optimizer import DistributedOptimizer  # noqa: F401
 from unison.tensorflow.sync_batch_norm import SyncBatchNormalization  # noqa: F401
 from unison.tensorflow import elastic  # noqa: F401,E402  (hvd.elastic.run, hvd.elastic.TensorFlowKerasState...)
+from unison.tensorflow import mpi_ops  # noqa: F401,E402  (hvd.mpi_ops.<op>, as after import horovod.tensorflow)

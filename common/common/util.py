@@ -35,9 +35,17 @@ def extension_available(ext_base_name, verbose=False):
     return framework is not None and importlib.util.find_spec(framework) is not None
 
 
+# The front ends that take GPU tensors: unison.tensorflow and unison.mxnet
+# move host memory only, and refuse a GPU tensor by name.
+_TAKES_GPU_TENSORS = {"torch"}
+
+
 def gpu_available(ext_base_name, verbose=False):
-    """Whether unison.<ext_base_name> can take GPU tensors here."""
-    return extension_available(ext_base_name) and basics.cuda_built()
+    """Whether unison.<ext_base_name> can take GPU tensors here: a script
+    that asks before putting its tensors on a GPU gets the answer that
+    keeps it running."""
+    return (ext_base_name in _TAKES_GPU_TENSORS and extension_available(ext_base_name)
+            and basics.cuda_built())
 
 
 def num_rank_is_power_2(num_rank):

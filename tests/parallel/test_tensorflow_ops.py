@@ -310,6 +310,10 @@ def test_horovods_mpi_ops_module_path():
     from unison.tensorflow.mpi_ops import Sum, allreduce, rank_op
     total = allreduce(tf.cast(rank_op(), tf.float64), op=Sum, name="mpi_ops.path")
     assert float(total) == N * (N - 1) / 2
+    # As after `import horovod.tensorflow as hvd`: the module is an attribute,
+    # and so is gpu_available (no: this front end moves host tensors only).
+    assert hvd.mpi_ops.allreduce is allreduce
+    assert hvd.gpu_available("tensorflow") is False
 
 
 def test_broadcast_object_fn():
