@@ -335,9 +335,10 @@ def test_ranks_blocked_on_different_tensors_fail_as_a_deadlock_then_go_on(tmp_pa
     # rank's op fails with the whole picture, and the job goes on.
     # submitted_by="graph-node" is the contract a graph framework's front end
     # relies on (GraphNode, as in a tf.function): a worker thread runs each
-    # collective while the main thread waits for it outside unison. The
-    # worker, idle between nodes, is no submitter; the main thread, which
-    # never enqueued, counts as one, blocked while the node it waits for is.
+    # collective while the main thread waits for it outside unison. Another
+    # worker that ran a node and idles since is no submitter; the main
+    # thread, a submitter since its own 'w', counts as blocked while the
+    # node it waits for is.
     proc = run(tmp_path, """
         import concurrent.futures, os, threading
         import numpy as np
@@ -347,13 +348,16 @@ def test_ranks_blocked_on_different_tensors_fail_as_a_deadlock_then_go_on(tmp_pa
         r = unison.rank()
         allreduce = unp.allreduce
         if os.environ["SUBMITTED_BY"] == "graph-node":
-            worker, caller = concurrent.futures.ThreadPoolExecutor(1), threading.get_native_id()
-            def allreduce(*args, **kwargs):
+            caller = threading.get_native_id()
+            def on(worker, *args, **kwargs):
                 def node():
                     with GraphNode(caller):
                         return unp.allreduce(*args, **kwargs)
                 return worker.submit(node).result()
-        allreduce(np.ones(2), name="w")
+            idle, worker = concurrent.futures.ThreadPoolExecutor(1), concurrent.futures.ThreadPoolExecutor(1)
+            on(idle, np.ones(2), name="idle")
+            allreduce = lambda *args, **kwargs: on(worker, *args, **kwargs)
+        unp.allreduce(np.ones(2), name="w")
         try:
             if r == 0:
                 allreduce(np.ones(2), name="extra")
