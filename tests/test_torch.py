@@ -167,9 +167,10 @@ def test_rpc_suite_across_hosts(hosts, np_):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("backward_on", ["caller", "worker"])
+@pytest.mark.parametrize("optimizer,backward_on", [("distributed", "caller"), ("distributed", "worker"),
+                                                   ("zero", "worker")])
 @pytest.mark.parametrize("np_", [2, 3])
-def test_a_rank_that_takes_another_branch_mid_training_fails_every_rank_instead_of_hanging(tmp_path, np_,
+def test_a_rank_that_takes_another_branch_mid_training_fails_every_rank_instead_of_hanging(tmp_path, np_, optimizer,
                                                                                          backward_on):
     # Rank 0 averages a metric at step 2 that the others skip. They finish
     # step 2 (rank 0's gradients were already in) and wait on step 3's in
@@ -178,7 +179,8 @@ def test_a_rank_that_takes_another_branch_mid_training_fails_every_rank_instead_
     # backward, and the job's collectives go on. backward_on="worker" runs
     # backward on a thread of its own that lives on, as PyTorch runs a GPU's
     # backward: the hooks start the allreduces there, and that idle thread
-    # must not count as a busy rank.
+    # must not count as a busy rank. ZeroRedundancyOptimizer's hooks start
+    # its reductions there too.
     import textwrap
     script = tmp_path / "branch.py"
     script.write_text(textwrap.dedent("""
@@ -196,8 +198,11 @@ def test_a_rank_that_takes_another_branch_mid_training_fails_every_rank_instead_
                 worker.submit(loss.backward).result()
         torch.manual_seed(0)
         model = torch.nn.Linear(4, 1)
-        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                       named_parameters=model.named_parameters())
+        if sys.argv[2] == "zero":
+            opt = hvd.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+        else:
+            opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                           named_parameters=model.named_parameters())
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         for step in range(5):
             opt.zero_grad()
@@ -216,17 +221,21 @@ def test_a_rank_that_takes_another_branch_mid_training_fails_every_rank_instead_
         print("rank %d after: %s" % (hvd.rank(), total), flush=True)
     """))
     proc = run_job([sys.executable, "-m", "unison.run", "-np", str(np_), "--stall-check-warning-time-seconds",
-                    "1.5", sys.executable, str(script), backward_on], 100, cwd=str(tmp_path),
+                    "1.5", sys.executable, str(script), backward_on, optimizer], 100, cwd=str(tmp_path),
                    stderr=subprocess.PIPE)
     out, err = proc.stdout.decode(), proc.stderr.decode()
     assert proc.returncode == 0, out + err
     others = "[%s]" % ", ".join(str(r) for r in range(1, np_))
     for r in range(np_):
-        assert ("rank %d step %d: unison: deadlock: every rank is blocked" % (r, 2 if r == 0 else 3)) in out, out
+        # ZeroRedundancyOptimizer's step ends with an allgather of the
+        # parameters: the others wait there, still in step 2.
+        step = 2 if r == 0 or optimizer == "zero" else 3
+        assert ("rank %d step %d: unison: deadlock: every rank is blocked" % (r, step)) in out, out
         assert ("rank %d after: %d.0" % (r, np_)) in out, out
         assert r == 0 or ("rank %d zero_grad ok" % r) in out, out
     # The ages depend on when each rank last moved: any will do.
     assert re.search(r"allreduce 'metric' waited \d+ s: submitted by ranks \[0\], missing from ranks "
                      + re.escape(others), out), out
-    assert re.search(r"allreduce 'allreduce.weight' waited \d+ s: submitted by ranks " + re.escape(others)
+    theirs = "allreduce 'allreduce.weight'" if optimizer == "distributed" else r"allgather 'zero\d+.params.torch.float32'"
+    assert re.search(theirs + r" waited \d+ s: submitted by ranks " + re.escape(others)
                      + r", missing from ranks \[0\]", out), out
