@@ -29,7 +29,6 @@ import weakref
 import numpy as np
 import tensorflow as tf
 from tensorflow.python import pywrap_tfe
-from tensorflow.python.eager.polymorphic_function import atomic_function
 from tensorflow.python.ops import control_flow_util
 
 from unison import arguments, basics, collective, dtypes, frontend, gradients
@@ -185,7 +184,11 @@ def _run(fn, inputs, out_dtypes, kind, name=_NO_TENSOR):
     return list(outputs)
 
 
-_CALLS_A_FUNCTION = atomic_function.AtomicFunction.call_flat.__code__
+try:
+    from tensorflow.python.eager.polymorphic_function.atomic_function import AtomicFunction
+    _CALLS_A_FUNCTION = AtomicFunction.call_flat.__code__
+except (ImportError, AttributeError):   # a TensorFlow that runs functions otherwise: no caller is found
+    _CALLS_A_FUNCTION = None
 
 
 def _thread_waiting_for(traced_in):
@@ -197,6 +200,8 @@ def _thread_waiting_for(traced_in):
     waits; the waiting thread's Python stack does. It costs a few
     microseconds of a node's ~0.7 ms."""
     graph = traced_in()
+    if _CALLS_A_FUNCTION is None:
+        return 0
     enclosing = set()
     while graph is not None:
         enclosing.add(id(graph))
