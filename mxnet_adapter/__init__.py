@@ -16,3 +16,5 @@ from unison.mxnet.functions import (  # noqa: F401
     allgather_object, broadcast_object, broadcast_parameters)
 from unison.mxnet.optimizer import DistributedOptimizer, DistributedTrainer  # noqa: F401
 from unison.mxnet import elastic  # noqa: F401,E402  (hvd.elastic.run, hvd.elastic.MXNetState...)
+from unison.mxnet import mpi_ops  # noqa: F401,E402  (hvd.mpi_ops.<op>, as after import horovod.mxnet)
+from unison.common.util import split_list  # noqa: F401,E402  (horovod.mxnet exports it too)

@@ -179,4 +179,6 @@ def test_horovods_common_import_paths_with_unison_in_place_of_horovod():
         assert util.gpu_available(framework) == (framework == "torch" and util.extension_available(framework)
                                                  and unison.cuda_built())
     assert not util.extension_available("keras2") and not util.gpu_available("nonesuch")
+    assert util.split_list(list(range(7)), 3) == [[0, 1, 2], [3, 4], [5, 6]]
+    assert util.split_list([1], 3) == [[1], [], []] and util.split_list([], 2) == [[], []]
     assert [util.num_rank_is_power_2(n) for n in (0, 1, 2, 3, 4, 6, 8)] == [False, True, True, False, True, False, True]

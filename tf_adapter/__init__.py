@@ -6,7 +6,7 @@ from unison.basics import (  # noqa: F401
     ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled, init,
     is_homogeneous, is_initialized, local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported,
     nccl_built, rank, rocm_built, shutdown, size, start_timeline, stop_timeline)
-from unison.common.util import gpu_available  # noqa: F401  (horovod.tensorflow exports it too)
+from unison.common.util import gpu_available, split_list  # noqa: F401  (horovod.tensorflow exports them too)
 from unison.exceptions import HorovodInternalError, UnisonError  # noqa: F401
 from unison.process_sets import (  # noqa: F401
     ProcessSet, add_process_set, global_process_set, remove_process_set)

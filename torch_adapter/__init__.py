@@ -21,6 +21,7 @@ from unison.torch.optimizer import DistributedOptimizer  # noqa: F401
 from unison.torch.sync_batch_norm import SyncBatchNorm  # noqa: F401
 from unison.torch.zero import ZeroRedundancyOptimizer  # noqa: F401
 from unison.torch import elastic  # noqa: F401,E402  (hvd.elastic.run, hvd.elastic.TorchState...)
+from unison.torch import mpi_ops  # noqa: F401,E402  (hvd.mpi_ops.<op>, as after import horovod.torch)
 from unison.torch.compiled_code import keep_unison_out_of_compiled_graphs  # noqa: E402
 
 keep_unison_out_of_compiled_graphs()

@@ -48,5 +48,17 @@ def gpu_available(ext_base_name, verbose=False):
             and basics.cuda_built())
 
 
+def split_list(items, num_parts):
+    """`items` cut into num_parts consecutive parts whose lengths differ by
+    at most one, the first ones longer; parts beyond the items are empty."""
+    base, longer = divmod(len(items), num_parts)
+    parts, start = [], 0
+    for part in range(num_parts):
+        end = start + base + (1 if part < longer else 0)
+        parts.append(items[start:end])
+        start = end
+    return parts
+
+
 def num_rank_is_power_2(num_rank):
     return num_rank != 0 and num_rank & (num_rank - 1) == 0

@@ -143,3 +143,6 @@ def test_horovods_mpi_ops_module_path():
     t = mx.nd.array([float(rank())], dtype="float64")
     allreduce_(t, op=Sum, name="mpi_ops.path")
     assert t.asnumpy()[0] == size() * (size() - 1) / 2
+    # As after `import horovod.mxnet as hvd`: the module and split_list are attributes.
+    assert hvd.mpi_ops.allreduce_ is allreduce_
+    assert hvd.split_list([1, 2, 3], 2) == [[1, 2], [3]]

@@ -314,6 +314,7 @@ def test_horovods_mpi_ops_module_path():
     # and so is gpu_available (no: this front end moves host tensors only).
     assert hvd.mpi_ops.allreduce is allreduce
     assert hvd.gpu_available("tensorflow") is False
+    assert hvd.split_list([1, 2, 3], 2) == [[1, 2], [3]]
 
 
 def test_broadcast_object_fn():

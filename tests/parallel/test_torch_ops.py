@@ -250,3 +250,4 @@ def test_horovods_mpi_ops_module_path():
     t = torch.tensor([float(hvd.rank())])
     synchronize(allreduce_async_(t, op=Sum, name="mpi_ops.path"))
     assert t.item() == hvd.size() * (hvd.size() - 1) / 2
+    assert hvd.mpi_ops.allreduce_async_ is allreduce_async_   # as after `import horovod.torch as hvd`
