@@ -33,6 +33,10 @@ struct Thread {
 std::mutex& registry_mutex = *new std::mutex;
 auto& threads = *new std::unordered_map<int64_t, Thread>;  // by Linux thread id; elements never move
 std::atomic<double> last_progress{0.0};
+// Counts the records made for a thread by another thread (a node's
+// waiting thread), so that a thread without a record of its own knows
+// when to look for one.
+std::atomic<uint64_t> named_by_others{0};
 
 int64_t linux_thread_id() { return static_cast<int64_t>(syscall(SYS_gettid)); }
 
@@ -42,6 +46,7 @@ struct Self {
   Thread* record = nullptr;
   bool submits = false;
   int node_depth = 0;
+  uint64_t looked_at = 0;  // named_by_others when this thread last looked for its record
   ~Self() {
     if (record == nullptr) return;
     std::lock_guard<std::mutex> lock(registry_mutex);
@@ -57,6 +62,16 @@ struct Self {
       submits = record->submits;  // it may have been named as a waiting thread before
     }
     return *record;
+  }
+  // A thread that never enqueued may still have been named as a node's
+  // waiting thread: a submitter whose own waits must count (PyTorch's
+  // step() waiting on allreduces that the GPU's autograd thread started).
+  void adopt_a_record_made_by_others() {
+    const uint64_t named = named_by_others.load();
+    if (record != nullptr || named == looked_at) return;
+    looked_at = named;
+    std::lock_guard<std::mutex> lock(registry_mutex);
+    if (threads.count(linux_thread_id()) != 0) attach();
   }
 };
 
@@ -91,6 +106,7 @@ void note_enqueue(double now) {
 void note_completion(double now) { progress(now); }
 
 BlockedScope::BlockedScope() {
+  self.adopt_a_record_made_by_others();
   if (self.record != nullptr) self.record->blocked.fetch_add(1);
 }
 
@@ -107,10 +123,14 @@ void graph_node_begin(int64_t waiting_thread) {
   // The waiting thread runs graphs that submit, and will again: a
   // submitter from now on, like one that enqueued. It may be this very
   // thread (PyTorch runs a CPU backward's hooks on the caller's thread).
-  Thread& waiting = waiting_thread == me.tid ? me : threads[waiting_thread];
+  if (waiting_thread == me.tid) {
+    me.submits = self.submits = true;
+    return;
+  }
+  Thread& waiting = threads[waiting_thread];
+  if (waiting.tid == 0) named_by_others.fetch_add(1);  // new
   waiting.tid = waiting_thread;
   waiting.submits = true;
-  if (&waiting == &me) self.submits = true;
 }
 
 void graph_node_end() {

@@ -326,7 +326,7 @@ def test_stall_inspector_warns_then_fails_naming_the_missing_rank(tmp_path):
     assert "still usable 0" in out and "still usable 1" in out
 
 
-@pytest.mark.parametrize("submitted_by", ["caller", "graph-node"])
+@pytest.mark.parametrize("submitted_by", ["caller", "graph-node", "hook"])
 @pytest.mark.parametrize("np_", [2, 3])
 def test_ranks_blocked_on_different_tensors_fail_as_a_deadlock_then_go_on(tmp_path, np_, submitted_by):
     # Rank 0 took a branch the others did not: it waits on 'extra', they wait
@@ -338,7 +338,9 @@ def test_ranks_blocked_on_different_tensors_fail_as_a_deadlock_then_go_on(tmp_pa
     # collective while the main thread waits for it outside unison. Another
     # worker that ran a node and idles since is no submitter; the main
     # thread, a submitter since its own 'w', counts as blocked while the
-    # node it waits for is.
+    # node it waits for is. submitted_by="hook" is PyTorch on a GPU: the
+    # autograd thread's hook starts each collective inside GraphNode and
+    # the main thread, which never enqueues, waits for it itself.
     proc = run(tmp_path, """
         import concurrent.futures, os, threading
         import numpy as np
@@ -357,7 +359,15 @@ def test_ranks_blocked_on_different_tensors_fail_as_a_deadlock_then_go_on(tmp_pa
             idle, worker = concurrent.futures.ThreadPoolExecutor(1), concurrent.futures.ThreadPoolExecutor(1)
             on(idle, np.ones(2), name="idle")
             allreduce = lambda *args, **kwargs: on(worker, *args, **kwargs)
-        unp.allreduce(np.ones(2), name="w")
+            unp.allreduce(np.ones(2), name="w")
+        elif os.environ["SUBMITTED_BY"] == "hook":
+            caller, hooks = threading.get_native_id(), concurrent.futures.ThreadPoolExecutor(1)
+            def hook(*args, **kwargs):
+                with GraphNode(caller):
+                    return unp.allreduce_async(*args, **kwargs)
+            allreduce = lambda *args, **kwargs: unp.synchronize(hooks.submit(hook, *args, **kwargs).result())
+        else:
+            unp.allreduce(np.ones(2), name="w")
         try:
             if r == 0:
                 allreduce(np.ones(2), name="extra")

@@ -199,9 +199,9 @@ def _thread_waiting_for(traced_in):
     TensorFlow runs the node on a worker of its own and says nothing of who
     waits; the waiting thread's Python stack does. It costs a few
     microseconds of a node's ~0.7 ms."""
-    graph = traced_in()
     if _CALLS_A_FUNCTION is None:
         return 0
+    graph = traced_in()
     enclosing = set()
     while graph is not None:
         enclosing.add(id(graph))
