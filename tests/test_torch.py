@@ -167,11 +167,12 @@ def test_rpc_suite_across_hosts(hosts, np_):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("optimizer,backward_on", [("distributed", "caller"), ("distributed", "worker"),
-                                                   ("zero", "worker")])
+@pytest.mark.parametrize("optimizer,backward_on,model", [
+    ("distributed", "caller", "linear"), ("distributed", "worker", "linear"), ("zero", "worker", "linear"),
+    ("distributed", "worker", "syncbn")])
 @pytest.mark.parametrize("np_", [2, 3])
 def test_a_rank_that_takes_another_branch_mid_training_fails_every_rank_instead_of_hanging(tmp_path, np_, optimizer,
-                                                                                         backward_on):
+                                                                                         backward_on, model):
     # Rank 0 averages a metric at step 2 that the others skip. They finish
     # step 2 (rank 0's gradients were already in) and wait on step 3's in
     # optimizer.step(); rank 0 waits on 'metric'. Every rank gets the
@@ -180,7 +181,8 @@ def test_a_rank_that_takes_another_branch_mid_training_fails_every_rank_instead_
     # backward on a thread of its own that lives on, as PyTorch runs a GPU's
     # backward: the hooks start the allreduces there, and that idle thread
     # must not count as a busy rank. ZeroRedundancyOptimizer's hooks start
-    # its reductions there too.
+    # its reductions there too, and SyncBatchNorm's backward its allreduce:
+    # with it the others finish step 2 and wait in step 3's forward.
     import textwrap
     script = tmp_path / "branch.py"
     script.write_text(textwrap.dedent("""
@@ -197,7 +199,10 @@ def test_a_rank_that_takes_another_branch_mid_training_fails_every_rank_instead_
             else:
                 worker.submit(loss.backward).result()
         torch.manual_seed(0)
-        model = torch.nn.Linear(4, 1)
+        if sys.argv[3] == "syncbn":
+            model = torch.nn.Sequential(torch.nn.Linear(4, 3), hvd.SyncBatchNorm(3, name="bn"), torch.nn.Linear(3, 1))
+        else:
+            model = torch.nn.Linear(4, 1)
         if sys.argv[2] == "zero":
             opt = hvd.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
         else:
@@ -206,8 +211,8 @@ def test_a_rank_that_takes_another_branch_mid_training_fails_every_rank_instead_
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         for step in range(5):
             opt.zero_grad()
-            backward(model(torch.ones(2, 4) * (hvd.rank() + 1)).sum())
             try:
+                backward(model(torch.arange(8.0).reshape(2, 4) * (hvd.rank() + 1)).sum())
                 if step == 2 and hvd.rank() == 0:
                     hvd.allreduce(torch.ones(1), name="metric")
                 opt.step()
@@ -221,7 +226,7 @@ def test_a_rank_that_takes_another_branch_mid_training_fails_every_rank_instead_
         print("rank %d after: %s" % (hvd.rank(), total), flush=True)
     """))
     proc = run_job([sys.executable, "-m", "unison.run", "-np", str(np_), "--stall-check-warning-time-seconds",
-                    "1.5", sys.executable, str(script), backward_on, optimizer], 100, cwd=str(tmp_path),
+                    "1.5", sys.executable, str(script), backward_on, optimizer, model], 100, cwd=str(tmp_path),
                    stderr=subprocess.PIPE)
     out, err = proc.stdout.decode(), proc.stderr.decode()
     assert proc.returncode == 0, out + err
@@ -236,6 +241,8 @@ def test_a_rank_that_takes_another_branch_mid_training_fails_every_rank_instead_
     # The ages depend on when each rank last moved: any will do.
     assert re.search(r"allreduce 'metric' waited \d+ s: submitted by ranks \[0\], missing from ranks "
                      + re.escape(others), out), out
-    theirs = "allreduce 'allreduce.weight'" if optimizer == "distributed" else r"allgather 'zero\d+.params.torch.float32'"
+    theirs = {"linear": "allreduce 'allreduce.weight'", "syncbn": "allgather 'bn.stats'"}[model]
+    if optimizer == "zero":
+        theirs = r"allgather 'zero\d+.params.torch.float32'"
     assert re.search(theirs + r" waited \d+ s: submitted by ranks " + re.escape(others)
                      + r", missing from ranks \[0\]", out), out

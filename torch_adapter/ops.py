@@ -12,6 +12,9 @@ tensor is and adds autograd: the blocking forms of allreduce, allgather,
 broadcast, alltoall and reducescatter (grouped ones too) are autograd
 functions whose gradients are unison.gradients', Horovod's definitions.
 """
+import functools
+import threading
+
 import torch
 
 from unison import arguments, basics, collective, frontend, gradients
@@ -19,7 +22,7 @@ from unison.arguments import member_name as _member_name
 from unison.compression import compress_all
 from unison.dtypes import label as _label
 from unison.exceptions import InvalidArgumentError, UnsupportedError
-from unison.handles import Handle, HandleGroup, poll, synchronize  # noqa: F401
+from unison.handles import GraphNode, Handle, HandleGroup, poll, synchronize  # noqa: F401
 from unison.process_sets import global_process_set
 from unison._native import ffi
 from unison.torch.compression import Compression
@@ -163,26 +166,54 @@ class _TorchGradients(gradients.GradientOps):
 _grads = _TorchGradients()
 
 
+def remembers_its_caller(forward):
+    """For an autograd Function's forward with collectives in its backward:
+    notes the thread that ran it, which is, as a rule, the thread that will
+    call backward() and wait in it."""
+    @functools.wraps(forward)
+    def noting(ctx, *args):
+        ctx.unison_caller = threading.get_native_id()
+        return forward(ctx, *args)
+    return noting
+
+
+def runs_for_its_caller(backward):
+    """The backward of such a Function. On a GPU PyTorch runs it on its
+    thread for the device while the caller waits in backward(): its
+    collectives run as a graph node on the caller's behalf, so that the
+    deadlock test counts that thread, and not the device's, as blocked
+    (native/caller_activity.h). On the CPU the caller runs it itself."""
+    @functools.wraps(backward)
+    def on_behalf(ctx, *grads):
+        with GraphNode(ctx.unison_caller):
+            return backward(ctx, *grads)
+    return on_behalf
+
+
 class _GroupedAllreduce(torch.autograd.Function):
     @staticmethod
+    @remembers_its_caller
     def forward(ctx, name, op, prescale_factor, postscale_factor, process_set, *tensors):
         ctx.settings = (op, prescale_factor, postscale_factor, process_set)
         return tuple(synchronize(_front.grouped_allreduce_async(tensors, name, op, prescale_factor,
                                                                 postscale_factor, process_set)))
 
     @staticmethod
+    @runs_for_its_caller
     def backward(ctx, *grad_outputs):
         return (None,) * 5 + tuple(gradients.allreduce(_grads, list(grad_outputs), *ctx.settings))
 
 
 class _GroupedAllgather(torch.autograd.Function):
     @staticmethod
+    @remembers_its_caller
     def forward(ctx, name, process_set, *tensors):
         ctx.process_set = process_set
         ctx.save_for_backward(*tensors)
         return tuple(synchronize(_front.grouped_allgather_async(tensors, name, process_set)))
 
     @staticmethod
+    @runs_for_its_caller
     def backward(ctx, *grad_outputs):
         return (None, None) + tuple(gradients.allgather(_grads, list(grad_outputs), ctx.saved_tensors,
                                                         ctx.process_set))
@@ -190,17 +221,20 @@ class _GroupedAllgather(torch.autograd.Function):
 
 class _Broadcast(torch.autograd.Function):
     @staticmethod
+    @remembers_its_caller
     def forward(ctx, tensor, root_rank, name, process_set):
         ctx.root_rank, ctx.process_set = root_rank, process_set
         return synchronize(_front.broadcast_async(tensor, root_rank, name, process_set))
 
     @staticmethod
+    @runs_for_its_caller
     def backward(ctx, grad_output):
         return gradients.broadcast(_grads, [grad_output], ctx.root_rank, ctx.process_set)[0], None, None, None
 
 
 class _Alltoall(torch.autograd.Function):
     @staticmethod
+    @remembers_its_caller
     def forward(ctx, tensor, splits, name, process_set):
         output, received = synchronize(_front.alltoall_async(tensor, splits, name, process_set))
         received = torch.tensor(received, dtype=torch.int32)
@@ -209,18 +243,21 @@ class _Alltoall(torch.autograd.Function):
         return output, received
 
     @staticmethod
+    @runs_for_its_caller
     def backward(ctx, grad_output, _unused):
         return gradients.alltoall(_grads, grad_output, ctx.received, ctx.process_set), None, None, None
 
 
 class _GroupedReducescatter(torch.autograd.Function):
     @staticmethod
+    @remembers_its_caller
     def forward(ctx, name, op, prescale_factor, postscale_factor, process_set, *tensors):
         ctx.settings = (op, prescale_factor, postscale_factor, process_set)
         return tuple(synchronize(_front.grouped_reducescatter_async(tensors, name, op, prescale_factor,
                                                                     postscale_factor, process_set)))
 
     @staticmethod
+    @runs_for_its_caller
     def backward(ctx, *grad_outputs):
         return (None,) * 5 + tuple(gradients.reducescatter(_grads, list(grad_outputs), *ctx.settings))
 

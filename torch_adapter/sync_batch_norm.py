@@ -17,7 +17,7 @@ import torch
 from unison import basics
 from unison import process_sets
 from unison.process_sets import global_process_set
-from unison.torch.ops import allgather, allreduce, Sum
+from unison.torch.ops import Sum, allgather, allreduce, remembers_its_caller, runs_for_its_caller
 
 
 def _channel_view(t, ndim):
@@ -27,6 +27,7 @@ def _channel_view(t, ndim):
 
 class _SyncBatchNormFunction(torch.autograd.Function):
     @staticmethod
+    @remembers_its_caller
     def forward(ctx, x, weight, bias, eps, process_set, name):
         dims = [0] + list(range(2, x.dim()))
         # Statistics in float32 at least: a float16 sum over a large batch overflows.
@@ -62,6 +63,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         return y.to(x.dtype), global_mean, var, total
 
     @staticmethod
+    @runs_for_its_caller
     def backward(ctx, grad_y, _grad_mean, _grad_var, _grad_total):
         x_hat, weight, invstd = ctx.saved_tensors
         total, process_set, name, has_weight, has_bias, x_dtype = ctx.settings
