@@ -22,8 +22,9 @@
 // caller, every worker that once ran a node would count as busy forever
 // after, and the waiting caller (a submitter since an eager broadcast) as
 // busy too: such a process could never look blocked. PyTorch is the same
-// on GPUs, where backward's gradient hooks, which start the allreduces,
-// run on its per-device threads. So the front end brackets the node with
+// on GPUs, where backward (the gradient hooks that start allreduces, the
+// backward of collectives) runs on its per-device threads while the caller
+// waits in backward() or step(). So the front end brackets the node with
 // graph_node_begin/end: the worker is a submitter only inside it, and the
 // thread the front end names as waiting for the graph counts as a
 // submitter, blocked while it waits itself or while the node is blocked.
