@@ -10,10 +10,9 @@
 
 namespace unison {
 namespace caller_activity {
-namespace {
 
 // What the deadlock test knows of one thread.
-struct Thread {
+struct ThreadRecord {
   int64_t tid = 0;
   // Enqueued outside a graph node, or called a graph that ran a node: a
   // submitter until it exits.
@@ -27,11 +26,13 @@ struct Thread {
   std::atomic<int> blocked{0};  // BlockedScopes held (touched on every wait, so no lock)
 };
 
+namespace {
+
 // Process-wide, not per engine: a thread stays a submitter across a
 // shutdown and a new init. Never destroyed, so that threads exiting after
 // static destruction has begun still find them.
 std::mutex& registry_mutex = *new std::mutex;
-auto& threads = *new std::unordered_map<int64_t, Thread>;  // by Linux thread id; elements never move
+auto& threads = *new std::unordered_map<int64_t, ThreadRecord>;  // by Linux thread id; elements never move
 std::atomic<double> last_progress{0.0};
 // Counts the records made for a thread by another thread (a node's
 // waiting thread), so that a thread without a record of its own knows
@@ -43,7 +44,7 @@ int64_t linux_thread_id() { return static_cast<int64_t>(syscall(SYS_gettid)); }
 // This thread's view of its record: the hot paths (enqueue, wait) read
 // these instead of taking the lock.
 struct Self {
-  Thread* record = nullptr;
+  ThreadRecord* record = nullptr;
   bool submits = false;
   int node_depth = 0;
   uint64_t looked_at = 0;  // named_by_others when this thread last looked for its record
@@ -53,7 +54,7 @@ struct Self {
     threads.erase(record->tid);
   }
   // Called with registry_mutex held.
-  Thread& attach() {
+  ThreadRecord& attach() {
     if (record == nullptr) {
       const int64_t tid = linux_thread_id();
       record = &threads[tid];
@@ -107,16 +108,17 @@ void note_completion(double now) { progress(now); }
 
 BlockedScope::BlockedScope() {
   self.adopt_a_record_made_by_others();
+  counted_ = self.record;
   if (self.record != nullptr) self.record->blocked.fetch_add(1);
 }
 
 BlockedScope::~BlockedScope() {
-  if (self.record != nullptr) self.record->blocked.fetch_sub(1);
+  if (counted_ != nullptr) counted_->blocked.fetch_sub(1);
 }
 
 void graph_node_begin(int64_t waiting_thread) {
   std::lock_guard<std::mutex> lock(registry_mutex);
-  Thread& me = self.attach();
+  ThreadRecord& me = self.attach();
   ++self.node_depth;
   if (me.node_depth++ == 0) me.waiting_thread = waiting_thread == me.tid ? 0 : waiting_thread;
   if (waiting_thread == 0) return;
@@ -127,7 +129,7 @@ void graph_node_begin(int64_t waiting_thread) {
     me.submits = self.submits = true;
     return;
   }
-  Thread& waiting = threads[waiting_thread];
+  ThreadRecord& waiting = threads[waiting_thread];
   if (waiting.tid == 0) named_by_others.fetch_add(1);  // new
   waiting.tid = waiting_thread;
   waiting.submits = true;
@@ -145,7 +147,7 @@ bool blocked_for(double quiet_seconds, double now) {
   std::lock_guard<std::mutex> lock(registry_mutex);
   bool any = false;
   for (auto it = threads.begin(); it != threads.end();) {
-    Thread& t = it->second;
+    ThreadRecord& t = it->second;
     if (!t.attached && !alive(t.tid)) {
       it = threads.erase(it);
       continue;

@@ -35,6 +35,8 @@
 namespace unison {
 namespace caller_activity {
 
+struct ThreadRecord;
+
 // On every enqueue: registers the calling thread as a submitter (for good,
 // unless it is inside a graph node) and counts as progress.
 void note_enqueue(double now);
@@ -48,6 +50,9 @@ class BlockedScope {
   ~BlockedScope();
   BlockedScope(const BlockedScope&) = delete;
   BlockedScope& operator=(const BlockedScope&) = delete;
+
+ private:
+  ThreadRecord* counted_;  // the record whose blocked count this holds; null: none
 };
 
 // A framework's graph node running on this thread (unison_graph_node_begin
