@@ -62,6 +62,32 @@ BRANCH_IN_KERAS_FIT = """
         print("rank %d: %s" % (r, getattr(e, "message", e)), flush=True)
 """
 
+# The same parting inside hvd.elastic.run: the deadlock reaches the caller
+# as unison.DeadlockError, and the job is not rolled back and replayed
+# (it would only part again).
+BRANCH_IN_ELASTIC_RUN = """
+    import tensorflow as tf
+    import unison
+    import unison.tensorflow as hvd
+    hvd.init()
+    r = hvd.rank()
+    state = hvd.elastic.TensorFlowState([tf.Variable([float(r)])], step=0)
+
+    @tf.function
+    def step(x):
+        if r == 0:
+            return hvd.allreduce(x, op=hvd.Sum, name="metric")
+        return hvd.allreduce(x, op=hvd.Sum, name="loss")
+
+    @hvd.elastic.run
+    def train(state):
+        return step(tf.ones(2))
+    try:
+        train(state)
+    except unison.DeadlockError as e:
+        print("rank %d: %s" % (r, e), flush=True)
+"""
+
 AFTERWARDS = """
     total = hvd.allreduce(tf.constant([r + 1.0]), op=hvd.Sum, name="after")
     print("rank %d after: %s" % (r, total.numpy().tolist()), flush=True)
@@ -81,7 +107,7 @@ def lines_of(out, rank):
     return "\n".join(line for line in out.splitlines() if line.startswith("[%d]<stdout>:" % rank))
 
 
-@pytest.mark.parametrize("where", ["tf.function", "keras-fit"])
+@pytest.mark.parametrize("where", ["tf.function", "keras-fit", "elastic.run"])
 @pytest.mark.parametrize("np_", [2, 3])
 def test_ranks_that_part_inside_a_traced_step_fail_as_a_deadlock_then_go_on(tmp_path, np_, where):
     # Before, a rank waiting inside a tf.function never looked blocked: the
@@ -89,7 +115,8 @@ def test_ranks_that_part_inside_a_traced_step_fail_as_a_deadlock_then_go_on(tmp_
     # submitter since its eager broadcast) counted as busy, so the job
     # warned forever. Now every rank gets the deadlock report and the job's
     # collectives go on.
-    script = BRANCH_IN_A_TF_FUNCTION if where == "tf.function" else BRANCH_IN_KERAS_FIT
+    script = {"tf.function": BRANCH_IN_A_TF_FUNCTION, "keras-fit": BRANCH_IN_KERAS_FIT,
+              "elastic.run": BRANCH_IN_ELASTIC_RUN}[where]
     proc, out, err = launch(tmp_path, script + AFTERWARDS, np_, 2)
     assert proc.returncode == 0, out + err
     for r in range(np_):
