@@ -101,19 +101,25 @@ def scatter_rows(rows, size, rank):
     return rows // size + (1 if rank < rows % size else 0)
 
 
+def split_list(items, num_parts):
+    """`items` cut into num_parts consecutive parts whose lengths differ by
+    at most one, the first ones longer; parts beyond the items are empty
+    (horovod.common.util.split_list)."""
+    base, longer = divmod(len(items), num_parts)
+    parts, start = [], 0
+    for part in range(num_parts):
+        end = start + base + (1 if part < longer else 0)
+        parts.append(items[start:end])
+        start = end
+    return parts
+
+
 def split_into_groups(items, num_groups):
-    """num_groups consecutive groups of near-equal length (the first ones
-    one longer when it does not divide), empty ones left out: Horovod's
-    num_groups for the optimizer wrappers of every framework."""
+    """split_list's parts, empty ones left out: Horovod's num_groups for
+    the optimizer wrappers of every framework (0: no groups)."""
     if isinstance(num_groups, bool) or not isinstance(num_groups, numbers.Integral) or num_groups < 0:
         raise ValueError("num_groups must be a non-negative integer, got %r" % (num_groups,))
-    groups, start = [], 0
-    for g in range(num_groups):
-        length = len(items) // num_groups + (1 if g < len(items) % num_groups else 0)
-        if length:
-            groups.append(items[start:start + length])
-        start += length
-    return groups
+    return [group for group in split_list(items, num_groups) if group] if num_groups else []
 
 
 def gradient_scaling(op, gradient_predivide_factor):

@@ -46,7 +46,6 @@ int64_t linux_thread_id() { return static_cast<int64_t>(syscall(SYS_gettid)); }
 struct Self {
   ThreadRecord* record = nullptr;
   bool submits = false;
-  int node_depth = 0;
   uint64_t looked_at = 0;  // named_by_others when this thread last looked for its record
   ~Self() {
     if (record == nullptr) return;
@@ -96,7 +95,8 @@ bool waits_on_a_blocked_node(int64_t tid) {
 }  // namespace
 
 void note_enqueue(double now) {
-  if (!self.submits && self.node_depth == 0) {
+  // Only this thread writes its record's node_depth: read without the lock.
+  if (!self.submits && (self.record == nullptr || self.record->node_depth == 0)) {
     std::lock_guard<std::mutex> lock(registry_mutex);
     self.attach().submits = true;
     self.submits = true;
@@ -119,7 +119,6 @@ BlockedScope::~BlockedScope() {
 void graph_node_begin(int64_t waiting_thread) {
   std::lock_guard<std::mutex> lock(registry_mutex);
   ThreadRecord& me = self.attach();
-  ++self.node_depth;
   if (me.node_depth++ == 0) me.waiting_thread = waiting_thread == me.tid ? 0 : waiting_thread;
   if (waiting_thread == 0) return;
   // The waiting thread runs graphs that submit, and will again: a
@@ -137,8 +136,7 @@ void graph_node_begin(int64_t waiting_thread) {
 
 void graph_node_end() {
   std::lock_guard<std::mutex> lock(registry_mutex);
-  if (self.record == nullptr || self.node_depth == 0) return;
-  --self.node_depth;
+  if (self.record == nullptr || self.record->node_depth == 0) return;
   if (--self.record->node_depth == 0) self.record->waiting_thread = 0;
 }
 

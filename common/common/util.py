@@ -6,6 +6,7 @@ available where it imports (`verbose` is accepted and changes nothing)."""
 import importlib.util
 
 from unison import basics
+from unison.arguments import split_list  # noqa: F401  (also the optimizers' num_groups)
 
 _FRAMEWORKS = {"torch": "torch", "tensorflow": "tensorflow", "mxnet": "mxnet"}
 
@@ -46,18 +47,6 @@ def gpu_available(ext_base_name, verbose=False):
     keeps it running."""
     return (ext_base_name in _TAKES_GPU_TENSORS and extension_available(ext_base_name)
             and basics.cuda_built())
-
-
-def split_list(items, num_parts):
-    """`items` cut into num_parts consecutive parts whose lengths differ by
-    at most one, the first ones longer; parts beyond the items are empty."""
-    base, longer = divmod(len(items), num_parts)
-    parts, start = [], 0
-    for part in range(num_parts):
-        end = start + base + (1 if part < longer else 0)
-        parts.append(items[start:end])
-        start = end
-    return parts
 
 
 def num_rank_is_power_2(num_rank):
