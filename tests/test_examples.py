@@ -30,6 +30,9 @@ EXAMPLES = [
      r"epoch 8: loss \d\.\d+(.|\n)*test accuracy 0\.[89]\d+ with the table on rank 0 and 1 trainer"),
     ("mxnet/digits.py", ["--epochs", "8"], ("mxnet", "sklearn"), r"test accuracy 0\.9\d+ on 2 ranks"),
     ("tensorflow/digits.py", ["--epochs", "8"], ("tensorflow", "sklearn"), r"test accuracy 0\.9\d+ on 2 ranks"),
+    ("tensorflow/synthetic_benchmark.py", ["--num-warmup-batches", "1", "--num-iters", "2",
+                                           "--num-batches-per-iter", "2", "--fp16-allreduce"], ("tensorflow",),
+     r"Total img/sec on 2 rank\(s\): \d+(.|\n)*weights identical on every rank: True"),
     ("keras/digits.py", ["--epochs", "8", "--samples-per-second"], ("tensorflow", "sklearn"),
      r"epoch 8: loss \d\.\d+, accuracy 0\.9\d+(.|\n)*test accuracy 0\.9\d+ on 2 ranks(.|\n)*samples/s \d+"),
     ("torch/elastic_digits.py", ["--epochs", "8"], ("torch", "sklearn"), r"test accuracy 0\.9\d+ on 2 ranks"),
@@ -42,6 +45,7 @@ EXAMPLES = [
 @pytest.mark.parametrize("script,args,needs,expected", EXAMPLES,
                          ids=["numpy-logistic-regression", "torch-digits", "torch-synthetic",
                               "torch-synthetic-syncbn-fp16", "torch-process-sets", "torch-parameter-server", "mxnet-digits", "tensorflow-digits",
+                              "tensorflow-synthetic-fp16",
                               "keras-digits", "torch-elastic-digits", "keras-elastic-digits"])
 def test_example_runs_under_the_launcher(script, args, needs, expected):
     for module in needs:
