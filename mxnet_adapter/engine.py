@@ -10,8 +10,8 @@ optimizer's update that reads it starts after the allreduce has written the
 result, with no wait_to_read() and no copy through numpy.
 
 Our function runs on an engine thread: it takes the arrays' data pointers
-(MXNDArrayGetData, valid now that the engine has resolved the
-dependencies), enqueues the collective in the core, and returns at once, so
+(valid now that the engine has resolved the dependencies), enqueues the
+collective in the core, and returns at once, so
 that it never blocks an engine worker while peers catch up (with one CPU
 worker, a blocking collective could wait on a peer whose matching
 collective is queued behind it). One completer thread per process waits on
@@ -23,6 +23,21 @@ and a parameter. The struct is copied, and the function is later called as
 fn(engine, param, NULL), a plain C call that needs no C++ ABI. A failed
 collective completes with NULL too (making an MXNet error needs C++), and
 its error is raised by the Python handle's synchronize() instead.
+
+oneDNN's layouts. MXNet built with oneDNN (MKLDNN), as the PyPI wheels are,
+keeps some arrays in a blocked layout of oneDNN's instead of a plain one:
+a convolution's weights after a forward pass outside autograd.record(),
+and some operators' outputs. MXNDArrayGetData turns such an array back by
+pushing a reorder to the engine and waiting for it. Called from our
+function on an engine thread, which holds the array, that wait never ends:
+broadcast_parameters after an inference forward (the way to size deferred
+parameters) hung with every rank idle. So the pointer is taken through
+MXNDArrayToDLPack, which never waits and fails on a blocked array, and
+push() first waits for the arrays on the caller's thread, where waiting
+is safe, and turns blocked ones back. The gradients' allreduces, which must
+not wait, skip that wait: training keeps gradients plain. Should an array
+still turn blocked before its op starts, the op fails with an error that
+says so, rather than hanging.
 """
 import ctypes
 import queue
@@ -30,6 +45,7 @@ import threading
 
 import mxnet as mx
 
+from unison.exceptions import InvalidArgumentError
 from unison.handles import synchronize as _wait_core
 
 _LIB = mx.base._LIB
@@ -54,14 +70,42 @@ _LIB.MXEnginePushAsyncND.argtypes = [
     ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int,
     ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_bool]
 _LIB.MXNDArrayGetData.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)]
+_LIB.MXNDArrayToDLPack.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)]
+_LIB.MXNDArrayCallDLPackDeleter.argtypes = [ctypes.c_void_p]
+_LIB.MXNDArrayWaitToWrite.argtypes = [ctypes.c_void_p]
 
 
-def data_pointer(array):
-    """The address of `array`'s data. Call only where the engine guarantees
-    no pending write: inside a pushed op, or after wait_to_read()."""
+def data_pointer(array, name):
+    """The address of `array`'s data, without waiting on the engine: call
+    it inside a pushed op, where the engine guarantees no pending write.
+    An array in a blocked oneDNN layout raises (see the module's text)."""
+    managed = ctypes.c_void_p()  # a DLManagedTensor*, whose first field is the data pointer
+    if _LIB.MXNDArrayToDLPack(array.handle, ctypes.byref(managed)) != 0:
+        raise InvalidArgumentError(
+            "unison: %s: MXNet holds this array in a blocked oneDNN (MKLDNN) layout, which it turns back "
+            "only by waiting on its engine, and a collective cannot wait there. An operator queued before "
+            "the collective changed its layout (a convolution run outside autograd.record() does this to "
+            "its weights and may do to its output). Wait for the array first (array.wait_to_read() or "
+            "mx.nd.waitall()), and the collective turns it back before it starts. MXNet said: %s"
+            % (name, mx.base.py_str(_LIB.MXGetLastError()).strip()))
+    try:
+        return ctypes.cast(managed, ctypes.POINTER(ctypes.c_void_p))[0] or 0
+    finally:
+        _LIB.MXNDArrayCallDLPackDeleter(managed)
+
+
+def plain_layout(arrays, settle=False):
+    """On the caller's thread: turns any of `arrays` that MXNet holds in a
+    blocked oneDNN layout back into its plain one (MXNDArrayGetData does
+    that, waiting for the reorder; for a plain array it only reads the
+    pointer). With settle, first waits for every operator queued on the
+    arrays, so that none can still change a layout after this returns:
+    for parameters, whose broadcasts are rare and wait anyway."""
     out = ctypes.c_void_p()
-    mx.base.check_call(_LIB.MXNDArrayGetData(array.handle, ctypes.byref(out)))
-    return out.value or 0
+    for array in arrays:
+        if settle:
+            mx.base.check_call(_LIB.MXNDArrayWaitToWrite(array.handle))
+        mx.base.check_call(_LIB.MXNDArrayGetData(array.handle, ctypes.byref(out)))
 
 
 class EngineOp:
@@ -98,10 +142,14 @@ class _Bridge:
         self._thread = None
         self._callback = _ASYNC_FN(self._run)   # kept alive for as long as the bridge
 
-    def push(self, name, reads, writes, start, priority=0):
+    def push(self, name, reads, writes, start, priority=0, settle=True):
         """Pushes an op that reads `reads` and writes `writes` (NDArrays).
         On an engine thread, once they are ready, start() is called and must
-        return a core Handle; returns the EngineOp."""
+        return a core Handle; returns the EngineOp. settle=False leaves the
+        arrays' queued operators running while the op is pushed: for
+        gradients, which training keeps in the plain layout, and whose
+        allreduces are pushed during backward to overlap it."""
+        plain_layout(reads + writes, settle)
         op = EngineOp(name)
         with self._lock:
             key = self._next_key = self._next_key + 1

@@ -24,7 +24,7 @@ from unison.process_sets import global_process_set
 from unison._native import ffi, lib
 from unison.compression import compress_all
 from unison.mxnet.compression import Compression
-from unison.mxnet.engine import bridge, data_pointer
+from unison.mxnet.engine import bridge, data_pointer, plain_layout
 
 Sum, Average, Min, Max, Product, Adasum = (basics.Sum, basics.Average, basics.Min, basics.Max,
                                            basics.Product, basics.Adasum)
@@ -76,30 +76,34 @@ def _dtype_code(tensor, name):
     return _front.dtype_code(tensor, name)
 
 
-def _pointer(array):
-    return ffi.cast("void*", data_pointer(array)) if array.size else ffi.NULL
+def _pointer(array, name):
+    return ffi.cast("void*", data_pointer(array, name)) if array.size else ffi.NULL
 
 
-def _push(name, reads, writes, enqueue, priority):
+def _push(name, reads, writes, enqueue, priority, settle=True):
     """Pushes a core op on arrays the engine orders; `enqueue()` runs on an
-    engine thread and returns the core's handle id."""
+    engine thread and returns the core's handle id. settle: see
+    engine.bridge.push (the public functions wait for their result
+    anyway, so waiting for their arrays first costs them nothing)."""
     def start():
         return Handle(enqueue(), name, (reads, writes), lambda _: None)
-    return bridge.push(name, reads, writes, start, priority)
+    return bridge.push(name, reads, writes, start, priority, settle)
 
 
 # ---- allreduce ----------------------------------------------------------------
 
-def _allreduce_async(tensor, output, name, op, prescale_factor, postscale_factor, process_set, priority):
+def _allreduce_async(tensor, output, name, op, prescale_factor, postscale_factor, process_set, priority,
+                     settle=True):
     prepared = _front.prepare("allreduce", tensor, name, op, prescale_factor, postscale_factor)
     name = _name("allreduce", name)
 
     def enqueue():
-        return collective.enqueue(lib.UNISON_ALLREDUCE, name, prepared.code, prepared.shape, _pointer(tensor),
-                                  _pointer(output), reduce_op=op, prescale_factor=prescale_factor,
-                                  postscale_factor=postscale_factor, process_set=process_set)
+        return collective.enqueue(lib.UNISON_ALLREDUCE, name, prepared.code, prepared.shape,
+                                  _pointer(tensor, name), _pointer(output, name), reduce_op=op,
+                                  prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                                  process_set=process_set)
     reads = [] if output is tensor else [tensor]
-    return _push(name, reads, [output], enqueue, priority)
+    return _push(name, reads, [output], enqueue, priority, settle)
 
 
 def allreduce(tensor, average=None, name=None, priority=0, prescale_factor=1.0, postscale_factor=1.0,
@@ -167,7 +171,7 @@ def _broadcast_async(tensor, root_rank, name, process_set, priority):
     name = _name("broadcast", name)
 
     def enqueue():
-        p = _pointer(tensor)
+        p = _pointer(tensor, name)
         return collective.enqueue(lib.UNISON_BROADCAST, name, prepared.code, prepared.shape, p, p,
                                   root_rank=root_rank, process_set=process_set)
     return _push(name, [], [tensor], enqueue, priority)
@@ -203,9 +207,10 @@ def _reducescatter_async(tensor, name, op, prescale_factor, postscale_factor, pr
     name = _name("reducescatter", name)
 
     def enqueue():
-        return collective.enqueue(lib.UNISON_REDUCESCATTER, name, prepared.code, prepared.shape, _pointer(tensor),
-                                  _pointer(output), reduce_op=op, prescale_factor=prescale_factor,
-                                  postscale_factor=postscale_factor, process_set=process_set,
+        return collective.enqueue(lib.UNISON_REDUCESCATTER, name, prepared.code, prepared.shape,
+                                  _pointer(tensor, name), _pointer(output, name), reduce_op=op,
+                                  prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                                  process_set=process_set,
                                   output_bytes=output.size * np.dtype(output.dtype).itemsize)
     return output, _push(name, [tensor], [output], enqueue, priority)
 
@@ -247,8 +252,9 @@ def _start_now(tensor, kind, name, op_code, process_set, splits=None):
     prepared = _front.prepare(kind, tensor, name)
     counts = arguments.split_counts(splits, name)
     tensor.wait_to_read()
+    plain_layout([tensor])
     name = _name(kind, name)
-    handle_id = collective.enqueue(op_code, name, prepared.code, prepared.shape, _pointer(tensor),
+    handle_id = collective.enqueue(op_code, name, prepared.code, prepared.shape, _pointer(tensor, name),
                                    splits=counts, process_set=process_set)
     adopt = _to_ndarray(tensor)
     ranks = process_set.size()

@@ -32,7 +32,10 @@ def _allreduce_gradients(named_grads, gradient_predivide_factor, num_groups, pro
             renamed += [("group.%d.%s" % (g, name), grad, priority) for name, grad, priority in group]
         named_grads = renamed
     sent = [(grad,) + compression.compress(grad) for _, grad, _ in named_grads]
-    ops = [_allreduce_async(wire, wire, name, Sum, 1.0 / gradient_predivide_factor, 1.0, process_set, priority)
+    # settle=False: the allreduces are pushed while backward still runs, each
+    # to start as soon as its gradient is written (see unison.mxnet.engine).
+    ops = [_allreduce_async(wire, wire, name, Sum, 1.0 / gradient_predivide_factor, 1.0, process_set, priority,
+                            settle=False)
            for (name, _, priority), (_, wire, _) in zip(named_grads, sent)]
     _wait_all(ops)
     for grad, wire, ctx in sent:

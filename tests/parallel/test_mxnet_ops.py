@@ -146,3 +146,75 @@ def test_horovods_mpi_ops_module_path():
     # As after `import horovod.mxnet as hvd`: the module and split_list are attributes.
     assert hvd.mpi_ops.allreduce_ is allreduce_
     assert hvd.split_list([1, 2, 3], 2) == [[1, 2], [3]]
+
+
+# ---- oneDNN's blocked layouts ------------------------------------------------
+# MXNet's PyPI build keeps a convolution's weights in a blocked oneDNN layout
+# after a forward outside autograd.record(), and may leave its outputs so.
+# Taking such an array's address on MXNet's engine thread used to wait there
+# forever for a reorder queued behind the collective itself.
+
+def _convolution(rank):
+    """A 3x3 convolution whose weights count up from 1000 * rank: small
+    integers, so every sum below is exact in float32."""
+    conv = mx.gluon.nn.Conv2D(8, 3, in_channels=2, use_bias=False)
+    conv.initialize()
+    weight = conv.weight.data()
+    weight[:] = mx.nd.arange(weight.size).reshape(weight.shape) % 5 + 1000 * rank
+    return conv
+
+
+def _images(rank):
+    return mx.nd.arange(2 * 2 * 6 * 6).reshape((2, 2, 6, 6)) % 3 + rank
+
+
+def test_broadcast_parameters_after_an_inference_forward_of_a_convolution():
+    root = hvd.size() - 1
+    conv = _convolution(hvd.rank())
+    conv(_images(hvd.rank()))  # still queued: the broadcast waits for it, and for the layout change it queues
+    hvd.broadcast_parameters(conv.collect_params(), root_rank=root)
+    np.testing.assert_array_equal(conv.weight.data().asnumpy(), _convolution(root).weight.data().asnumpy())
+
+
+def test_allreduce_of_a_pending_convolution_output_in_inference():
+    mine = _convolution(0)(_images(hvd.rank()))
+    everyone = sum(_convolution(0)(_images(r)).asnumpy() for r in range(hvd.size()))
+    np.testing.assert_array_equal(hvd.allreduce(mine, op=hvd.Sum, name="mx.conv.output").asnumpy(), everyone)
+
+
+def test_training_after_an_evaluation_pass_keeps_every_rank_equal():
+    conv = _convolution(0)
+    conv(_images(hvd.rank()))  # evaluation: the weights turn blocked
+    trainer = hvd.DistributedTrainer(conv.collect_params(), "sgd", {"learning_rate": 0.001})
+    with mx.autograd.record():
+        loss = conv(_images(hvd.rank())).sum()
+    loss.backward()
+    trainer.step(1)
+    # The gradient of the sum is the sum of the input windows; the trainer
+    # averages it over the ranks.
+    reference = _convolution(0)
+    grads = []
+    for r in range(hvd.size()):
+        with mx.autograd.record():
+            total = reference(_images(r)).sum()
+        total.backward()
+        grads.append(reference.weight.grad().asnumpy().astype("float64"))
+    start = _convolution(0).weight.data().asnumpy().astype("float64")
+    np.testing.assert_allclose(conv.weight.data().asnumpy(), start - 0.001 * sum(grads) / hvd.size(), rtol=1e-6)
+    gathered = hvd.allgather(conv.weight.data().expand_dims(0), name="mx.conv.weights").asnumpy()
+    for other in gathered:
+        np.testing.assert_array_equal(other, gathered[0])
+
+
+def test_a_blocked_array_on_the_engine_thread_is_an_error_not_a_wait():
+    from unison.mxnet import engine
+    conv = _convolution(hvd.rank())
+    conv(_images(hvd.rank()))
+    mx.nd.waitall()
+    weight = conv.weight.data()
+    with pytest.raises(unison.InvalidArgumentError, match=r"mx\.blocked: MXNet holds this array in a blocked oneDNN"):
+        engine.data_pointer(weight, "mx.blocked")
+    engine.plain_layout([weight])  # what every collective does first, on the caller's thread
+    assert engine.data_pointer(weight, "mx.blocked") != 0
+    np.testing.assert_array_equal(hvd.allreduce(weight, op=hvd.Max, name="mx.blocked").asnumpy(),
+                                  _convolution(hvd.size() - 1).weight.data().asnumpy())
