@@ -73,6 +73,7 @@ _LIB.MXNDArrayGetData.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_
 _LIB.MXNDArrayToDLPack.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)]
 _LIB.MXNDArrayCallDLPackDeleter.argtypes = [ctypes.c_void_p]
 _LIB.MXNDArrayWaitToWrite.argtypes = [ctypes.c_void_p]
+_LIB.MXNDArrayWaitToRead.argtypes = [ctypes.c_void_p]
 
 
 def data_pointer(array, name):
@@ -112,8 +113,10 @@ class EngineOp:
     """A collective pushed to MXNet's engine. done() and wait() follow the
     core's op; wait() returns its result or raises its error."""
 
-    def __init__(self, name):
+    def __init__(self, name, key, bridge):
         self.name = name
+        self.key = key
+        self._bridge = bridge
         self._event = threading.Event()
         self._result = None
         self._error = None
@@ -126,8 +129,11 @@ class EngineOp:
         return self._event.is_set()
 
     def wait(self):
+        waited = 0
         while not self._event.wait(0.2):   # in slices, so Ctrl-C gets through
-            pass
+            waited += 1
+            if waited == 5:   # a second and not started: did MXNet skip it?
+                self._bridge.watch_for_a_skip(self)
         if self._error is not None:
             raise self._error
         return self._result
@@ -150,9 +156,9 @@ class _Bridge:
         gradients, which training keeps in the plain layout, and whose
         allreduces are pushed during backward to overlap it."""
         plain_layout(reads + writes, settle)
-        op = EngineOp(name)
         with self._lock:
             key = self._next_key = self._next_key + 1
+            op = EngineOp(name, key, self)
             self._pending[key] = (op, start, (reads, writes))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._complete_loop, name="unison-mxnet-completer",
@@ -165,6 +171,39 @@ class _Bridge:
             read_handles, len(reads), write_handles, len(writes), None, int(priority),
             ("unison." + name).encode(), False))
         return op
+
+    def watch_for_a_skip(self, op):
+        """MXNet does not run an operator whose arrays carry the error of an
+        earlier one that failed (an operator unsupported on the CPU in
+        backward, say): it completes it at once, and our function, which
+        would start the collective, is never called. The op's waiter would
+        then wait forever. So for an op not started a second after it was
+        waited for, a thread waits in MXNet for the arrays it writes; if the
+        op has still not run by then, MXNet skipped it, and it fails with
+        MXNet's error."""
+        with self._lock:
+            entry = self._pending.get(op.key)
+        if entry is None:
+            return
+        threading.Thread(target=self._watch, args=(op, entry[2][1]), name="unison-mxnet-watch",
+                         daemon=True).start()
+
+    def _watch(self, op, writes):
+        # Waiting to read an array the op writes waits for the op itself to
+        # be done in MXNet: run (which takes it out of _pending first) or
+        # skipped. MXNet raises the failure once, to the first waiter of
+        # any array that carries it; a later waiter sees none.
+        why = "an operator it depends on failed (MXNet raised the error elsewhere)"
+        try:
+            for array in writes:
+                mx.base.check_call(_LIB.MXNDArrayWaitToRead(array.handle))
+        except mx.base.MXNetError as error:
+            why = "an operator it depends on failed: %s" % error
+        with self._lock:
+            skipped = self._pending.pop(op.key, None) is not None
+        if skipped:
+            op._finish(error=mx.base.MXNetError("unison: %s did not run: MXNet skipped it because %s"
+                                                % (op.name, why)))
 
     def _run(self, _run_context, on_complete, key):
         """On an MXNet engine thread: the arrays are ready; start the op."""

@@ -218,3 +218,47 @@ def test_a_blocked_array_on_the_engine_thread_is_an_error_not_a_wait():
     assert engine.data_pointer(weight, "mx.blocked") != 0
     np.testing.assert_array_equal(hvd.allreduce(weight, op=hvd.Max, name="mx.blocked").asnumpy(),
                                   _convolution(hvd.size() - 1).weight.data().asnumpy())
+
+
+# ---- an MXNet operator that fails before the collective ----------------------
+# MXNet's CPU build has no float16 FullyConnected: the operator fails when
+# the engine runs it, and the engine then skips every operator that depends
+# on its output without running it, the collective included.
+
+def _failing_float16_gradients():
+    net = mx.gluon.nn.Dense(2, in_units=3)
+    net.initialize()
+    net.cast("float16")
+    with mx.autograd.record():
+        loss = net(mx.nd.ones((2, 3), dtype="float16")).sum()
+    loss.backward()
+    return net
+
+
+def _drain_mxnets_error():
+    # MXNet raises an operator's failure once more, at the next waitall().
+    try:
+        mx.nd.waitall()
+    except mx.base.MXNetError:
+        pass
+
+
+def test_a_gradient_allreduce_that_mxnet_skips_raises_instead_of_waiting():
+    net = _failing_float16_gradients()
+    trainer = hvd.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.1})
+    with pytest.raises(mx.base.MXNetError, match=r"unison: trainer\.\d did not run: MXNet skipped it because an "
+                                                 r"operator it depends on failed"):
+        trainer.step(2)
+    _drain_mxnets_error()
+    np.testing.assert_array_equal(hvd.allreduce(mx.nd.ones(2), op=hvd.Sum, name="mx.after.skip").asnumpy(),
+                                  [hvd.size()] * 2)
+
+
+def test_a_collective_on_a_failed_operators_output_raises_its_error():
+    failed = mx.nd.FullyConnected(mx.nd.ones((2, 3), dtype="float16"), mx.nd.ones((4, 3), dtype="float16"),
+                                  no_bias=True, num_hidden=4)
+    with pytest.raises(mx.base.MXNetError, match="float16 fully connected"):
+        hvd.allreduce_(failed, name="mx.failed.input")
+    _drain_mxnets_error()
+    np.testing.assert_array_equal(hvd.allreduce(mx.nd.ones(2), op=hvd.Sum, name="mx.after.failure").asnumpy(),
+                                  [hvd.size()] * 2)
