@@ -95,17 +95,15 @@ def data_pointer(array, name):
         _LIB.MXNDArrayCallDLPackDeleter(managed)
 
 
-def plain_layout(arrays, settle=False):
-    """On the caller's thread: turns any of `arrays` that MXNet holds in a
-    blocked oneDNN layout back into its plain one (MXNDArrayGetData does
-    that, waiting for the reorder; for a plain array it only reads the
-    pointer). With settle, first waits for every operator queued on the
-    arrays, so that none can still change a layout after this returns:
-    for parameters, whose broadcasts are rare and wait anyway."""
+def plain_layout(arrays):
+    """On the caller's thread: waits for every operator queued on `arrays`,
+    so that none can still change a layout, then turns any that MXNet holds
+    in a blocked oneDNN layout back into its plain one (MXNDArrayGetData
+    does that, waiting for the reorder; for a plain array it only reads the
+    pointer)."""
     out = ctypes.c_void_p()
     for array in arrays:
-        if settle:
-            mx.base.check_call(_LIB.MXNDArrayWaitToWrite(array.handle))
+        mx.base.check_call(_LIB.MXNDArrayWaitToWrite(array.handle))
         mx.base.check_call(_LIB.MXNDArrayGetData(array.handle, ctypes.byref(out)))
 
 
@@ -151,11 +149,12 @@ class _Bridge:
     def push(self, name, reads, writes, start, priority=0, settle=True):
         """Pushes an op that reads `reads` and writes `writes` (NDArrays).
         On an engine thread, once they are ready, start() is called and must
-        return a core Handle; returns the EngineOp. settle=False leaves the
-        arrays' queued operators running while the op is pushed: for
+        return a core Handle; returns the EngineOp. settle=False pushes at
+        once, leaving the arrays' layouts to the engine thread's check: for
         gradients, which training keeps in the plain layout, and whose
         allreduces are pushed during backward to overlap it."""
-        plain_layout(reads + writes, settle)
+        if settle:
+            plain_layout(reads + writes)
         with self._lock:
             key = self._next_key = self._next_key + 1
             op = EngineOp(name, key, self)

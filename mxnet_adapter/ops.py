@@ -251,8 +251,7 @@ def _start_now(tensor, kind, name, op_code, process_set, splits=None):
     the received splits for alltoall."""
     prepared = _front.prepare(kind, tensor, name)
     counts = arguments.split_counts(splits, name)
-    tensor.wait_to_read()
-    plain_layout([tensor])
+    plain_layout([tensor])  # waits for MXNet to finish writing it
     name = _name(kind, name)
     handle_id = collective.enqueue(op_code, name, prepared.code, prepared.shape, _pointer(tensor, name),
                                    splits=counts, process_set=process_set)

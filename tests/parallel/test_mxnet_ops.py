@@ -214,7 +214,7 @@ def test_a_blocked_array_on_the_engine_thread_is_an_error_not_a_wait():
     weight = conv.weight.data()
     with pytest.raises(unison.InvalidArgumentError, match=r"mx\.blocked: MXNet holds this array in a blocked oneDNN"):
         engine.data_pointer(weight, "mx.blocked")
-    engine.plain_layout([weight])  # what every collective does first, on the caller's thread
+    engine.plain_layout([weight])  # what every public collective does first, on the caller's thread
     assert engine.data_pointer(weight, "mx.blocked") != 0
     np.testing.assert_array_equal(hvd.allreduce(weight, op=hvd.Max, name="mx.blocked").asnumpy(),
                                   _convolution(hvd.size() - 1).weight.data().asnumpy())
