@@ -361,10 +361,18 @@ class _DistributedOptimizer(_TrackedParameters):
 
     def zero_grad(self, set_to_none=True):
         if self._handles:
-            raise AssertionError("unison: optimizer.zero_grad() was called after loss.backward() but before "
-                                 "optimizer.step() or optimizer.synchronize(); the allreduces in flight "
-                                 "would race with it (a GradScaler's step() skips optimizer.step() when this "
-                                 "rank's gradients hold inf or NaN: call optimizer.synchronize() before it)")
+            names = sorted(self._parameter_names[p] for p in self._handles)
+            shown = ", ".join(names[:3]) + (" and %d more" % (len(names) - 3) if len(names) > 3 else "")
+            raise AssertionError(
+                "unison: optimizer.zero_grad() was called after loss.backward() but before optimizer.step() "
+                "or optimizer.synchronize(); the allreduces in flight (of %s) would race with it. A backward "
+                "pass for another optimizer can reach this one's parameters (a GAN's generator loss flows "
+                "through the discriminator): set requires_grad=False on them for that pass, or call "
+                "optimizer.synchronize() before zero_grad(). A GradScaler's step() skips optimizer.step() "
+                "when this rank's gradients hold inf or NaN: call optimizer.synchronize() before it" % shown)
+        # The gradients a synchronize() averaged are gone: the next step()
+        # averages new ones, and is not the second allreduce it warns about.
+        self._synchronized = False
         return super().zero_grad(set_to_none)
 
     def load_state_dict(self, state_dict):

@@ -289,6 +289,50 @@ def test_zero_grad_between_backward_and_step_raises():
     optimizer.zero_grad()
 
 
+def _train_gan(pattern, distributed, steps=3):
+    """A GAN's loop: the generator's loss flows back through the
+    discriminator, so its backward reaches the discriminator's parameters
+    too. `pattern` is how the loop keeps those out of the generator's step."""
+    torch.manual_seed(3)
+    G = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3)).double()
+    D = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Tanh(), torch.nn.Linear(5, 1)).double()
+    opt_g, opt_d = SGD(G.parameters()), SGD(D.parameters())
+    if distributed:
+        opt_g = hvd.DistributedOptimizer(opt_g, named_parameters=G.named_parameters(prefix="G"))
+        opt_d = hvd.DistributedOptimizer(opt_d, named_parameters=D.named_parameters(prefix="D"))
+    for step in range(steps):
+        noise, real = batch(step)
+        if distributed:
+            noise, real = my_rows(noise), my_rows(real)
+        fake = G(noise)
+        if pattern == "synchronize" and distributed:
+            opt_d.synchronize()   # averages (and so finishes) what the last generator pass sent
+        opt_d.zero_grad()
+        (D(fake.detach()).mean() - D(real).mean()).backward()
+        opt_d.step()
+        D.requires_grad_(pattern != "frozen")
+        opt_g.zero_grad()
+        (-D(fake).mean()).backward()
+        opt_g.step()
+        D.requires_grad_(True)
+    return [p.detach().clone() for p in list(G.parameters()) + list(D.parameters())]
+
+
+@pytest.mark.parametrize("pattern", ["frozen", "synchronize"])
+def test_gan_generator_pass_through_discriminator_matches_one_process(pattern):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # nor a warning about a second allreduce
+        got = _train_gan(pattern, distributed=True)
+    for mine, one_process in zip(got, _train_gan(pattern, distributed=False)):
+        torch.testing.assert_close(mine, one_process, rtol=0, atol=1e-12)
+
+
+def test_gan_generator_pass_left_in_flight_names_the_parameters():
+    with pytest.raises(AssertionError, match=r"allreduces in flight \(of D\.0\.bias, D\.0\.weight, D\.2\.bias "
+                                             r"and 1 more\).*requires_grad=False"):
+        _train_gan("as written", distributed=True)
+
+
 def test_too_many_backward_passes_raises():
     model = make_model()
     optimizer = hvd.DistributedOptimizer(SGD(model.parameters()), named_parameters=model.named_parameters())
