@@ -23,6 +23,9 @@ EXAMPLES = [
                                       "--num-batches-per-iter", "2", "--sync-batch-norm",
                                       "--fp16-allreduce"], ("torch",),
      r"Total img/sec on 2 rank\(s\): \d+"),
+    # The recipe's options at once; a short run, so only that it trains alike on every rank.
+    ("torch/digits_resnet.py", ["--epochs", "2", "--use-adasum", "--fp16-allreduce", "--sync-batch-norm"],
+     ("torch", "sklearn"), r"epoch 2: lr(.|\n)*test accuracy 0\.\d+ on 2 ranks; weights identical on every rank: True"),
     ("torch/process_sets.py", ["--epochs", "5"], ("torch", "sklearn"),  # the halves print in either order
      r"^(?=(.|\n)*first half, ranks \[0\], width 32: test accuracy 0\.9\d+; weights identical within the half: True)"
      r"(?=(.|\n)*second half, ranks \[1\], width 256: test accuracy 0\.9\d+; weights identical within the half: True)"),
@@ -49,7 +52,7 @@ EXAMPLES = [
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("script,args,needs,expected", EXAMPLES,
                          ids=["numpy-logistic-regression", "torch-digits", "torch-synthetic",
-                              "torch-synthetic-syncbn-fp16", "torch-process-sets", "torch-parameter-server",
+                              "torch-synthetic-syncbn-fp16", "torch-resnet-adasum-fp16-syncbn", "torch-process-sets", "torch-parameter-server",
                               "mxnet-digits", "mxnet-synthetic-fp16", "tensorflow-digits", "tensorflow-synthetic-fp16",
                               "keras-digits", "torch-elastic-digits", "keras-elastic-digits"])
 def test_example_runs_under_the_launcher(script, args, needs, expected):
@@ -114,3 +117,27 @@ def test_keras_example_resumes_from_its_checkpoint(tmp_path):
     assert second.returncode == 0, output[-5000:]
     assert re.search(r"resumed from epoch 4(.|\n)*epoch 5: loss(.|\n)*epoch 8: loss \d\.\d+, accuracy 0\.9\d+"
                      r"(.|\n)*test accuracy 0\.9\d+ on 2 ranks", output), output[-5000:]
+
+
+@pytest.mark.timeout(300)
+def test_torch_recipe_resumes_from_its_checkpoint_on_more_ranks(tmp_path):
+    # Its documented resume: 5 epochs on 2 ranks, then a run to 10 on 3
+    # that starts from the fifth (rank 0 finds and loads it, the others
+    # receive it), through data-loading workers started by a fork server.
+    for module in ("torch", "sklearn"):
+        if importlib.util.find_spec(module) is None:
+            pytest.skip("%s is not installed here" % module)
+    script = [sys.executable, os.path.join(ROOT, "examples", "torch", "digits_resnet.py"),
+              "--checkpoint-dir", str(tmp_path)]
+    first = run_job([sys.executable, "-m", "unison.run", "-np", "2"] + script + ["--epochs", "5"], 140, cwd=ROOT)
+    output = first.stdout.decode(errors="replace")
+    assert first.returncode == 0, output[-5000:]
+    assert sorted(os.listdir(str(tmp_path))) == ["checkpoint-%d.pt" % e for e in (1, 2, 3, 4, 5)], output[-5000:]
+    assert re.search(r"on 2 ranks; weights identical on every rank: True", output), output[-5000:]
+    second = run_job([sys.executable, "-m", "unison.run", "-np", "3"] + script + ["--epochs", "10"], 140, cwd=ROOT)
+    output = second.stdout.decode(errors="replace")
+    assert second.returncode == 0, output[-5000:]
+    assert "epoch 5:" not in output, output[-5000:]
+    assert re.search(r"resumed from epoch 5 on 3 ranks\n(.|\n)*epoch 6: lr(.|\n)*epoch 10: lr 0\.0008"
+                     r"(.|\n)*test accuracy 0\.9\d+ on 3 ranks; weights identical on every rank: True",
+                     output), output[-5000:]
