@@ -124,7 +124,9 @@ class Engine {
   double step(bool by_caller);
   // Once a failure has stopped the engine: gives the planes' queued device
   // work the peer timeout to finish, then aborts it (engine_driver.cc).
-  void end_stuck_device_work(std::unique_lock<std::timed_mutex>& drive_lock);
+  void end_stuck_device_work(std::unique_lock<std::mutex>& drive_lock);
+  // Lets go of drive_mutex_ and tells callers waiting to drive (wait()).
+  void let_go(std::unique_lock<std::mutex>& drive_lock, bool by_caller);
   // Whether the engine's thread should stay parked: a caller drives, or one
   // did a moment ago and is likely to again.
   bool callers_drive() const;
@@ -226,7 +228,7 @@ class Engine {
   uint64_t cycles_done_ = 0;
   // Driving (engine_driver.cc). The driver, thread or caller, holds
   // drive_mutex_; the state above and the backend belong to it.
-  std::timed_mutex drive_mutex_;
+  std::mutex drive_mutex_;
   std::atomic<int> callers_driving_{0};      // callers holding or waiting for drive_mutex_
   std::atomic<double> caller_left_at_{-1.0};  // when the last one let go (monotonic seconds)
   Doorbell park_bell_;  // the engine's thread sleeps on it while callers drive

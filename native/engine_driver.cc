@@ -26,7 +26,9 @@
 //     waited for its previous op right after enqueueing it) leaves the
 //     thread parked. Guessed wrong, the op waits at most kCallerLinger;
 //   - a caller that leaves work behind (another thread's op, a cycle a peer
-//     asked for) rings park_bell_, so the thread takes over at once.
+//     asked for) rings park_bell_, so the thread takes over at once;
+//   - an op another thread enqueues while a caller drives wakes that caller
+//     (overlap or not), which takes it into its next cycle.
 // A peer's request for a cycle reaches whoever listens on the backend: a
 // driving caller, or the thread (parked at most kCallerLinger).
 //
@@ -119,7 +121,15 @@ bool Engine::callers_drive() const {
 void Engine::wake_for(int64_t handle) {
   const bool caller_will_wait = last_enqueued != 0 && last_waited == last_enqueued;
   last_enqueued = handle;
-  if (!overlap_) return;  // left for a wait, a peer's cycle, or kUnclaimedSeconds
+  if (!overlap_) {
+    // Left for a wait, a peer's cycle, or kUnclaimedSeconds; but a caller
+    // of another thread already driving takes it into its next cycle. Its
+    // own op may need this one first (a peer's threads reach their ops in
+    // another order), and it sleeps until a peer or this ring wakes it,
+    // else for up to kUnclaimedSeconds.
+    if (callers_driving_.load() > 0) backend_->wake();
+    return;
+  }
   backend_->wake();  // a driving caller listens here
   if (!caller_will_wait) park_bell_.ring();
 }
@@ -131,16 +141,15 @@ void Engine::loop() {
       park_bell_.sleep(parked, kCallerLinger);
       continue;
     }
-    std::unique_lock<std::timed_mutex> lock(drive_mutex_);
+    std::unique_lock<std::mutex> lock(drive_mutex_);
     if (stopped_) {
       end_stuck_device_work(lock);
       return;
     }
     const uint32_t token = backend_->activity_token();
     const double idle = step(false);
-    if (idle <= 0) continue;
-    lock.unlock();
-    backend_->wait_for_activity(token, idle);
+    let_go(lock, false);
+    if (idle > 0) backend_->wait_for_activity(token, idle);
   }
 }
 
@@ -152,7 +161,7 @@ void Engine::loop() {
 // synchronize would hang. A peer that shut down in order ran its side
 // first, so the work gets the peer timeout to finish, and is then aborted.
 // (A lost rank's planes were aborted at once: fail_everything.)
-void Engine::end_stuck_device_work(std::unique_lock<std::timed_mutex>& drive_lock) {
+void Engine::end_stuck_device_work(std::unique_lock<std::mutex>& drive_lock) {
   const double deadline = monotonic_seconds() + config_.peer_timeout_seconds;
   for (;;) {
     std::vector<DevicePlane*> busy;
@@ -234,6 +243,12 @@ double Engine::step(bool by_caller) {
   return waiting_for_data_.empty() ? look_again : std::min(look_again, kDataPollSeconds);
 }
 
+void Engine::let_go(std::unique_lock<std::mutex>& drive_lock, bool by_caller) {
+  drive_lock.unlock();
+  // Only callers wait to drive (a caller letting go still counts itself).
+  if (callers_driving_.load() > (by_caller ? 1 : 0)) handles_->wake_waiters();
+}
+
 Status Engine::wait(int64_t handle, double timeout_seconds, bool release_if_ok) {
   last_waited = handle;
   caller_activity::BlockedScope blocked;  // for the stall inspector's deadlock test
@@ -244,10 +259,22 @@ Status Engine::wait(int64_t handle, double timeout_seconds, bool release_if_ok) 
   auto remaining = [&] { return deadline < 0 ? kIdleWakeSeconds : deadline - monotonic_seconds(); };
 
   callers_driving_.fetch_add(1);
-  std::unique_lock<std::timed_mutex> lock(drive_mutex_, std::defer_lock);
-  // Waits while the engine's thread (or another caller) finishes a cycle.
-  while (!lock.try_lock_for(std::chrono::duration<double>(std::max(remaining(), 0.0)))) {
-    if (deadline >= 0) break;
+  std::unique_lock<std::mutex> lock(drive_mutex_, std::defer_lock);
+  // Another thread may be driving: the engine's, or a caller of another
+  // thread waiting for its own op, which holds the mutex until that op is
+  // done. Its cycles take this op too, so wait for this op or for the
+  // driver to let go, never for the mutex alone. (Waiting on the mutex,
+  // a caller whose op another thread had finished stayed blocked behind
+  // that thread's wait; with the ranks' threads in different orders, each
+  // rank's driver then waited for an op the other's blocked thread had yet
+  // to enqueue, for 200 ms at a time.)
+  constexpr double kDriverCheckSeconds = 0.01;  // in case a let-go went unsaid
+  for (;;) {
+    const uint64_t generation = handles_->wake_generation();
+    if (lock.try_lock()) break;
+    const double left = remaining();
+    if (left <= 0) break;
+    if (handles_->wait_done_or_woken(handle, generation, std::min(left, kDriverCheckSeconds))) break;
   }
   bool work_left = false;
   if (lock.owns_lock()) {
@@ -261,7 +288,7 @@ Status Engine::wait(int64_t handle, double timeout_seconds, bool release_if_ok) 
       backend_->wait_for_activity(token, std::min(idle, left));
     }
     work_left = !stopped_ && (has_local_work() || cycles_done_ < backend_->requested_cycles());
-    lock.unlock();
+    let_go(lock, true);
   }
   caller_left_at_.store(monotonic_seconds());
   callers_driving_.fetch_sub(1);

@@ -81,6 +81,30 @@ Status HandleTable::wait(int64_t handle, double timeout_seconds, bool release_if
   return Status::OK();
 }
 
+uint64_t HandleTable::wake_generation() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return wake_generation_;
+}
+
+bool HandleTable::wait_done_or_woken(int64_t handle, uint64_t generation, double timeout_seconds) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  auto done = [&] {
+    auto found = states_.find(handle);
+    return found == states_.end() || found->second.done;
+  };
+  completed_.wait_for(lock, std::chrono::duration<double>(timeout_seconds),
+                      [&] { return done() || wake_generation_ != generation; });
+  return done();
+}
+
+void HandleTable::wake_waiters() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ++wake_generation_;
+  }
+  completed_.notify_all();
+}
+
 Status HandleTable::release(int64_t handle) {
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = states_.find(handle);

@@ -48,6 +48,13 @@ class HandleTable {
   // release_if_ok, a handle whose op succeeded is released in the same
   // call (and any result the core allocated freed).
   Status wait(int64_t handle, double timeout_seconds, bool release_if_ok = false);
+  // For a caller waiting to drive the engine (engine_driver.cc): read
+  // wake_generation() first; then wait_done_or_woken() returns true once
+  // the op is done, or false after wake_waiters() was called since that
+  // read (the driver let go), or after the timeout.
+  uint64_t wake_generation();
+  bool wait_done_or_woken(int64_t handle, uint64_t generation, double timeout_seconds);
+  void wake_waiters();
   // Reads a completed op's result under the lock; fn(status, result).
   template <typename Fn>
   Status with_result(int64_t handle, Fn&& fn) {
@@ -72,6 +79,7 @@ class HandleTable {
   std::condition_variable completed_;
   std::unordered_map<int64_t, State> states_;
   int64_t next_ = 1;
+  uint64_t wake_generation_ = 0;
 };
 
 }  // namespace unison

@@ -365,6 +365,39 @@ def test_sync_ops_on_one_thread_beside_async_ops_on_another():
     assert not failures, failures
 
 
+def test_blocking_ops_from_several_threads_reaching_them_in_other_orders():
+    # Three threads a rank, each a loop of blocking ops; each rank starts
+    # its threads in another order, so a rank's waiting callers often wait
+    # for ops another thread of theirs has already finished, or that a
+    # peer's thread has yet to enqueue. The ops of a thread that another
+    # thread's wait is driving still end promptly (engine_driver.cc), and
+    # every op has every rank's values.
+    n, rank = unison.size(), unison.rank()
+    failures = []
+
+    def loop(thread):
+        try:
+            for i in range(150):
+                name = "threads.%d.%d" % (thread, i)
+                if i % 3 == 0:
+                    out = unp.broadcast(np.full(4, 10 * thread + i + rank), root_rank=i % n, name=name)
+                    assert out.tolist() == [10 * thread + i + i % n] * 4, (name, out)
+                else:
+                    out = unp.allreduce(np.full(i % 7 + 1, rank + thread, np.int64), op=unison.Sum, name=name)
+                    assert out.tolist() == [n * (n - 1) // 2 + n * thread] * (i % 7 + 1), (name, out)
+        except Exception as e:  # noqa: BLE001 - reported below
+            failures.append(e)
+
+    order = [(t + rank) % 3 for t in range(3)]
+    threads = [threading.Thread(target=loop, args=(t,)) for t in order]
+    for t in threads:
+        t.start()
+        time.sleep(0.01)
+    for t in threads:
+        t.join()
+    assert not failures, failures
+
+
 def test_async_op_after_a_sync_streak_completes_with_no_wait():
     # After a streak of waited ops the engine's thread expects the next op
     # to be waited for too; this one is only polled, so the thread must
