@@ -255,6 +255,8 @@ int unison_poll(unison_handle handle, int* done) {
   bool d = false;
   Status s = handles.poll(handle, &d);
   if (s.ok() && done != nullptr) *done = d ? 1 : 0;
+  if (s.ok() && !d)
+    if (std::shared_ptr<Engine> current = std::atomic_load(&engine)) current->claim_for_poll();
   return report(s);
 }
 

@@ -73,7 +73,7 @@ bool Engine::has_local_work(double queue_age, double* claim_in) {
   if (data_became_ready()) return true;
   std::lock_guard<std::mutex> lock(queue_mutex_);
   if (queue_.empty()) return false;
-  if (queue_age <= 0) return true;
+  if (queue_age <= 0 || claimed_by_poll_.load()) return true;
   // Unclaimed ops are taken once their producer has gone quiet for
   // queue_age (backward enqueues a gradient every few milliseconds, and the
   // step's wait claims them all right after), or at the latest once the
@@ -121,6 +121,7 @@ void Engine::take_new_requests() {
   }
   {
     std::lock_guard<std::mutex> lock(queue_mutex_);
+    claimed_by_poll_.store(false);
     if (fresh.empty()) {
       fresh.swap(queue_);  // queue_ gets last cycle's buffer, at its capacity
     } else {

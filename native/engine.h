@@ -83,6 +83,9 @@ class Engine {
   // while it waits where the backend allows it; UNISON_ERR_TIMEOUT after
   // `timeout_seconds` (< 0: no limit). release_if_ok: HandleTable::wait's.
   Status wait(int64_t handle, double timeout_seconds, bool release_if_ok = false);
+  // A caller polled an op that is not done: queued ops are taken now,
+  // not after kUnclaimedSeconds (engine_driver.cc).
+  void claim_for_poll();
   // Tells every rank this one is leaving, then stops the thread.
   void stop();
   // Rank 0 writes the timeline; on other ranks these do nothing.
@@ -189,6 +192,7 @@ class Engine {
   std::vector<Entry> queue_;
   double queued_since_ = 0;      // when queue_ last became non-empty
   double last_enqueued_at_ = 0;  // the latest op's enqueue
+  std::atomic<bool> claimed_by_poll_{false};  // claim_for_poll() since the queue was last taken
   static constexpr double kUnclaimedAtMostFactor = 10;  // see has_local_work
   std::map<int, std::unordered_set<std::string>> in_flight_;  // names, by process set
   std::map<int, std::vector<int>> set_ranks_;  // every process set's ranks, member or not

@@ -134,6 +134,19 @@ void Engine::wake_for(int64_t handle) {
   if (!caller_will_wait) park_bell_.ring();
 }
 
+// A caller that polls rather than waits drives nothing. Without overlap,
+// its op would sit in the queue until its producer had been quiet for
+// kUnclaimedSeconds: a loop of allreduce_async_ and poll() took 10 ms an
+// op. Polling says the caller wants the op now, so the engine's thread
+// takes the queue at once, without the linger after a caller's wait; only
+// the first poll since the last take rings.
+void Engine::claim_for_poll() {
+  if (overlap_ || claimed_by_poll_.exchange(true)) return;
+  caller_left_at_.store(-1.0);  // a poller comes back for nothing to drive: no linger
+  backend_->wake();             // a driving caller of another thread takes it, or
+  park_bell_.ring();            // the engine's thread does
+}
+
 void Engine::loop() {
   for (;;) {
     const uint32_t parked = park_bell_.token();

@@ -412,6 +412,20 @@ def test_async_op_after_a_sync_streak_completes_with_no_wait():
     np.testing.assert_array_equal(unp.synchronize(handle), np.full(4, n * (n + 1) / 2))
 
 
+def test_ops_polled_to_completion_without_a_wait():
+    # Each op is only polled until done (Horovod's overlap idiom): the
+    # engine's thread takes it when polled (Engine::claim_for_poll), and
+    # every rank gets every rank's values; a poll of a done op is free.
+    n, rank = unison.size(), unison.rank()
+    for i in range(60):
+        x = np.full(1 + i * 37, rank + i, np.float64)
+        handle = unp.allreduce_async_(x, op=unison.Sum, name="polled.%d" % (i % 7))
+        while not unp.poll(handle):
+            pass
+        assert unp.poll(handle)
+        np.testing.assert_array_equal(unp.synchronize(handle), np.full(1 + i * 37, n * (n - 1) / 2 + n * i))
+
+
 def test_waiting_caller_outlasts_a_late_peer():
     # Rank r arrives r * 0.3 s late: rank 0's caller drives the engine
     # through several of its 0.2 s wait slices before the op can run.
