@@ -12,8 +12,6 @@ processes. Rank 0 prints the median time from the start of an op to the
 poll that saw it done, and the ratio.
 """
 import argparse
-import hashlib
-import os
 import statistics
 import time
 
@@ -21,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 import unison.torch as hvd
+from timing import join_gloo
 
 
 def main():
@@ -31,9 +30,7 @@ def main():
     args = parser.parse_args()
     hvd.init()
     torch.set_num_threads(1)
-    job = os.environ.get("UNISON_JOB_ID", "poll")
-    port = 20000 + int(hashlib.md5(("poll" + job).encode()).hexdigest(), 16) % 20000
-    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d" % port, rank=hvd.rank(), world_size=hvd.size())
+    join_gloo("poll")
     x = torch.ones(args.kib * 1024 // 4)
 
     def unison_op():

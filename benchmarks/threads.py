@@ -14,8 +14,6 @@ aggregate ops per second (the median over blocks), unison's ratio to
 gloo, and each one's T-thread rate against its own single thread.
 """
 import argparse
-import hashlib
-import os
 import statistics
 import threading
 import time
@@ -24,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 import unison.torch as hvd
+from timing import join_gloo
 
 
 def run_threads(count, work):
@@ -53,9 +52,7 @@ def main():
     args = parser.parse_args()
     hvd.init()
     torch.set_num_threads(1)
-    job = os.environ.get("UNISON_JOB_ID", "threads")
-    port = 20000 + int(hashlib.md5(("threads" + job).encode()).hexdigest(), 16) % 20000
-    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d" % port, rank=hvd.rank(), world_size=hvd.size())
+    join_gloo("threads")
 
     counts = [int(c) for c in args.threads.split(",")]
     elements = args.kib * 1024 // 4

@@ -1,4 +1,6 @@
 """Timing helpers the benchmarks share."""
+import hashlib
+import os
 import time
 
 import numpy as np
@@ -15,6 +17,18 @@ def timed(fn, iterations):
     for _ in range(iterations):
         fn()
     return (time.perf_counter() - start) / iterations
+
+
+def join_gloo(tag=""):
+    """Joins every rank of this unison job to a torch.distributed gloo
+    group on this host, beside unison, at a port derived from the job's id
+    and `tag` (so that two benchmarks of one job do not collide)."""
+    import torch.distributed as dist
+
+    job = os.environ.get("UNISON_JOB_ID", "solo")
+    port = 20000 + int(hashlib.md5((tag + job).encode()).hexdigest(), 16) % 20000
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d" % port, rank=unison.rank(),
+                            world_size=unison.size())
 
 
 def agree(seconds):

@@ -23,8 +23,6 @@ every byte). Also reported: one process alone on the same per-rank batch
 while the others wait, for scaling.
 """
 import argparse
-import hashlib
-import os
 import statistics
 import time
 
@@ -33,6 +31,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import unison.torch as hvd
+from timing import join_gloo
 
 
 def make_model(width, depth):
@@ -59,9 +58,7 @@ def main():
     torch.set_num_threads(1)
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
-    job = os.environ.get("UNISON_JOB_ID", "solo")
-    port = 20000 + int(hashlib.md5(job.encode()).hexdigest(), 16) % 20000
-    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d" % port, rank=rank, world_size=size)
+    join_gloo()
 
     x = torch.randn(args.batch_size, args.width)
     y = torch.randint(0, 10, (args.batch_size,))
