@@ -139,9 +139,15 @@ void Engine::wake_for(int64_t handle) {
 // kUnclaimedSeconds: a loop of allreduce_async_ and poll() took 10 ms an
 // op. Polling says the caller wants the op now, so the engine's thread
 // takes the queue at once, without the linger after a caller's wait; only
-// the first poll since the last take rings.
+// the first poll since the last take rings. An empty queue claims nothing:
+// the op is under way, and a claim left standing would take the next op
+// (a gradient of the next backward) alone, out of its batch.
 void Engine::claim_for_poll() {
-  if (overlap_ || claimed_by_poll_.exchange(true)) return;
+  if (overlap_ || claimed_by_poll_.load()) return;
+  {
+    std::lock_guard<std::mutex> lock(queue_mutex_);
+    if (queue_.empty() || claimed_by_poll_.exchange(true)) return;
+  }
   caller_left_at_.store(-1.0);  // a poller comes back for nothing to drive: no linger
   backend_->wake();             // a driving caller of another thread takes it, or
   park_bell_.ring();            // the engine's thread does
