@@ -81,10 +81,7 @@ Status HandleTable::wait(int64_t handle, double timeout_seconds, bool release_if
   return Status::OK();
 }
 
-uint64_t HandleTable::wake_generation() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return wake_generation_;
-}
+uint64_t HandleTable::wake_generation() { return wake_generation_.load(); }
 
 bool HandleTable::wait_done_or_woken(int64_t handle, uint64_t generation, double timeout_seconds) {
   std::unique_lock<std::mutex> lock(mutex_);
@@ -100,7 +97,7 @@ bool HandleTable::wait_done_or_woken(int64_t handle, uint64_t generation, double
 void HandleTable::wake_waiters() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    ++wake_generation_;
+    wake_generation_.fetch_add(1);
   }
   completed_.notify_all();
 }

@@ -3,6 +3,7 @@
 // with no lock held by the engine while it moves bytes.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <mutex>
@@ -79,7 +80,9 @@ class HandleTable {
   std::condition_variable completed_;
   std::unordered_map<int64_t, State> states_;
   int64_t next_ = 1;
-  uint64_t wake_generation_ = 0;
+  // Read without the lock (every blocking wait reads it first); changed
+  // under it, so a waiter checking it under the lock misses no wake.
+  std::atomic<uint64_t> wake_generation_{0};
 };
 
 }  // namespace unison

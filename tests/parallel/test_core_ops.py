@@ -415,7 +415,7 @@ def test_async_op_after_a_sync_streak_completes_with_no_wait():
 def test_ops_polled_to_completion_without_a_wait():
     # Each op is only polled until done (Horovod's overlap idiom): the
     # engine's thread takes it when polled (Engine::claim_for_poll), and
-    # every rank gets every rank's values; a poll of a done op is free.
+    # every rank gets every rank's values; a done op stays done when polled again.
     n, rank = unison.size(), unison.rank()
     for i in range(60):
         x = np.full(1 + i * 37, rank + i, np.float64)
