@@ -32,6 +32,7 @@ class _Scratch(threading.local):
         # (FrontEnd.allreduce_async_), which checks each distinct op once.
         self.in_place = {}
         self.group = None  # inside enqueued_together(): the handle ids enqueued so far
+        self.unnamed = None  # inside numbered_within(): [prefix, ops named so far]
 
 
 _scratch = _Scratch()
@@ -86,6 +87,8 @@ def enqueue(op, name, dtype=0, shape=(), input=NULL, output=NULL, reduce_op=0,
     if not isinstance(shape, tuple):
         shape = tuple(shape)
     process_set = 0 if process_set is None else process_set_id(process_set)
+    if not name and scratch.unnamed is not None:
+        name = name_of_unnamed()
     # Ops with no name (numbered by the core) never repeat, so they are
     # built per call.
     key = None
@@ -163,6 +166,32 @@ def enqueued_together():
         elif failed:  # their handles failed at once; nobody will wait for them
             for handle_id in started:
                 _handles.forget(handle_id)
+
+
+@contextlib.contextmanager
+def numbered_within(prefix):
+    """Unnamed ops enqueued by this thread inside the block are named
+    prefix.0, prefix.1, ... in the order enqueued, rather than numbered by
+    the core in the order of the whole program. For a caller whose ops may
+    start in a different order on each rank, such as the nodes of a TF1
+    session graph, which TensorFlow runs in whatever order their inputs
+    allow: `prefix` must name the same place in the program on every rank."""
+    scratch = _scratch
+    outer, scratch.unnamed = scratch.unnamed, [prefix, 0]
+    try:
+        yield
+    finally:
+        scratch.unnamed = outer
+
+
+def name_of_unnamed():
+    """The name numbered_within() gives this thread's next unnamed op;
+    None outside it (the core numbers the op)."""
+    unnamed = _scratch.unnamed
+    if unnamed is None:
+        return None
+    unnamed[1] += 1
+    return "%s.%d" % (unnamed[0], unnamed[1] - 1)
 
 
 def barrier(process_set=None, name="barrier"):

@@ -180,6 +180,8 @@ class FrontEnd:
     def _start_in_place(self, tensor, name, op, prescale_factor, postscale_factor, process_set):
         """Enqueues an in-place allreduce: (handle id, the buffer the core
         reduces, its finisher or None: see Tensors.writable)."""
+        if name is None:
+            name = collective.name_of_unnamed()
         buffer, finish, dtype_key, shape, pointer, placement = self.tensors.in_place(tensor, name)
         set_id = 0 if process_set is None or process_set is global_process_set else process_set_id(process_set)
         key = (name, dtype_key, shape, op, prescale_factor, postscale_factor, set_id, placement[0])

@@ -1,6 +1,6 @@
 """Elastic Keras (model.fit with KerasState and the elastic callbacks), a
 TensorFlow custom loop (TensorFlowKerasState, DistributedGradientTape in a
-tf.function) and MXNet Gluon (MXNetState over a DistributedTrainer) under the elastic
+tf.function), a TF1 session (TensorFlowState(session=...)) and MXNet Gluon (MXNetState over a DistributedTrainer) under the elastic
 launcher with two simulated hosts: a worker dies mid-step and the job
 finishes on the rest; a host appears and the job grows. The final
 parameters are those of one process on the same committed steps
@@ -26,6 +26,8 @@ FRAMEWORKS = {
     # A custom loop whose tf.function is traced in a job of one, then grows.
     "tensorflow": ("tensorflow", "train_tensorflow.py", "keras_reference", 1, 2),
     "mxnet": ("mxnet", "train_mxnet.py", "mxnet_reference", 1, 2),  # grows from a job of one
+    # A TF1 graph and session, built in a job of one, then grown.
+    "tensorflow-session": ("tensorflow", "train_tf1_session.py", "keras_reference", 1, 2),
 }
 
 

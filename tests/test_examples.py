@@ -41,6 +41,8 @@ EXAMPLES = [
     ("tensorflow/synthetic_benchmark.py", ["--num-warmup-batches", "1", "--num-iters", "2",
                                            "--num-batches-per-iter", "2", "--fp16-allreduce"], ("tensorflow",),
      r"Total img/sec on 2 rank\(s\): \d+(.|\n)*weights identical on every rank: True"),
+    ("tensorflow/session_digits.py", ["--epochs", "8"], ("tensorflow", "sklearn"),
+     r"test accuracy 0\.9\d+ on 2 ranks; weights identical on every rank: True"),
     ("keras/digits.py", ["--epochs", "8", "--samples-per-second"], ("tensorflow", "sklearn"),
      r"epoch 8: loss \d\.\d+, accuracy 0\.9\d+(.|\n)*test accuracy 0\.9\d+ on 2 ranks(.|\n)*samples/s \d+"),
     ("torch/elastic_digits.py", ["--epochs", "8"], ("torch", "sklearn"), r"test accuracy 0\.9\d+ on 2 ranks"),
@@ -54,6 +56,7 @@ EXAMPLES = [
                          ids=["numpy-logistic-regression", "torch-digits", "torch-synthetic",
                               "torch-synthetic-syncbn-fp16", "torch-resnet-adasum-fp16-syncbn", "torch-process-sets", "torch-parameter-server",
                               "mxnet-digits", "mxnet-synthetic-fp16", "tensorflow-digits", "tensorflow-synthetic-fp16",
+                              "tensorflow-session-digits",
                               "keras-digits", "torch-elastic-digits", "keras-elastic-digits"])
 def test_example_runs_under_the_launcher(script, args, needs, expected):
     for module in needs:
@@ -117,6 +120,28 @@ def test_keras_example_resumes_from_its_checkpoint(tmp_path):
     assert second.returncode == 0, output[-5000:]
     assert re.search(r"resumed from epoch 4(.|\n)*epoch 5: loss(.|\n)*epoch 8: loss \d\.\d+, accuracy 0\.9\d+"
                      r"(.|\n)*test accuracy 0\.9\d+ on 2 ranks", output), output[-5000:]
+
+
+@pytest.mark.timeout(300)
+def test_tf1_session_example_resumes_from_rank_0s_checkpoint(tmp_path):
+    # Its documented resume: 5 epochs with checkpoints written by rank 0,
+    # then a run to 10 in which rank 0's MonitoredTrainingSession restores
+    # the newest and BroadcastGlobalVariablesHook hands it to rank 1.
+    for module in ("tensorflow", "sklearn"):
+        if importlib.util.find_spec(module) is None:
+            pytest.skip("%s is not installed here" % module)
+    command = [sys.executable, "-m", "unison.run", "-np", "2", sys.executable,
+               os.path.join(ROOT, "examples", "tensorflow", "session_digits.py"), "--checkpoint-dir", str(tmp_path)]
+    first = run_job(command + ["--epochs", "5"], 140, cwd=ROOT)
+    output = first.stdout.decode(errors="replace")
+    assert first.returncode == 0, output[-5000:]
+    assert "model.ckpt-105.index" in os.listdir(str(tmp_path)), output[-5000:]   # 5 epochs of 21 steps
+    second = run_job(command + ["--epochs", "10"], 140, cwd=ROOT)
+    output = second.stdout.decode(errors="replace")
+    assert second.returncode == 0, output[-5000:]
+    assert "epoch 5:" not in output, output[-5000:]
+    assert re.search(r"resumed at epoch 5\n(.|\n)*epoch 10: loss(.|\n)*"
+                     r"test accuracy 0\.9\d+ on 2 ranks; weights identical on every rank: True", output), output[-5000:]
 
 
 @pytest.mark.timeout(300)

@@ -88,6 +88,29 @@ BRANCH_IN_ELASTIC_RUN = """
         print("rank %d: %s" % (r, e), flush=True)
 """
 
+# The same parting in a TF1 graph run by a tf.compat.v1.Session, in a script
+# that never runs eagerly. The main thread has submitted before (an object
+# broadcast, as scripts agree on settings), then waits inside Session.run.
+BRANCH_IN_A_SESSION = """
+    import tensorflow as tf
+    tf.compat.v1.disable_eager_execution()
+    import unison.tensorflow as hvd
+    hvd.init()
+    r = hvd.rank()
+    settings = hvd.broadcast_object({"lr": 0.1}, root_rank=0)
+    x = tf.compat.v1.placeholder(tf.float32, [2])
+    y = hvd.allreduce(x, op=hvd.Sum, name="grad")
+    metric = hvd.allreduce(y, op=hvd.Sum, name="metric")
+    loss = hvd.allreduce(y, op=hvd.Sum, name="loss")
+    after = hvd.allreduce(tf.constant([r + 1.0]), op=hvd.Sum, name="after")
+    with tf.compat.v1.Session() as session:
+        try:
+            session.run(metric if r == 0 else loss, feed_dict={x: [1.0, 1.0]})
+        except tf.errors.OpError as e:
+            print("rank %d: %s" % (r, e.message), flush=True)
+        print("rank %d after: %s" % (r, session.run(after).tolist()), flush=True)
+"""
+
 AFTERWARDS = """
     total = hvd.allreduce(tf.constant([r + 1.0]), op=hvd.Sum, name="after")
     print("rank %d after: %s" % (r, total.numpy().tolist()), flush=True)
@@ -107,7 +130,7 @@ def lines_of(out, rank):
     return "\n".join(line for line in out.splitlines() if line.startswith("[%d]<stdout>:" % rank))
 
 
-@pytest.mark.parametrize("where", ["tf.function", "keras-fit", "elastic.run"])
+@pytest.mark.parametrize("where", ["tf.function", "keras-fit", "elastic.run", "tf1-session"])
 @pytest.mark.parametrize("np_", [2, 3])
 def test_ranks_that_part_inside_a_traced_step_fail_as_a_deadlock_then_go_on(tmp_path, np_, where):
     # Before, a rank waiting inside a tf.function never looked blocked: the
@@ -115,9 +138,9 @@ def test_ranks_that_part_inside_a_traced_step_fail_as_a_deadlock_then_go_on(tmp_
     # submitter since its eager broadcast) counted as busy, so the job
     # warned forever. Now every rank gets the deadlock report and the job's
     # collectives go on.
-    script = {"tf.function": BRANCH_IN_A_TF_FUNCTION, "keras-fit": BRANCH_IN_KERAS_FIT,
-              "elastic.run": BRANCH_IN_ELASTIC_RUN}[where]
-    proc, out, err = launch(tmp_path, script + AFTERWARDS, np_, 2)
+    script = {"tf.function": BRANCH_IN_A_TF_FUNCTION + AFTERWARDS, "keras-fit": BRANCH_IN_KERAS_FIT + AFTERWARDS,
+              "elastic.run": BRANCH_IN_ELASTIC_RUN + AFTERWARDS, "tf1-session": BRANCH_IN_A_SESSION}[where]
+    proc, out, err = launch(tmp_path, script, np_, 2)
     assert proc.returncode == 0, out + err
     for r in range(np_):
         mine = lines_of(out, r)

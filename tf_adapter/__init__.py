@@ -16,7 +16,8 @@ from unison.tensorflow.ops import (  # noqa: F401
     broadcast_, grouped_allgather, grouped_allreduce, grouped_reducescatter, join, local_rank_op,
     local_size_op, process_set_included_op, rank_op, reducescatter, size_op)
 from unison.tensorflow.functions import (  # noqa: F401
-    allgather_object, broadcast_global_variables, broadcast_object, broadcast_object_fn, broadcast_variables)
+    BroadcastGlobalVariablesHook, allgather_object, broadcast_global_variables, broadcast_object,
+    broadcast_object_fn, broadcast_variables)
 from unison.tensorflow.gradient_tape import DistributedGradientTape, PartialDistributedGradientTape  # noqa: F401
 from unison.tensorflow.optimizer import DistributedOptimizer  # noqa: F401
 from unison.tensorflow.sync_batch_norm import SyncBatchNormalization  # noqa: F401

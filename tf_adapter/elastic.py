@@ -55,27 +55,52 @@ class ObjectState(elastic.ObjectState):
 
 
 class TensorFlowState(ObjectState):
-    """tf.Variables (their values) and picklable values, kept together."""
+    """tf.Variables (their values) and picklable values, kept together.
+
+    Eagerly, `variables` are read and assigned directly. With `session` (a
+    tf.compat.v1.Session), as in Horovod's TF1 elastic jobs, they are that
+    session's graph's variables, every global variable when none are named
+    (the optimizer's slots included, so a restore brings back its
+    momentum too), read and assigned through the session."""
 
     def __init__(self, variables=None, session=None, **kwargs):
-        if session is not None:
-            raise ValueError("unison: TensorFlowState(session=...) is TensorFlow 1's; TensorFlow 2 runs eagerly")
-        self.variables = list(variables or [])
-        self._values = [v.numpy() for v in self.variables]
+        self.session = session
+        if session is None:
+            self.variables = list(variables or [])
+        else:
+            # The ops this state runs are built once, here, into the session's graph.
+            with session.graph.as_default():
+                self.variables = list(tf.compat.v1.global_variables() if variables is None else variables)
+                fed = [tf.compat.v1.placeholder(v.dtype.base_dtype, v.shape) for v in self.variables]
+                self._assign = (tf.group(*[v.assign(f) for v, f in zip(self.variables, fed)]), fed)
+                self._broadcast = tf.group(*broadcast_variables(self.variables, root_rank=0))
+        self._values = self._read()
         super().__init__(**kwargs)
 
+    def _read(self):
+        if self.session is None:
+            return [v.numpy() for v in self.variables]
+        return self.session.run(self.variables)
+
     def save(self):
-        self._values = [v.numpy() for v in self.variables]
+        self._values = self._read()
         super().save()
 
     def restore(self):
-        for variable, value in zip(self.variables, self._values):
-            variable.assign(value)
+        if self.session is None:
+            for variable, value in zip(self.variables, self._values):
+                variable.assign(value)
+        else:
+            assign, fed = self._assign
+            self.session.run(assign, feed_dict=dict(zip(fed, self._values)))
         super().restore()
 
     def sync(self):
         if self.variables:
-            broadcast_variables(self.variables, root_rank=0)
+            if self.session is None:
+                broadcast_variables(self.variables, root_rank=0)
+            else:
+                self.session.run(self._broadcast)
         super().sync()
         self.save()  # a newcomer's commit is what it just received
 

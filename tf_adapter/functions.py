@@ -1,4 +1,6 @@
 """Broadcasting variables and Python objects."""
+import tensorflow as tf
+
 from unison import objects
 from unison.process_sets import global_process_set
 from unison.tensorflow.ops import broadcast_
@@ -29,9 +31,42 @@ def allgather_object(obj, session=None, name=None, process_set=global_process_se
 
 
 def broadcast_global_variables(root_rank):
-    """Horovod's TF1 helper. TensorFlow 2 runs eagerly and keeps no global
-    variable collection, so, as Horovod does in eager mode, this refuses
-    with a pointer to what works instead."""
-    raise RuntimeError("unison: broadcast_global_variables() does not work in eager mode, which has no global "
-                       "variables; use broadcast_variables(model.variables, root_rank) (and the optimizer's "
-                       "variables), or hvd.callbacks.BroadcastGlobalVariablesCallback with Keras")
+    """Horovod's TF1 helper: in a TF1 graph (one run by a
+    tf.compat.v1.Session), an op that sets every global variable to
+    root_rank's value. Eagerly and inside a tf.function there is no global
+    variable collection, so, as Horovod does, this refuses there with a
+    pointer to what works instead, rather than broadcast nothing."""
+    if tf.compat.v1.executing_eagerly_outside_functions():
+        raise RuntimeError("unison: broadcast_global_variables() works only in a TF1 graph run by a "
+                           "tf.compat.v1.Session; eagerly and in tf.function there are no global variables. Use "
+                           "broadcast_variables(model.variables, root_rank) (and the optimizer's variables), or "
+                           "hvd.callbacks.BroadcastGlobalVariablesCallback with Keras")
+    variables = tf.compat.v1.global_variables()
+    return tf.group(*broadcast_variables(variables, root_rank), name="broadcast_global_variables")
+
+
+class BroadcastGlobalVariablesHook(tf.compat.v1.train.SessionRunHook):
+    """Horovod's SessionRunHook for tf.compat.v1.train.MonitoredTrainingSession:
+    once the session is created (variables initialized or restored from a
+    checkpoint), every global variable is set to root_rank's value, so the
+    ranks start from one model. `device` is accepted for Horovod
+    compatibility and ignored, as everywhere in unison."""
+
+    def __init__(self, root_rank, device="", process_set=global_process_set):
+        super().__init__()
+        self.root_rank = root_rank
+        self.device = device
+        self.process_set = process_set
+        self.bcast_op = None
+
+    def begin(self):
+        # The op is built into the graph being finalized for this session; a
+        # hook reused with a new graph builds it again.
+        graph = tf.compat.v1.get_default_graph()
+        if self.bcast_op is None or self.bcast_op.graph is not graph:
+            variables = tf.compat.v1.global_variables()
+            self.bcast_op = tf.group(*broadcast_variables(variables, self.root_rank, self.process_set),
+                                     name="broadcast_global_variables")
+
+    def after_create_session(self, session, coord):
+        session.run(self.bcast_op)

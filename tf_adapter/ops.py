@@ -14,7 +14,8 @@ the peers take part. So every collective node of a graph gets a control
 dependency on the one traced before it: each rank runs them in trace
 order, which is program order and the same everywhere, and no two ranks
 can wait on each other's different nodes. Grouped ops are one node, so
-their tensors reach the core together and fuse.
+their tensors reach the core together and fuse. A TF1 session graph is the
+exception: see _session_node_name.
 
 Gradients follow Horovod's definitions: allreduce's is the same allreduce
 of the gradient; allgather's is this rank's rows of the averaged gradient;
@@ -173,15 +174,49 @@ def _run(fn, inputs, out_dtypes, kind, name=_NO_TENSOR):
     _refuse_xla(kind, name)
     graph = tf.compat.v1.get_default_graph()
     traced_in = weakref.ref(graph)
+    if tf.compat.v1.executing_eagerly_outside_functions():
+        def node(*tensors):
+            with GraphNode(_thread_waiting_for(traced_in)):
+                return call(*tensors)
+    else:
+        prefix = _session_node_name(graph, kind)
 
-    def node(*tensors):
-        with GraphNode(_thread_waiting_for(traced_in)):
-            return call(*tensors)
-    previous = _last_in_graph.get(graph)
+        def node(*tensors):
+            with GraphNode(_thread_waiting_for(traced_in)), collective.numbered_within(prefix):
+                return call(*tensors)
+    chained = graph.building_function   # see "Ordering" above, and _session_node_name
+    previous = _last_in_graph.get(graph) if chained else None
     with tf.control_dependencies([previous] if previous is not None else []):
         outputs = tf.py_function(node, list(inputs), list(out_dtypes), name="unison")
-    _last_in_graph[graph] = outputs[0].op if outputs else None
+    if chained:
+        _last_in_graph[graph] = outputs[0].op if outputs else None
     return list(outputs)
+
+
+# Per TF1 session graph, the collective nodes traced into it so far.
+_nodes_in_session_graph = weakref.WeakKeyDictionary()
+
+
+def _session_node_name(graph, kind):
+    """A name for a collective node of a TF1 graph (one run by
+    tf.compat.v1.Session), under which its unnamed tensors go to the core.
+
+    A session runs only the nodes a fetch needs, so chaining each node to
+    the one before, as inside a tf.function, would make fetching a
+    broadcast also run the gradients' allreduce built before it (and ask
+    for its inputs). The session graph's own nodes are therefore not
+    chained, and TensorFlow may start them in a different order on each
+    rank. The core then pairs tensors by name, as Horovod's graph ops do,
+    so no tensor may be left for the core to number in program order:
+    each node is numbered in the order it was built, which is program
+    order and the same on every rank (cond branches and functions inside
+    the graph included), and its unnamed tensors become kind.nodeK.i."""
+    root = graph
+    while getattr(root, "outer_graph", None) is not None:
+        root = root.outer_graph
+    count = _nodes_in_session_graph.get(root, 0)
+    _nodes_in_session_graph[root] = count + 1
+    return "%s.node%d" % (kind, count)
 
 
 try:
@@ -189,35 +224,50 @@ try:
     _CALLS_A_FUNCTION = AtomicFunction.call_flat.__code__
 except (ImportError, AttributeError):   # a TensorFlow that runs functions otherwise: no caller is found
     _CALLS_A_FUNCTION = None
+try:
+    from tensorflow.python.client.session import BaseSession
+    _RUNS_A_SESSION = BaseSession._do_call.__code__   # under Session.run and partial_run
+except (ImportError, AttributeError):
+    _RUNS_A_SESSION = None
+_CALLERS = tuple(code for code in (_CALLS_A_FUNCTION, _RUNS_A_SESSION) if code is not None)
 
 
 def _thread_waiting_for(traced_in):
-    """The native id of the thread that called the tf.function this node
-    runs in (0 when none is found), for the deadlock test (GraphNode): the
+    """The native id of the thread that waits for this node (0 when none
+    is found), for the deadlock test (GraphNode). Inside a tf.function: the
     thread whose innermost running tf.function was traced into the node's
     graph or a graph enclosing it (a tf.cond branch, an inner tf.function).
-    TensorFlow runs the node on a worker of its own and says nothing of who
-    waits; the waiting thread's Python stack does. It costs a few
-    microseconds of a node's ~0.7 ms."""
-    if _CALLS_A_FUNCTION is None:
-        return 0
+    In a TF1 graph: the thread running a tf.compat.v1.Session on it, when
+    only one is (with several, which of them waits for this node is not
+    known). TensorFlow runs the node on a worker of its own and says
+    nothing of who waits; the waiting thread's Python stack does. It costs
+    a few microseconds of a node's ~0.7 ms."""
     graph = traced_in()
     enclosing = set()
+    root = graph
     while graph is not None:
         enclosing.add(id(graph))
-        graph = getattr(graph, "outer_graph", None)
+        root, graph = graph, getattr(graph, "outer_graph", None)
     me = threading.get_ident()
+    sessions = []
     for ident, frame in sys._current_frames().items():
         if ident == me:
             continue
-        while frame is not None and frame.f_code is not _CALLS_A_FUNCTION:
+        while frame is not None and frame.f_code not in _CALLERS:
             frame = frame.f_back
         if frame is None:
             continue
-        function = frame.f_locals.get("self")
-        if id(getattr(function, "_cached_graph", None)) in enclosing:
-            return next((t.native_id for t in threading.enumerate() if t.ident == ident), 0)
-    return 0
+        caller = frame.f_locals.get("self")
+        if frame.f_code is _RUNS_A_SESSION:
+            if getattr(caller, "graph", None) is root:
+                sessions.append(ident)
+        elif id(getattr(caller, "_cached_graph", None)) in enclosing:
+            return _native_id(ident)
+    return _native_id(sessions[0]) if len(sessions) == 1 else 0
+
+
+def _native_id(ident):
+    return next((t.native_id for t in threading.enumerate() if t.ident == ident), 0)
 
 
 def _dense(value, name):

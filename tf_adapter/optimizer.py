@@ -8,8 +8,8 @@ both kinds of optimizer a TensorFlow script may hold, as Horovod's.
   returns the gradients averaged across ranks, and apply_gradients(), the
   slots and the variables are the wrapped optimizer's. minimize() is
   compute_gradients() then apply_gradients(), so it averages too. Works
-  eagerly and inside tf.function; TF1 sessions are out of scope, as
-  everywhere in unison.tensorflow.
+  eagerly, inside tf.function and in a TF1 graph run by a
+  tf.compat.v1.Session.
 
 backward_passes_per_step=N (TF1-style): each compute_gradients() adds the
 local gradients to accumulators; the N-th reduces their sum (divided by N
@@ -57,16 +57,21 @@ class _LegacyDistributedOptimizer(tf.compat.v1.train.Optimizer):
                              "minimize()) first" % self._passes)
         grads_and_vars = list(grads_and_vars)
 
+        # Every state change below is a control dependency of what is
+        # returned: a TF1 session runs only what a fetch needs (eagerly and
+        # in tf.function these dependencies change nothing).
         def apply():
-            self._optimizer.apply_gradients(grads_and_vars, global_step, name)
-            return tf.constant(True)
+            with tf.control_dependencies([self._optimizer.apply_gradients(grads_and_vars, global_step, name)]):
+                return tf.constant(True)
 
         def skip():
-            if global_step is not None:
-                global_step.assign_add(1)
-            return tf.constant(False)
+            with tf.control_dependencies([] if global_step is None else [global_step.assign_add(1)]):
+                return tf.constant(False)
 
-        just_reduced = tf.equal(self._passes_seen, 0)
+        # Read after compute_gradients() has counted this pass (and reset the
+        # count if it reduced).
+        with tf.control_dependencies([g for g, _ in grads_and_vars if g is not None]):
+            just_reduced = tf.equal(self._passes_seen.read_value(), 0)
         if tf.executing_eagerly():
             return apply() if bool(just_reduced) else skip()
         return tf.cond(just_reduced, apply, skip)
@@ -78,10 +83,9 @@ class _LegacyDistributedOptimizer(tf.compat.v1.train.Optimizer):
                 self._accumulators = [None if g is None else tf.Variable(tf.zeros(g.shape, g.dtype), trainable=False)
                                       for g in dense]
                 self._passes_seen = tf.Variable(0, dtype=tf.int64, trainable=False)
-        for accumulator, g in zip(self._accumulators, dense):
-            if accumulator is not None and g is not None:
-                accumulator.assign_add(g)
-        self._passes_seen.assign_add(1)
+        added = [accumulator.assign_add(g) for accumulator, g in zip(self._accumulators, dense)
+                 if accumulator is not None and g is not None]
+        added.append(self._passes_seen.assign_add(1))
         present = [i for i, a in enumerate(self._accumulators) if a is not None]
 
         def reduce():
@@ -89,15 +93,18 @@ class _LegacyDistributedOptimizer(tf.compat.v1.train.Optimizer):
             summed = [self._accumulators[i].read_value() * tf.cast(scale, dense[i].dtype) for i in present]
             reduced = self._unison_reducer.reduce(summed, [variables[i] for i in present])
             with tf.control_dependencies([r for r in reduced if r is not None]):
-                for i in present:
-                    self._accumulators[i].assign(tf.zeros_like(dense[i]))
-                self._passes_seen.assign(0)
+                resets = [self._accumulators[i].assign(tf.zeros_like(dense[i])) for i in present]
+                resets.append(self._passes_seen.assign(0))
+            with tf.control_dependencies(resets):
                 return [tf.identity(r) for r in reduced]
 
         def local():
             return [dense[i] for i in present]
 
-        due = tf.equal(self._passes_seen, self._passes)
+        # As in apply_gradients(), state changes are dependencies of what is
+        # returned, for TF1 sessions.
+        with tf.control_dependencies(added):
+            due = tf.equal(self._passes_seen.read_value(), self._passes)
         if tf.executing_eagerly():
             chosen = reduce() if bool(due) else local()
         else:

@@ -15,11 +15,22 @@ NUMBERS = ["uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int
 
 
 def eager_and_traced(forms):
-    """Each of Horovod's forms eagerly and traced into a tf.function: the
-    tensor is the traced function's argument, the rest is closed over."""
+    """Each of Horovod's forms eagerly, traced into a tf.function, and built
+    into a TF1 graph run by a tf.compat.v1.Session: the tensor is the traced
+    function's argument or the graph's placeholder, the rest is closed over."""
     def traced(fn):
         return lambda x, *rest: tf.function(lambda t: fn(t, *rest))(x)
-    return {"eager": forms["sync"], "tf.function": traced(forms["sync"])}
+
+    def in_a_session(fn):
+        def run(x, *rest):
+            with tf.Graph().as_default() as graph:
+                fed = tf.compat.v1.placeholder(x.dtype, x.shape)
+                out = fn(fed, *rest)
+                with tf.compat.v1.Session(graph=graph) as session:
+                    value = session.run(out, {fed: x.numpy()})
+            return tf.constant(value)
+        return run
+    return {"eager": forms["sync"], "tf.function": traced(forms["sync"]), "tf1-session": in_a_session(forms["sync"])}
 
 
 class TensorFlowShim(Shim):

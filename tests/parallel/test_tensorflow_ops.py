@@ -2,6 +2,8 @@
 test_tensorflow_grid.py), from one rank's point of view: every rank
 computes what every other rank sent, exactly, eagerly and inside
 tf.function; the gradients Horovod defines; errors on every rank."""
+import threading
+
 import pytest
 
 tf = pytest.importorskip("tensorflow")
@@ -144,9 +146,57 @@ def test_queries_as_ops(mode):
     np.testing.assert_array_equal(got, [RANK, hvd.local_rank(), N, hvd.local_size(), 1])
 
 
-def test_broadcast_global_variables_says_what_works_in_eager_mode():
-    with pytest.raises(RuntimeError, match="eager mode"):
+def test_broadcast_global_variables_says_what_works_outside_tf1_graphs():
+    with pytest.raises(RuntimeError, match="only in a TF1 graph.*broadcast_variables"):
         hvd.broadcast_global_variables(0)
+    with pytest.raises(RuntimeError, match="only in a TF1 graph"):
+        tf.function(lambda: hvd.broadcast_global_variables(0))()
+
+
+# ---- TF1 graphs run by a tf.compat.v1.Session ---------------------------------
+
+def test_broadcast_global_variables_in_a_session_sets_them_alone():
+    """Horovod's TF1 idiom. The broadcast is built after a collective that
+    needs a fed placeholder, and fetched alone: it must not run that one."""
+    with tf.Graph().as_default() as graph:
+        fed = tf.compat.v1.placeholder(tf.float64, [2])
+        total = hvd.allreduce(fed, op=hvd.Sum)
+        weights = tf.compat.v1.get_variable("w", initializer=tf.constant(values((2, 3), RANK)))
+        count = tf.compat.v1.get_variable("count", initializer=tf.constant(RANK, tf.int64))
+        mine = tf.compat.v1.get_variable("mine", initializer=tf.constant([float(RANK)]),
+                                         collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES])
+        broadcast = hvd.broadcast_global_variables(N - 1)
+        with tf.compat.v1.Session(graph=graph) as session:
+            session.run([tf.compat.v1.global_variables_initializer(), tf.compat.v1.local_variables_initializer()])
+            session.run(broadcast)
+            np.testing.assert_array_equal(session.run(weights), values((2, 3), N - 1))
+            assert session.run(count) == N - 1
+            np.testing.assert_array_equal(session.run(mine), [RANK])   # a local variable is this rank's
+            np.testing.assert_array_equal(session.run(total, {fed: [RANK, 1.0]}), [N * (N - 1) / 2, N])
+
+
+def test_session_collectives_pair_by_place_in_the_graph_not_by_order():
+    """A session runs a graph's collectives in whatever order TensorFlow
+    picks, which may differ between ranks; here each rank fetches N unnamed
+    allreduces of one shape from N threads started in a rotated order. Each
+    must still meet the same node on every rank, and later fetches of the
+    same nodes pair again. (A collective node holds one of the session's
+    inter-op threads while it waits, so the session gets a pool of its own
+    with one for each; by default, sessions share the first one's.)"""
+    with tf.Graph().as_default() as graph:
+        nodes = [hvd.allreduce(tf.constant([100.0 * i + RANK]), op=hvd.Sum) for i in range(N)]
+        config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=N, use_per_session_threads=True)
+        with tf.compat.v1.Session(graph=graph, config=config) as session:
+            for _ in range(3):
+                got = {}
+                order = [(i + RANK) % N for i in range(N)]
+                threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, session.run(nodes[i])))
+                           for i in order]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join(60)
+                assert got == {i: [100.0 * i * N + N * (N - 1) / 2] for i in range(N)}, got
 
 
 def test_sync_batch_normalization_accepts_fused():
@@ -230,12 +280,22 @@ def test_alltoall_gradient(mode):
 
 # ---- errors --------------------------------------------------------------------
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", MODES + ["tf1-session"])
 def test_mismatched_shape_fails_on_every_rank_and_recovers(mode):
     x = tf.ones([RANK + 1])
     if mode == "eager":
         with pytest.raises(unison.MismatchError, match=r"'bad\.shape'.*shape.*rank 0 \[1\].*rank 1 \[2\]"):
             hvd.allreduce(x, name="bad.shape")
+    elif mode == "tf1-session":
+        # Unnamed: the error names the node by its place in the graph.
+        with tf.Graph().as_default() as graph:
+            fed = tf.compat.v1.placeholder(tf.float32, [None])
+            bad, good = hvd.allreduce(fed), hvd.allreduce(fed, op=hvd.Sum)
+            with tf.compat.v1.Session(graph=graph) as session:
+                with pytest.raises(tf.errors.OpError,
+                                   match=r"MismatchError.*'allreduce\.node0\.0'.*rank 0 \[1\].*rank 1 \[2\]"):
+                    session.run(bad, {fed: np.ones(RANK + 1)})
+                np.testing.assert_array_equal(session.run(good, {fed: np.ones(2)}), [N, N])
     else:
         with pytest.raises(tf.errors.OpError, match=r"MismatchError.*'bad\.shape\.f'.*rank 0 \[1\].*rank 1 \[2\]"):
             tf.function(lambda t: hvd.allreduce(t, name="bad.shape.f"))(x)

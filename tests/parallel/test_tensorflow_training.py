@@ -348,27 +348,68 @@ def make_legacy_optimizer(kind):
     return tf.compat.v1.train.AdamOptimizer(0.01)
 
 
-@pytest.mark.parametrize("mode", ["eager", "function"])
+def train_tf1_in_a_session(kind, passes, x, y):
+    """The TF1 way, as Horovod's tensorflow_mnist.py: placeholders, minimize()
+    in a graph, a MonitoredTrainingSession whose BroadcastGlobalVariablesHook
+    aligns the ranks' different initial weights. Returns (root's initial
+    weights, final weights, global_step, the optimizer, its plain twin's
+    slot names)."""
+    with tf.Graph().as_default():
+        weights = legacy_weights(RANK)   # different on purpose: the hook aligns them
+        xb = tf.compat.v1.placeholder(tf.float64, [None, x.shape[1]])
+        yb = tf.compat.v1.placeholder(tf.float64, [None, y.shape[1]])
+        optimizer = hvd.DistributedOptimizer(make_legacy_optimizer(kind), backward_passes_per_step=passes)
+        global_step = tf.compat.v1.train.get_or_create_global_step()
+        train = optimizer.minimize(legacy_loss(weights, xb, yb), var_list=weights, global_step=global_step)
+        last = Last(weights + [global_step])
+        hooks = [hvd.BroadcastGlobalVariablesHook(0), tf.compat.v1.train.StopAtStepHook(last_step=STEPS), last]
+        with tf.compat.v1.train.MonitoredTrainingSession(hooks=hooks) as session:
+            initial = session.run(weights)
+            s = 0
+            while not session.should_stop():
+                session.run(train, feed_dict={xb: shard(x, s), yb: shard(y, s)})
+                s += 1
+    assert s == STEPS
+    return initial, last.values[:-1], last.values[-1], optimizer
+
+
+class Last(tf.compat.v1.train.SessionRunHook):
+    """Reads `fetches` when the session ends."""
+
+    def __init__(self, fetches):
+        self.fetches = fetches
+
+    def end(self, session):
+        self.values = session.run(self.fetches)
+
+
+@pytest.mark.parametrize("mode", ["eager", "function", "session"])
 @pytest.mark.parametrize("passes", [1, 2])
 @pytest.mark.parametrize("kind", ["momentum", "adam"])
 def test_tf1_optimizer_matches_one_process(kind, passes, mode):
     """hvd.DistributedOptimizer around a tf.compat.v1.train optimizer: N ranks
-    on N shards end where one process on the whole batch ends. With
-    backward_passes_per_step=2 the reference applies, every second step,
-    the sum of two whole-batch gradients taken at the same weights."""
+    on N shards end where one process on the whole batch ends, eagerly, in
+    a tf.function and in a TF1 session. With backward_passes_per_step=2 the
+    reference applies, every second step, the sum of two whole-batch
+    gradients taken at the same weights."""
     x, y = data()
-    weights = legacy_weights(RANK)   # different on purpose: the broadcast aligns them
-    hvd.broadcast_variables(weights, root_rank=0)
-    initial = [w.numpy() for w in weights]
-    optimizer = hvd.DistributedOptimizer(make_legacy_optimizer(kind), backward_passes_per_step=passes)
-    assert isinstance(optimizer, tf.compat.v1.train.Optimizer)
-    global_step = tf.Variable(0, dtype=tf.int64)
+    if mode == "session":
+        initial, final, step, optimizer = train_tf1_in_a_session(kind, passes, x, y)
+        np.testing.assert_array_equal(initial[0], legacy_weights(0)[0].numpy())
+    else:
+        weights = legacy_weights(RANK)   # different on purpose: the broadcast aligns them
+        hvd.broadcast_variables(weights, root_rank=0)
+        initial = [w.numpy() for w in weights]
+        optimizer = hvd.DistributedOptimizer(make_legacy_optimizer(kind), backward_passes_per_step=passes)
+        global_step = tf.Variable(0, dtype=tf.int64)
 
-    def step(xb, yb):
-        optimizer.minimize(lambda: legacy_loss(weights, xb, yb), var_list=weights, global_step=global_step)
-    step = tf.function(step) if mode == "function" else step
-    for s in range(STEPS):
-        step(tf.constant(shard(x, s)), tf.constant(shard(y, s)))
+        def train(xb, yb):
+            optimizer.minimize(lambda: legacy_loss(weights, xb, yb), var_list=weights, global_step=global_step)
+        train = tf.function(train) if mode == "function" else train
+        for s in range(STEPS):
+            train(tf.constant(shard(x, s)), tf.constant(shard(y, s)))
+        final, step = [w.numpy() for w in weights], global_step.numpy()
+    assert isinstance(optimizer, tf.compat.v1.train.Optimizer)
 
     reference = [tf.Variable(w) for w in initial]
     plain = make_legacy_optimizer(kind)
@@ -381,9 +422,9 @@ def test_tf1_optimizer_matches_one_process(kind, passes, mode):
         if (s + 1) % passes == 0:
             plain.apply_gradients(zip(pending, reference))
             pending = None
-    for got, want in zip(weights, reference):
-        np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-10, rtol=0)
-    assert int(global_step.numpy()) == STEPS   # every pass counts, applied or not
+    for got, want in zip(final, reference):
+        np.testing.assert_allclose(got, want.numpy(), atol=1e-10, rtol=0)
+    assert int(step) == STEPS   # every pass counts, applied or not
     assert optimizer.get_slot_names() == plain.get_slot_names()
 
 

@@ -1,0 +1,57 @@
+"""An elastic TF1 job: a graph run by a tf.compat.v1.Session, a
+tf.compat.v1 momentum optimizer wrapped in hvd.DistributedOptimizer, and
+hvd.elastic.TensorFlowState(session=...) over every global variable (the
+momentum slots included). The graph is built once, at the size the job has
+then, and run at every later size. The fixed global batches of
+reference.py, each rank training on its share of every step's batch,
+committed after every step; its reference is the Keras job's (the same
+model and momentum SGD)."""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from faults import fault_at, log, maybe_add_host, wait_for_growth  # noqa: E402
+from reference import FEATURES, LEARNING_RATE, MOMENTUM, STEPS, batch_of, make_keras_model  # noqa: E402
+
+import tensorflow as tf  # noqa: E402
+
+import unison.tensorflow as hvd  # noqa: E402
+
+
+def main():
+    hvd.init()
+    weight, bias = make_keras_model().get_weights()   # the Keras job's initial weights
+    with tf.Graph().as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, FEATURES])
+        y = tf.compat.v1.placeholder(tf.float32, [None, 1])
+        w = tf.compat.v1.get_variable("weight", initializer=weight)
+        b = tf.compat.v1.get_variable("bias", initializer=bias)
+        loss = tf.reduce_mean(tf.square(tf.matmul(x, w) + b - y))
+        optimizer = hvd.DistributedOptimizer(tf.compat.v1.train.MomentumOptimizer(LEARNING_RATE, MOMENTUM))
+        train_op = optimizer.minimize(loss)
+        session = tf.compat.v1.Session()
+        session.run(tf.compat.v1.global_variables_initializer())
+        state = hvd.elastic.TensorFlowState(session=session, step=0)
+
+        @hvd.elastic.run
+        def train(state):
+            log(event="sync", rank=hvd.rank(), size=hvd.size(), step=state.step)
+            while state.step < STEPS:
+                fault_at(state.step)
+                maybe_add_host(state.step, hvd.rank())
+                wait_for_growth(state.step, hvd.size(), state.commit)
+                xb, yb = batch_of(state.step)
+                session.run(train_op, {x: xb[hvd.rank()::hvd.size()], y: yb[hvd.rank()::hvd.size()]})
+                state.step += 1
+                state.commit()
+
+        train(state)
+        if hvd.rank() == 0:
+            final_w, final_b = session.run([w, b])
+            log(event="final", size=hvd.size(), step=state.step,
+                params={"weight": final_w.flatten().tolist(), "bias": final_b.flatten().tolist()})
+        log(event="done", rank=hvd.rank(), size=hvd.size())
+
+
+if __name__ == "__main__":
+    main()
