@@ -1,6 +1,7 @@
-"""unison.tensorflow: Horovod's TensorFlow 2 API on tensorflow 2.21.
+"""unison.tensorflow: Horovod's TensorFlow API on tensorflow 2.21.
 `import unison.tensorflow as hvd` in place of `import horovod.tensorflow
-as hvd` runs a Horovod TensorFlow 2 script; unison.tensorflow.keras (and
+as hvd` runs a Horovod TensorFlow 2 script, or a TF1 one through
+tf.compat.v1 (a graph run by a Session); unison.tensorflow.keras (and
 unison.keras) is the Keras side."""
 from unison.basics import (  # noqa: F401
     ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled, init,
