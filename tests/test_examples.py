@@ -102,46 +102,42 @@ def test_elastic_example_finishes_after_a_failure(script, needs):
     assert re.search(r"test accuracy 0\.9\d+ on 2 ranks", output), output[-5000:]
 
 
+# Their documented resumes: a first run with checkpoints, then a longer one
+# that starts from the newest. Keras: rank 0 loads it with load_model(), the
+# others receive it from the broadcast callback. TF1: rank 0's
+# MonitoredTrainingSession restores it and BroadcastGlobalVariablesHook hands
+# it to the others. (script, epochs of each run, the first run's checkpoints
+# as a test of the folder's listing, what the second run prints)
+RESUMES = {
+    "keras": ("keras/digits.py", 4, 8,
+              lambda files: sorted(files) == ["checkpoint-%d.keras" % e for e in (1, 2, 3, 4)],
+              r"resumed from epoch 4(.|\n)*epoch 5: loss(.|\n)*epoch 8: loss \d\.\d+, accuracy 0\.9\d+"
+              r"(.|\n)*test accuracy 0\.9\d+ on 2 ranks"),
+    "tf1-session": ("tensorflow/session_digits.py", 5, 10,
+                    lambda files: "model.ckpt-105.index" in files,   # 5 epochs of 21 steps
+                    r"resumed at epoch 5\n(.|\n)*epoch 10: loss(.|\n)*"
+                    r"test accuracy 0\.9\d+ on 2 ranks; weights identical on every rank: True"),
+}
+
+
 @pytest.mark.timeout(300)
-def test_keras_example_resumes_from_its_checkpoint(tmp_path):
-    # Its documented resume: 4 epochs with checkpoints, then a run to 8 that
-    # starts from the fourth (rank 0 loads it, the others receive it).
+@pytest.mark.parametrize("example", sorted(RESUMES))
+def test_tensorflow_example_resumes_from_its_checkpoint(tmp_path, example):
+    script, first_epochs, epochs, checkpoints_written, resumed = RESUMES[example]
     for module in ("tensorflow", "sklearn"):
         if importlib.util.find_spec(module) is None:
             pytest.skip("%s is not installed here" % module)
     command = [sys.executable, "-m", "unison.run", "-np", "2", sys.executable,
-               os.path.join(ROOT, "examples", "keras", "digits.py"), "--checkpoint-dir", str(tmp_path)]
-    first = run_job(command + ["--epochs", "4"], 140, cwd=ROOT)
+               os.path.join(ROOT, "examples", script), "--checkpoint-dir", str(tmp_path)]
+    first = run_job(command + ["--epochs", str(first_epochs)], 140, cwd=ROOT)
     output = first.stdout.decode(errors="replace")
     assert first.returncode == 0, output[-5000:]
-    assert sorted(os.listdir(str(tmp_path))) == ["checkpoint-%d.keras" % e for e in (1, 2, 3, 4)], output[-5000:]
-    second = run_job(command + ["--epochs", "8"], 140, cwd=ROOT)
+    assert checkpoints_written(os.listdir(str(tmp_path))), output[-5000:]
+    second = run_job(command + ["--epochs", str(epochs)], 140, cwd=ROOT)
     output = second.stdout.decode(errors="replace")
     assert second.returncode == 0, output[-5000:]
-    assert re.search(r"resumed from epoch 4(.|\n)*epoch 5: loss(.|\n)*epoch 8: loss \d\.\d+, accuracy 0\.9\d+"
-                     r"(.|\n)*test accuracy 0\.9\d+ on 2 ranks", output), output[-5000:]
-
-
-@pytest.mark.timeout(300)
-def test_tf1_session_example_resumes_from_rank_0s_checkpoint(tmp_path):
-    # Its documented resume: 5 epochs with checkpoints written by rank 0,
-    # then a run to 10 in which rank 0's MonitoredTrainingSession restores
-    # the newest and BroadcastGlobalVariablesHook hands it to rank 1.
-    for module in ("tensorflow", "sklearn"):
-        if importlib.util.find_spec(module) is None:
-            pytest.skip("%s is not installed here" % module)
-    command = [sys.executable, "-m", "unison.run", "-np", "2", sys.executable,
-               os.path.join(ROOT, "examples", "tensorflow", "session_digits.py"), "--checkpoint-dir", str(tmp_path)]
-    first = run_job(command + ["--epochs", "5"], 140, cwd=ROOT)
-    output = first.stdout.decode(errors="replace")
-    assert first.returncode == 0, output[-5000:]
-    assert "model.ckpt-105.index" in os.listdir(str(tmp_path)), output[-5000:]   # 5 epochs of 21 steps
-    second = run_job(command + ["--epochs", "10"], 140, cwd=ROOT)
-    output = second.stdout.decode(errors="replace")
-    assert second.returncode == 0, output[-5000:]
-    assert "epoch 5:" not in output, output[-5000:]
-    assert re.search(r"resumed at epoch 5\n(.|\n)*epoch 10: loss(.|\n)*"
-                     r"test accuracy 0\.9\d+ on 2 ranks; weights identical on every rank: True", output), output[-5000:]
+    assert "epoch %d:" % first_epochs not in output, output[-5000:]
+    assert re.search(resumed, output), output[-5000:]
 
 
 @pytest.mark.timeout(300)

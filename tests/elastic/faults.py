@@ -76,3 +76,20 @@ def wait_for_growth(step, size, commit):
         while True:
             time.sleep(0.05)
             commit()
+
+
+def train_from_the_commit(state, rank, size, train_on):
+    """The loop of the TensorFlow jobs, inside hvd.elastic.run: from the
+    committed step on, train_on(x, y) with this rank's share of each of
+    reference.py's global batches, committing after every step, with the
+    faults and host changes the test asked for."""
+    from reference import STEPS, batch_of
+    log(event="sync", rank=rank, size=size, step=state.step)
+    while state.step < STEPS:
+        fault_at(state.step)
+        maybe_add_host(state.step, rank)
+        wait_for_growth(state.step, size, state.commit)
+        x, y = batch_of(state.step)
+        train_on(x[rank::size], y[rank::size])
+        state.step += 1
+        state.commit()

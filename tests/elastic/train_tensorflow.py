@@ -7,8 +7,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from faults import fault_at, log, log_end_of_keras_job, maybe_add_host, wait_for_growth  # noqa: E402
-from reference import FEATURES, STEPS, batch_of, make_keras_model  # noqa: E402
+from faults import log_end_of_keras_job, train_from_the_commit  # noqa: E402
+from reference import FEATURES, make_keras_model  # noqa: E402
 
 import tensorflow as tf  # noqa: E402
 
@@ -33,15 +33,7 @@ def main():
 
     @hvd.elastic.run
     def train(state):
-        log(event="sync", rank=hvd.rank(), size=hvd.size(), step=state.step)
-        while state.step < STEPS:
-            fault_at(state.step)
-            maybe_add_host(state.step, hvd.rank())
-            wait_for_growth(state.step, hvd.size(), state.commit)
-            x, y = batch_of(state.step)
-            training_step(tf.constant(x[hvd.rank()::hvd.size()]), tf.constant(y[hvd.rank()::hvd.size()]))
-            state.step += 1
-            state.commit()
+        train_from_the_commit(state, hvd.rank(), hvd.size(), lambda x, y: training_step(tf.constant(x), tf.constant(y)))
 
     train(state)
     log_end_of_keras_job(model, state.step, hvd.rank(), hvd.size())

@@ -10,8 +10,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from faults import fault_at, log, maybe_add_host, wait_for_growth  # noqa: E402
-from reference import FEATURES, LEARNING_RATE, MOMENTUM, STEPS, batch_of, make_keras_model  # noqa: E402
+from faults import log, train_from_the_commit  # noqa: E402
+from reference import FEATURES, LEARNING_RATE, MOMENTUM, make_keras_model  # noqa: E402
 
 import tensorflow as tf  # noqa: E402
 
@@ -35,15 +35,7 @@ def main():
 
         @hvd.elastic.run
         def train(state):
-            log(event="sync", rank=hvd.rank(), size=hvd.size(), step=state.step)
-            while state.step < STEPS:
-                fault_at(state.step)
-                maybe_add_host(state.step, hvd.rank())
-                wait_for_growth(state.step, hvd.size(), state.commit)
-                xb, yb = batch_of(state.step)
-                session.run(train_op, {x: xb[hvd.rank()::hvd.size()], y: yb[hvd.rank()::hvd.size()]})
-                state.step += 1
-                state.commit()
+            train_from_the_commit(state, hvd.rank(), hvd.size(), lambda xb, yb: session.run(train_op, {x: xb, y: yb}))
 
         train(state)
         if hvd.rank() == 0:
