@@ -642,11 +642,14 @@ def reducescatter(tensor, op=Average, name=None, ignore_name_scope=False, proces
 # ---- barrier and join -----------------------------------------------------------
 
 def barrier(process_set=global_process_set):
-    """Returns once every rank has reached it (a node, inside tf.function)."""
+    """Returns once every rank has reached it. Inside a graph it is a node:
+    a tf.function runs it in its place; in a TF1 graph it is returned, as
+    Horovod's op is, for the session to run."""
     def fn():
         collective.barrier(process_set)
         return [np.int32(0)]
-    _run(fn, [], [tf.int32], "barrier")
+    outputs = _run(fn, [], [tf.int32], "barrier")
+    return None if tf.executing_eagerly() else outputs[0].op
 
 
 def join(process_set=global_process_set):

@@ -175,6 +175,17 @@ def test_broadcast_global_variables_in_a_session_sets_them_alone():
             np.testing.assert_array_equal(session.run(total, {fed: [RANK, 1.0]}), [N * (N - 1) / 2, N])
 
 
+def test_join_and_barrier_in_a_session():
+    """In a TF1 graph they are ops the session runs (built and returned,
+    not run while the graph is built)."""
+    with tf.Graph().as_default() as graph:
+        barrier, last = hvd.barrier(), hvd.join()
+        with tf.compat.v1.Session(graph=graph) as session:
+            for _ in range(2):
+                session.run(barrier)
+                assert session.run(last) in range(N)
+
+
 def test_session_collectives_pair_by_place_in_the_graph_not_by_order():
     """A session runs a graph's collectives in whatever order TensorFlow
     picks, which may differ between ranks; here each rank fetches N unnamed
