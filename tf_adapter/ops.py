@@ -193,8 +193,9 @@ def _run(fn, inputs, out_dtypes, kind, name=_NO_TENSOR):
     return list(outputs)
 
 
-# Per TF1 session graph, the collective nodes traced into it so far.
-_nodes_in_session_graph = weakref.WeakKeyDictionary()
+# Per TF1 session graph: [its number, the collective nodes traced into it so far].
+_session_graphs = weakref.WeakKeyDictionary()
+_session_graphs_seen = 0
 
 
 def _session_node_name(graph, kind):
@@ -210,13 +211,22 @@ def _session_node_name(graph, kind):
     so no tensor may be left for the core to number in program order:
     each node is numbered in the order it was built, which is program
     order and the same on every rank (cond branches and functions inside
-    the graph included), and its unnamed tensors become kind.nodeK.i."""
+    the graph included), and its unnamed tensors become kind.nodeK.i. A
+    script that builds more than one graph (one to train, one to evaluate)
+    numbers them too, in the order their first collective was built, and
+    the second graph's are kind.graph1.nodeK.i: two graphs' nodes never
+    share a name, so a rank in one cannot pair with a rank in the other."""
+    global _session_graphs_seen
     root = graph
     while getattr(root, "outer_graph", None) is not None:
         root = root.outer_graph
-    count = _nodes_in_session_graph.get(root, 0)
-    _nodes_in_session_graph[root] = count + 1
-    return "%s.node%d" % (kind, count)
+    numbers = _session_graphs.get(root)
+    if numbers is None:
+        numbers = _session_graphs[root] = [_session_graphs_seen, 0]
+        _session_graphs_seen += 1
+    which, count = numbers
+    numbers[1] += 1
+    return "%s.%snode%d" % (kind, "graph%d." % which if which else "", count)
 
 
 try:

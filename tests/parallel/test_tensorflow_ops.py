@@ -298,13 +298,17 @@ def test_mismatched_shape_fails_on_every_rank_and_recovers(mode):
         with pytest.raises(unison.MismatchError, match=r"'bad\.shape'.*shape.*rank 0 \[1\].*rank 1 \[2\]"):
             hvd.allreduce(x, name="bad.shape")
     elif mode == "tf1-session":
-        # Unnamed: the error names the node by its place in the graph.
+        # Unnamed: the error names the node by its place in the graph, and
+        # the graph by its place among those the process built (after
+        # another here, so never the first).
+        with tf.Graph().as_default():
+            hvd.allreduce(tf.ones([1]))
         with tf.Graph().as_default() as graph:
             fed = tf.compat.v1.placeholder(tf.float32, [None])
             bad, good = hvd.allreduce(fed), hvd.allreduce(fed, op=hvd.Sum)
             with tf.compat.v1.Session(graph=graph) as session:
                 with pytest.raises(tf.errors.OpError,
-                                   match=r"MismatchError.*'allreduce\.node0\.0'.*rank 0 \[1\].*rank 1 \[2\]"):
+                                   match=r"MismatchError.*'allreduce\.graph\d+\.node0\.0'.*rank 0 \[1\].*rank 1 \[2\]"):
                     session.run(bad, {fed: np.ones(RANK + 1)})
                 np.testing.assert_array_equal(session.run(good, {fed: np.ones(2)}), [N, N])
     else:
