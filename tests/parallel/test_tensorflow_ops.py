@@ -1,7 +1,8 @@
 """unison.tensorflow beyond the shared grid (shared_grid.py,
 test_tensorflow_grid.py), from one rank's point of view: every rank
-computes what every other rank sent, exactly, eagerly and inside
-tf.function; the gradients Horovod defines; errors on every rank."""
+computes what every other rank sent, exactly, eagerly, inside
+tf.function and in TF1 graphs run by a Session; the gradients Horovod
+defines; errors on every rank."""
 import threading
 
 import pytest

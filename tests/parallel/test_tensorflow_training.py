@@ -351,9 +351,8 @@ def make_legacy_optimizer(kind):
 def train_tf1_in_a_session(kind, passes, x, y):
     """The TF1 way, as Horovod's tensorflow_mnist.py: placeholders, minimize()
     in a graph, a MonitoredTrainingSession whose BroadcastGlobalVariablesHook
-    aligns the ranks' different initial weights. Returns (root's initial
-    weights, final weights, global_step, the optimizer, its plain twin's
-    slot names)."""
+    aligns the ranks' different initial weights. Returns (the weights the
+    session started from, the final weights, global_step, the optimizer)."""
     with tf.Graph().as_default():
         weights = legacy_weights(RANK)   # different on purpose: the hook aligns them
         xb = tf.compat.v1.placeholder(tf.float64, [None, x.shape[1]])
@@ -383,7 +382,7 @@ class Last(tf.compat.v1.train.SessionRunHook):
         self.values = session.run(self.fetches)
 
 
-@pytest.mark.parametrize("mode", ["eager", "function", "session"])
+@pytest.mark.parametrize("mode", ["eager", "function", "tf1-session"])
 @pytest.mark.parametrize("passes", [1, 2])
 @pytest.mark.parametrize("kind", ["momentum", "adam"])
 def test_tf1_optimizer_matches_one_process(kind, passes, mode):
@@ -393,7 +392,7 @@ def test_tf1_optimizer_matches_one_process(kind, passes, mode):
     reference applies, every second step, the sum of two whole-batch
     gradients taken at the same weights."""
     x, y = data()
-    if mode == "session":
+    if mode == "tf1-session":
         initial, final, step, optimizer = train_tf1_in_a_session(kind, passes, x, y)
         np.testing.assert_array_equal(initial[0], legacy_weights(0)[0].numpy())
     else:
