@@ -1,5 +1,6 @@
 """unison.mxnet training: N ranks, each on its shard of the batch, end with
-the parameters one process reaches on the whole batch; broadcast_parameters
+the parameters one process reaches on the whole batch (Gluon, and the
+symbolic Module API); broadcast_parameters
 reaches parameters whose initialisation Gluon defers to the first forward."""
 import pytest
 
@@ -89,6 +90,46 @@ def test_distributed_optimizer_in_a_plain_trainer(optimizer, options, num_groups
     assert_same(net, reference(optimizer, options))
     opt.set_learning_rate(0.5)
     assert opt.learning_rate == 0.5 and opt._optimizer.learning_rate == 0.5
+
+
+def train_module(optimizer, shard):
+    """The symbolic Module API, as Horovod's MXNet ImageNet example's
+    non-Gluon path: bind, initialise (each rank differently when sharded,
+    then rank 0's parameters broadcast), and a forward_backward and
+    update per step. Returns the final parameters."""
+    data, label = mx.sym.var("data"), mx.sym.var("label")
+    hidden = mx.sym.Activation(mx.sym.FullyConnected(data, num_hidden=8, name="fc1"), act_type="tanh")
+    net = mx.sym.LinearRegressionOutput(mx.sym.FullyConnected(hidden, num_hidden=3, name="fc2"), label)
+    rows = slice(hvd.rank() * ROWS, (hvd.rank() + 1) * ROWS) if shard else slice(None)
+    x, y = batch(0)
+    module = mx.mod.Module(net, data_names=["data"], label_names=["label"], context=mx.cpu())
+    module.bind(data_shapes=[("data", x[rows].shape)], label_shapes=[("label", y[rows].shape)])
+    mx.random.seed(hvd.rank() if shard else 0)
+    module.init_params(mx.init.Uniform(0.5))
+    if shard:
+        arg_params, aux_params = module.get_params()
+        hvd.broadcast_parameters(arg_params, root_rank=0)
+        module.set_params(arg_params, aux_params)
+    module.init_optimizer(kvstore=None, optimizer=optimizer)
+    for step in range(STEPS):
+        x, y = batch(step)
+        module.forward_backward(mx.io.DataBatch([x[rows].astype("float32")], [y[rows].astype("float32")]))
+        module.update()
+    return {k: v.asnumpy() for k, v in module.get_params()[0].items()}
+
+
+# MXNet's Module warns of any rescale_grad but 1/batch; DistributedOptimizer's
+# carries the 1/size of the average too, as Horovod's does.
+@pytest.mark.filterwarnings("ignore:Optimizer created manually outside Module")
+@pytest.mark.parametrize("optimizer,options", OPTIMIZERS, ids=["sgd-momentum", "adam"])
+def test_distributed_optimizer_in_a_symbolic_module(optimizer, options):
+    distributed = hvd.DistributedOptimizer(mx.optimizer.create(optimizer, rescale_grad=1.0 / ROWS, **options))
+    got = train_module(distributed, shard=True)
+    want = train_module(mx.optimizer.create(optimizer, rescale_grad=1.0 / (ROWS * hvd.size()), **options),
+                        shard=False)
+    assert sorted(got) == ["fc1_bias", "fc1_weight", "fc2_bias", "fc2_weight"]
+    for name in sorted(got):
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6, err_msg=name)
 
 
 class Doubling(hvd.Compression.none):
