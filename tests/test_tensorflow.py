@@ -111,6 +111,30 @@ BRANCH_IN_A_SESSION = """
         print("rank %d after: %s" % (r, session.run(after).tolist()), flush=True)
 """
 
+# Ranks whose programs agree, but whose session has one inter-op thread and
+# builds two independent collectives in another order on each rank: each
+# rank's thread waits in the other's second node. The deadlock report says
+# what the session needs.
+SESSION_OUT_OF_THREADS = """
+    import tensorflow as tf
+    tf.compat.v1.disable_eager_execution()
+    import unison.tensorflow as hvd
+    hvd.init()
+    r = hvd.rank()
+    x = tf.constant([1.0, 2.0])
+    built = {}
+    for name in (["grad", "metric"] if r == 0 else ["metric", "grad"]):
+        built[name] = hvd.allreduce(x, op=hvd.Sum, name=name)
+    after = hvd.allreduce(tf.constant([r + 1.0]), op=hvd.Sum, name="after")
+    config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=1, use_per_session_threads=True)
+    with tf.compat.v1.Session(config=config) as session:
+        try:
+            session.run([built["grad"], built["metric"]])
+        except tf.errors.OpError as e:
+            print("rank %d: %s" % (r, e.message), flush=True)
+        print("rank %d after: %s" % (r, session.run(after).tolist()), flush=True)
+"""
+
 AFTERWARDS = """
     total = hvd.allreduce(tf.constant([r + 1.0]), op=hvd.Sum, name="after")
     print("rank %d after: %s" % (r, total.numpy().tolist()), flush=True)
@@ -146,6 +170,17 @@ def test_ranks_that_part_inside_a_traced_step_fail_as_a_deadlock_then_go_on(tmp_
         mine = lines_of(out, r)
         assert ("rank %d: " % r) in mine and "unison: deadlock: every rank is blocked" in mine, out + err
         assert re.search(r"allreduce '\S*metric' waited \d+ s: submitted by ranks \[0\]", mine), out
+        assert ("rank %d after: [%s]" % (r, float(np_ * (np_ + 1) // 2))) in out, out
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_a_tf1_session_out_of_threads_fails_as_a_deadlock_saying_so(tmp_path, np_):
+    proc, out, err = launch(tmp_path, SESSION_OUT_OF_THREADS, np_, 2)
+    assert proc.returncode == 0, out + err
+    for r in range(np_):
+        mine = lines_of(out, r)
+        assert "unison: deadlock: every rank is blocked" in mine, out + err
+        assert "each collective node holds one of the session's inter-op threads" in mine, out
         assert ("rank %d after: [%s]" % (r, float(np_ * (np_ + 1) // 2))) in out, out
 
 

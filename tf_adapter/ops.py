@@ -34,7 +34,7 @@ from tensorflow.python.ops import control_flow_util
 
 from unison import arguments, basics, collective, dtypes, frontend, gradients
 from unison.dtypes import label as _label
-from unison.exceptions import InvalidArgumentError, MismatchError, UnsupportedError
+from unison.exceptions import DeadlockError, InvalidArgumentError, MismatchError, UnsupportedError
 from unison.handles import GraphNode, HandleGroup, synchronize
 from unison.numpy import NumpyTensors
 from unison.process_sets import global_process_set
@@ -183,7 +183,10 @@ def _run(fn, inputs, out_dtypes, kind, name=_NO_TENSOR):
 
         def node(*tensors):
             with GraphNode(_thread_waiting_for(traced_in)), collective.numbered_within(prefix):
-                return call(*tensors)
+                try:
+                    return call(*tensors)
+                except DeadlockError as error:
+                    raise DeadlockError("%s%s" % (error, _SESSION_THREADS)) from error
     chained = graph.building_function   # see "Ordering" above, and _session_node_name
     previous = _last_in_graph.get(graph) if chained else None
     with tf.control_dependencies([previous] if previous is not None else []):
@@ -192,6 +195,17 @@ def _run(fn, inputs, out_dtypes, kind, name=_NO_TENSOR):
         _last_in_graph[graph] = outputs[0].op if outputs else None
     return list(outputs)
 
+
+# Unchained, a session's collective nodes can also deadlock in a way no
+# rank's program says: each holds one of the session's inter-op threads
+# while it waits, and ranks whose threads are all taken by different nodes
+# wait for each other.
+_SESSION_THREADS = (
+    "\n(In a TF1 session each collective node holds one of the session's inter-op threads while it waits. If "
+    "more of a step's collective nodes can run at once than the session has threads (one per core by default), "
+    "the ranks may each fill theirs with other nodes: give the session more, "
+    "tf.compat.v1.ConfigProto(inter_op_parallelism_threads=N), or make the collectives one node, "
+    "hvd.grouped_allreduce.)")
 
 # Per TF1 session graph: [its number, the collective nodes traced into it so far].
 _session_graphs = weakref.WeakKeyDictionary()
@@ -363,7 +377,12 @@ class _TensorFlowGradients(gradients.GradientOps):
         return tensor * tf.constant(factor, dtype=tensor.dtype)
 
     def zeros_like(self, tensor):
-        return tf.zeros_like(tensor)
+        # Zeros that still need `tensor`: a broadcast's gradient is zero off
+        # the root, but its allreduce must run on every rank, and a TF1
+        # session would otherwise leave it out there (tf.zeros_like of a
+        # known shape reads nothing), while the root waited for it.
+        with tf.control_dependencies([tensor]):
+            return tf.zeros_like(tensor)
 
 
 _grads = _TensorFlowGradients()

@@ -16,14 +16,26 @@ import unison.tensorflow as hvd  # noqa: E402
 hvd.init()
 N, RANK = hvd.size(), hvd.rank()
 
-MODES = ["eager", "function"]
+MODES = ["eager", "function", "tf1-session"]
 
 
 def run(mode, fn, *args):
-    """fn(*args) eagerly, or traced into a tf.function and run."""
+    """fn(*args) eagerly, traced into a tf.function and run, or built into a
+    TF1 graph, the arguments fed to its placeholders, and run by a
+    tf.compat.v1.Session."""
     if mode == "eager":
         return fn(*args)
-    return tf.function(fn)(*args)
+    if mode == "function":
+        return tf.function(fn)(*args)
+    with tf.Graph().as_default() as graph:
+        fed = [tf.compat.v1.placeholder(a.dtype, a.shape) for a in args]
+        out = fn(*fed)
+        # Some of these graphs have ten collective nodes that can run at
+        # once (test_gradients), each holding an inter-op thread while it
+        # waits: a session needs a thread for each (README, "TF1 scripts").
+        config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=12, use_per_session_threads=True)
+        with tf.compat.v1.Session(graph=graph, config=config) as session:
+            return session.run(out, dict(zip(fed, [a.numpy() for a in args])))
 
 
 def values(shape, rank, dtype="float64"):
@@ -68,12 +80,24 @@ def test_broadcast_and_variables(mode):
             out = run(mode, lambda x: hvd.broadcast(x, root), mine)
             np.testing.assert_array_equal(np.asarray(out), values((2, 3), root).astype(
                 tf.as_dtype(dtype).as_numpy_dtype))
-    variables = [tf.Variable(values((3,), RANK)), tf.Variable(np.int64(RANK)),
-                 tf.Variable(np.array([RANK, 7], dtype=np.uint32))]   # Keras keeps seed state in uint32
-    run(mode, lambda: hvd.broadcast_variables(variables, root_rank=N - 1) and None)
-    np.testing.assert_array_equal(variables[0].numpy(), values((3,), N - 1))
-    assert variables[1].numpy() == N - 1
-    np.testing.assert_array_equal(variables[2].numpy(), [N - 1, 7])
+    def make_variables():
+        return [tf.Variable(values((3,), RANK)), tf.Variable(np.int64(RANK)),
+                tf.Variable(np.array([RANK, 7], dtype=np.uint32))]   # Keras keeps seed state in uint32
+    if mode == "tf1-session":
+        with tf.Graph().as_default() as graph:
+            variables = make_variables()
+            assign = hvd.broadcast_variables(variables, root_rank=N - 1)
+            with tf.compat.v1.Session(graph=graph) as session:
+                session.run([v.initializer for v in variables])
+                session.run(assign)
+                got = session.run(variables)
+    else:
+        variables = make_variables()
+        run(mode, lambda: hvd.broadcast_variables(variables, root_rank=N - 1) and None)
+        got = [v.numpy() for v in variables]
+    np.testing.assert_array_equal(got[0], values((3,), N - 1))
+    assert got[1] == N - 1
+    np.testing.assert_array_equal(got[2], [N - 1, 7])
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -231,11 +255,11 @@ def test_objects():
 
 @pytest.mark.parametrize("mode", MODES)
 def test_gradients(mode):
-    x = tf.Variable(values((RANK + 2, 2), RANK))   # different first dims per rank
-    w = tf.constant(values((RANK + 2, 2), RANK + 7))
+    w = values((RANK + 2, 2), RANK + 7)
 
-    def grads():
+    def grads(x):
         with tf.GradientTape(persistent=True) as tape:
+            tape.watch(x)
             summed = hvd.allreduce(x[:2] * w[:2], op=hvd.Sum, name="g.sum")
             averaged = hvd.allreduce(x[:2] * w[:2], op=hvd.Average, name="g.avg")
             gathered = hvd.allgather(x, name="g.gather")
@@ -247,11 +271,11 @@ def test_gradients(mode):
         out = [tape.gradient(loss, x) for loss in losses]
         del tape
         return out
-    g_sum, g_avg, g_gather, g_bcast, g_rs = run(mode, grads)
+    g_sum, g_avg, g_gather, g_bcast, g_rs = run(mode, grads, tf.constant(values((RANK + 2, 2), RANK)))
     total = sum(r + 1 for r in range(N))
     # allreduce: the same allreduce of the upstream gradient, times w.
     first_two = np.zeros((RANK + 2, 2))
-    first_two[:2] = w.numpy()[:2]
+    first_two[:2] = w[:2]
     np.testing.assert_allclose(g_sum, total * first_two, rtol=1e-12)
     np.testing.assert_allclose(g_avg, total / N * first_two, rtol=1e-12)
     # allgather: this rank's rows of the averaged upstream gradient (row index).
@@ -273,14 +297,14 @@ def test_gradients(mode):
 @pytest.mark.parametrize("mode", MODES)
 def test_alltoall_gradient(mode):
     splits = [1 + i for i in range(N)]
-    x = tf.Variable(np.arange(sum(splits), dtype=np.float64) + 100 * RANK)
 
-    def grad():
+    def grad(x):
         with tf.GradientTape() as tape:
+            tape.watch(x)
             out, received = hvd.alltoall(x, splits=splits, name="g.a2a")
             loss = tf.reduce_sum(out * (tf.range(tf.shape(out)[0], dtype=out.dtype) + 1))
         return tape.gradient(loss, x)
-    g = run(mode, grad)
+    g = run(mode, grad, tf.constant(np.arange(sum(splits), dtype=np.float64) + 100 * RANK))
     # Every rank sends 1 + i rows to rank i, so this rank's rows sit at
     # offset RANK * (1 + i) of rank i's output, where row k weighs k + 1;
     # the gradient sends those weights back to where the rows came from.
@@ -292,7 +316,7 @@ def test_alltoall_gradient(mode):
 
 # ---- errors --------------------------------------------------------------------
 
-@pytest.mark.parametrize("mode", MODES + ["tf1-session"])
+@pytest.mark.parametrize("mode", MODES)
 def test_mismatched_shape_fails_on_every_rank_and_recovers(mode):
     x = tf.ones([RANK + 1])
     if mode == "eager":
