@@ -41,8 +41,14 @@ def broadcast_global_variables(root_rank):
                            "tf.compat.v1.Session; eagerly and in tf.function there are no global variables. Use "
                            "broadcast_variables(model.variables, root_rank) (and the optimizer's variables), or "
                            "hvd.callbacks.BroadcastGlobalVariablesCallback with Keras")
+    return _global_variables_from(root_rank, global_process_set)
+
+
+def _global_variables_from(root_rank, process_set):
+    """One op that sets every global variable of the default graph to
+    root_rank's value."""
     variables = tf.compat.v1.global_variables()
-    return tf.group(*broadcast_variables(variables, root_rank), name="broadcast_global_variables")
+    return tf.group(*broadcast_variables(variables, root_rank, process_set), name="broadcast_global_variables")
 
 
 class BroadcastGlobalVariablesHook(tf.compat.v1.train.SessionRunHook):
@@ -64,9 +70,7 @@ class BroadcastGlobalVariablesHook(tf.compat.v1.train.SessionRunHook):
         # hook reused with a new graph builds it again.
         graph = tf.compat.v1.get_default_graph()
         if self.bcast_op is None or self.bcast_op.graph is not graph:
-            variables = tf.compat.v1.global_variables()
-            self.bcast_op = tf.group(*broadcast_variables(variables, self.root_rank, self.process_set),
-                                     name="broadcast_global_variables")
+            self.bcast_op = _global_variables_from(self.root_rank, self.process_set)
 
     def after_create_session(self, session, coord):
         session.run(self.bcast_op)
