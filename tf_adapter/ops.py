@@ -5,8 +5,9 @@ How a collective reaches the core: eagerly, a numpy view of the tensor
 (no copy) goes to unison.numpy, and the core's aligned result is adopted by
 TensorFlow through DLPack (no copy); inside a tf.function, the same Python
 runs as one `tf.py_function` node. tf_adapter/README.md gives the measured
-cost (large tensors cost what the core costs; a small one pays ~0.7 ms for
-the node inside a tf.function) and where a custom kernel would pay.
+cost (large tensors cost what the core costs; a small one pays ~0.4 ms for
+the node inside a tf.function) and where a custom kernel would pay. AutoGraph
+is told to leave this Python alone (_keep_autograph_out).
 
 Ordering inside a graph: TensorFlow may run independent nodes in any order
 and on any of its threads, and a collective node blocks its thread until
@@ -45,6 +46,34 @@ Sum, Average, Min, Max, Product, Adasum = (basics.Sum, basics.Average, basics.Mi
 
 # The last collective node traced into each graph (see "Ordering" above).
 _last_in_graph = weakref.WeakKeyDictionary()
+
+
+def _keep_autograph_out():
+    """Tell AutoGraph to call unison's Python as it is, as it calls
+    TensorFlow's, Keras's and numpy's.
+
+    A tf.function converts every function it reaches through user code that
+    is not on AutoGraph's list of libraries, and a function defined inside a
+    converted one is converted code too. So each collective node's Python
+    (the nested `node` below, and what it calls) ran as AutoGraph's
+    generated code on every step, each call through `converted_call`: that
+    added about 0.2 ms to a small allreduce in a tf.function, four times
+    what the same op costs eagerly (benchmarks/README.md). Nothing here
+    needs converting: no unison function branches or loops on a tensor's
+    value. The list is TensorFlow's own (`autograph.core.config`), not a
+    public API; where a later TensorFlow moves it, collectives stay correct
+    and only lose this speed, and tests/parallel/test_tensorflow_ops.py
+    says so."""
+    try:
+        from tensorflow.python.autograph.core import config
+    except ImportError:
+        return
+    rule = config.DoNotConvert("unison")
+    if not any(str(r) == str(rule) for r in config.CONVERSION_RULES):
+        config.CONVERSION_RULES = (rule,) + tuple(config.CONVERSION_RULES)
+
+
+_keep_autograph_out()
 
 
 def _alone(process_set):
@@ -265,7 +294,7 @@ def _thread_waiting_for(traced_in):
     only one is (with several, which of them waits for this node is not
     known). TensorFlow runs the node on a worker of its own and says
     nothing of who waits; the waiting thread's Python stack does. It costs
-    a few microseconds of a node's ~0.7 ms."""
+    a few microseconds of a node's ~0.4 ms."""
     graph = traced_in()
     enclosing = set()
     root = graph

@@ -406,6 +406,39 @@ def test_unsupported_dtype_is_refused_here():
             collective(sparse, name="sparse")
 
 
+def test_autograph_runs_unisons_python_as_written(monkeypatch):
+    """A tf.function converts the Python it reaches from user code, unless
+    AutoGraph lists its library as one to leave alone; unison's is listed
+    (ops._keep_autograph_out). Otherwise each collective node's Python runs
+    as AutoGraph's generated code every step, and tracing takes ten times
+    as long (benchmarks/README.md). A TensorFlow that moves AutoGraph's list
+    fails here, not silently slower."""
+    nodes = []
+    real = tf.py_function
+
+    def capture(func, inp, Tout, name=None):
+        nodes.append(func)
+        return real(func, inp, Tout, name=name)
+
+    monkeypatch.setattr(tf, "py_function", capture)
+
+    @tf.function
+    def step(x):
+        total = hvd.allreduce(x, op=hvd.Sum, name="autograph.check")
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = tf.reduce_sum(x * x)
+        grad, = hvd.DistributedGradientTape(tape).gradient(y, [x])
+        return total, grad
+
+    total, grad = step(tf.ones(3, tf.float64))
+    assert total.numpy().tolist() == [float(N)] * 3
+    assert grad.numpy().tolist() == [2.0] * 3
+    assert len(nodes) == 2
+    generated = [f.__code__.co_filename for f in nodes if "__autograph_generated" in f.__code__.co_filename]
+    assert generated == []
+
+
 def test_horovods_mpi_ops_module_path():
     from unison.tensorflow.mpi_ops import Sum, allreduce, rank_op
     total = allreduce(tf.cast(rank_op(), tf.float64), op=Sum, name="mpi_ops.path")
