@@ -14,8 +14,22 @@ Our function runs on an engine thread: it takes the arrays' data pointers
 collective in the core, and returns at once, so
 that it never blocks an engine worker while peers catch up (with one CPU
 worker, a blocking collective could wait on a peer whose matching
-collective is queued behind it). One completer thread per process waits on
-the core's handles and calls each op's completion callback.
+collective is queued behind it). The thread that pushed the op, which
+unison.mxnet's functions all make wait for it at once, then waits on the
+core's handle and calls the op's completion callback itself.
+
+Who waits matters to the deadlock test (native/caller_activity.h), which
+fails stalled ops once every thread that submits collectives is blocked in
+the core. The engine thread starts the op inside GraphNode, naming the
+pushing thread as the one that waits: the engine thread is a submitter only
+while it starts an op, and the pushing thread is one that is blocked while
+it waits on the handle. Ranks that take different branches then fail with
+unison.DeadlockError, as they do in PyTorch and TensorFlow, rather than
+warning forever. (Until 2026-11-29 a completer thread waited on the handles
+while the caller waited on an event: the engine threads, submitters for
+good, looked busy, and a deadlock only warned.) A waiter interrupted
+(Ctrl-C) hands its op to a completer thread, so that MXNet still gets the
+op's completion and lets go of its arrays.
 
 The completion callback is MXNet's CallbackOnComplete, which its C API hands
 over as a pointer to a struct of three pointers: the function, the engine
@@ -46,6 +60,7 @@ import threading
 import mxnet as mx
 
 from unison.exceptions import InvalidArgumentError
+from unison.handles import GraphNode
 from unison.handles import synchronize as _wait_core
 
 _LIB = mx.base._LIB
@@ -108,30 +123,38 @@ def plain_layout(arrays):
 
 
 class EngineOp:
-    """A collective pushed to MXNet's engine. done() and wait() follow the
-    core's op; wait() returns its result or raises its error."""
+    """A collective pushed to MXNet's engine by a thread that will wait()
+    for it. wait() returns its result or raises its error."""
 
     def __init__(self, name, key, bridge):
         self.name = name
         self.key = key
         self._bridge = bridge
-        self._event = threading.Event()
+        self.waiting_thread = threading.get_native_id()
+        self._started = threading.Event()   # the engine ran our function, or the op ended without it
+        self._core = None       # set with _started: (core handle, MXNet's completion, error from starting)
+        self._handed_over = False   # to the completer thread, its waiter interrupted
+        self._notified = False      # MXNet has been given the op's completion
+        self._done = False
         self._result = None
         self._error = None
 
     def _finish(self, result=None, error=None):
-        self._result, self._error = result, error
-        self._event.set()
-
-    def done(self):
-        return self._event.is_set()
+        self._result, self._error, self._done = result, error, True
+        self._started.set()
 
     def wait(self):
         waited = 0
-        while not self._event.wait(0.2):   # in slices, so Ctrl-C gets through
-            waited += 1
-            if waited == 5:   # a second and not started: did MXNet skip it?
-                self._bridge.watch_for_a_skip(self)
+        try:
+            while not self._started.wait(0.2):   # in slices, so Ctrl-C gets through
+                waited += 1
+                if waited == 5:   # a second and not started: did MXNet skip it?
+                    self._bridge.watch_for_a_skip(self)
+            if not self._done:
+                self._bridge.complete(self)
+        except BaseException:   # Ctrl-C: MXNet must still get the op's completion
+            self._bridge.hand_over(self)
+            raise
         if self._error is not None:
             raise self._error
         return self._result
@@ -149,7 +172,8 @@ class _Bridge:
     def push(self, name, reads, writes, start, priority=0, settle=True):
         """Pushes an op that reads `reads` and writes `writes` (NDArrays).
         On an engine thread, once they are ready, start() is called and must
-        return a core Handle; returns the EngineOp. settle=False pushes at
+        return a core Handle; returns the EngineOp, which the calling thread
+        must wait() for: nothing else completes it. settle=False pushes at
         once, leaving the arrays' layouts to the engine thread's check: for
         gradients, which training keeps in the plain layout, and whose
         allreduces are pushed during backward to overlap it."""
@@ -159,10 +183,6 @@ class _Bridge:
             key = self._next_key = self._next_key + 1
             op = EngineOp(name, key, self)
             self._pending[key] = (op, start, (reads, writes))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._complete_loop, name="unison-mxnet-completer",
-                                                daemon=True)
-                self._thread.start()
         read_handles = (ctypes.c_void_p * max(len(reads), 1))(*[a.handle.value for a in reads])
         write_handles = (ctypes.c_void_p * max(len(writes), 1))(*[a.handle.value for a in writes])
         mx.base.check_call(_LIB.MXEnginePushAsyncND(
@@ -205,30 +225,68 @@ class _Bridge:
                                                 % (op.name, why)))
 
     def _run(self, _run_context, on_complete, key):
-        """On an MXNet engine thread: the arrays are ready; start the op."""
+        """On an MXNet engine thread: the arrays are ready; start the op
+        (inside GraphNode: see the module's text) and hand it to its
+        waiter."""
         callback = _OnComplete.from_address(on_complete)
         notify = (callback.fn, callback.engine, callback.param)
         with self._lock:
             op, start, _keep = self._pending.pop(key)
+        handle, error = None, None
         try:
-            handle = start()
+            with GraphNode(op.waiting_thread):
+                handle = start()
         except Exception as e:  # noqa: BLE001 - handed to the waiting caller
-            self._completions.put((op, None, notify, e))
-            return
-        self._completions.put((op, handle, notify, None))
+            error = e
+        with self._lock:
+            op._core = (handle, notify, error)
+            handed_over = op._handed_over
+        if handed_over:
+            self._completer().put(op)
+        else:
+            op._started.set()
+
+    def complete(self, op):
+        """Waits for the core's op, releases MXNet's hold on its arrays
+        (once, whoever gets here), and finishes the EngineOp with the result
+        or the error."""
+        handle, notify, error = op._core
+        result = None
+        if error is None:
+            try:
+                result = _wait_core(handle)
+            except Exception as e:  # noqa: BLE001 - handed to the waiting caller
+                error = e
+        with self._lock:
+            if op._notified:
+                return
+            op._notified = True
+        fn, engine, param = notify
+        _COMPLETE_FN(fn)(engine, param, None)
+        op._finish(result, error)
+
+    def hand_over(self, op):
+        """The waiter of `op` was interrupted: the completer thread
+        completes it, now if it has started, else once it starts."""
+        with self._lock:
+            if op._notified or op._handed_over:
+                return
+            op._handed_over = True
+            started = op._core is not None
+        if started:
+            self._completer().put(op)
+
+    def _completer(self):
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._complete_loop, name="unison-mxnet-completer",
+                                                daemon=True)
+                self._thread.start()
+        return self._completions
 
     def _complete_loop(self):
         while True:
-            op, handle, notify, error = self._completions.get()
-            result = None
-            if error is None:
-                try:
-                    result = _wait_core(handle)
-                except Exception as e:  # noqa: BLE001 - handed to the waiting caller
-                    error = e
-            fn, engine, param = notify
-            _COMPLETE_FN(fn)(engine, param, None)
-            op._finish(result, error)
+            self.complete(self._completions.get())
 
 
 bridge = _Bridge()

@@ -11,6 +11,7 @@ ready, so a mismatch or a dead rank is raised here, at the call, as a
 Python exception. DistributedTrainer and DistributedOptimizer push their
 allreduces without waiting, so they overlap backward inside the engine.
 """
+import contextlib
 import threading
 
 import mxnet as mx
@@ -136,19 +137,38 @@ def grouped_allreduce(tensors, average=None, name=None, priority=0, prescale_fac
         _front.prepare("allreduce", t, name, op, prescale_factor, postscale_factor)
     wires, contexts = compress_all(compression, tensors)
     outputs = [mx.nd.empty(t.shape, ctx=t.context, dtype=t.dtype) for t in wires]
-    ops = [_allreduce_async(t, out, n, op, prescale_factor, postscale_factor, process_set, priority)
-           for (t, n), out in zip(_grouped(wires, name), outputs)]
-    _wait_all(ops)
+    with _all_waited() as ops:
+        for (t, n), out in zip(_grouped(wires, name), outputs):
+            ops.append(_allreduce_async(t, out, n, op, prescale_factor, postscale_factor, process_set, priority))
     return [compression.decompress(out, ctx) for out, ctx in zip(outputs, contexts)]
 
 
 def grouped_allreduce_(tensors, average=None, name=None, priority=0, prescale_factor=1.0,
                        postscale_factor=1.0, process_set=global_process_set, op=None):
     op = arguments.resolve_op(op, average)
-    ops = [_allreduce_async(t, t, n, op, prescale_factor, postscale_factor, process_set, priority)
-           for t, n in _grouped(tensors, name)]
-    _wait_all(ops)
+    with _all_waited() as ops:
+        for t, n in _grouped(tensors, name):
+            ops.append(_allreduce_async(t, t, n, op, prescale_factor, postscale_factor, process_set, priority))
     return tensors
+
+
+@contextlib.contextmanager
+def _all_waited():
+    """Yields a list for the ops pushed inside, and waits for all of them
+    on leaving (_wait_all), also when a later push raised: each op is
+    completed only by the thread that waits for it (unison.mxnet.engine),
+    so one left unwaited would keep MXNet's hold on its arrays."""
+    ops = []
+    try:
+        yield ops
+    except BaseException:
+        for op in ops:
+            try:
+                op.wait()
+            except Exception:  # noqa: BLE001 - the push's own error is the one to raise
+                pass
+        raise
+    _wait_all(ops)
 
 
 def _wait_all(ops):
@@ -229,10 +249,14 @@ def grouped_reducescatter(tensors, op=Average, name=None, priority=0, process_se
     for t in tensors:   # before any output is made for them
         _front.prepare("reducescatter", t, name, op, prescale_factor, postscale_factor)
     wires, contexts = compress_all(compression, tensors)
-    started = [_reducescatter_async(t, n, op, prescale_factor, postscale_factor, process_set, priority)
-               for t, n in _grouped(wires, name, "grouped_reducescatter")]
-    _wait_all([pushed for _, pushed in started])
-    return [compression.decompress(out, ctx) for (out, _), ctx in zip(started, contexts)]
+    outputs = []
+    with _all_waited() as ops:
+        for t, n in _grouped(wires, name, "grouped_reducescatter"):
+            output, pushed = _reducescatter_async(t, n, op, prescale_factor, postscale_factor, process_set,
+                                                  priority)
+            outputs.append(output)
+            ops.append(pushed)
+    return [compression.decompress(out, ctx) for out, ctx in zip(outputs, contexts)]
 
 
 # ---- ops whose output shape only negotiation tells ----------------------------

@@ -16,7 +16,7 @@ from unison.compression import check_compressor
 from unison import process_sets
 from unison.process_sets import global_process_set
 from unison.mxnet.compression import Compression
-from unison.mxnet.ops import Sum, _allreduce_async, _wait_all
+from unison.mxnet.ops import Sum, _all_waited, _allreduce_async
 
 
 def _allreduce_gradients(named_grads, gradient_predivide_factor, num_groups, process_set,
@@ -34,10 +34,10 @@ def _allreduce_gradients(named_grads, gradient_predivide_factor, num_groups, pro
     sent = [(grad,) + compression.compress(grad) for _, grad, _ in named_grads]
     # settle=False: the allreduces are pushed while backward still runs, each
     # to start as soon as its gradient is written (see unison.mxnet.engine).
-    ops = [_allreduce_async(wire, wire, name, Sum, 1.0 / gradient_predivide_factor, 1.0, process_set, priority,
-                            settle=False)
-           for (name, _, priority), (_, wire, _) in zip(named_grads, sent)]
-    _wait_all(ops)
+    with _all_waited() as ops:
+        for (name, _, priority), (_, wire, _) in zip(named_grads, sent):
+            ops.append(_allreduce_async(wire, wire, name, Sum, 1.0 / gradient_predivide_factor, 1.0, process_set,
+                                        priority, settle=False))
     for grad, wire, ctx in sent:
         if wire is not grad:
             grad[:] = compression.decompress(wire, ctx)
