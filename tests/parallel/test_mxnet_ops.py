@@ -262,3 +262,29 @@ def test_a_collective_on_a_failed_operators_output_raises_its_error():
     _drain_mxnets_error()
     np.testing.assert_array_equal(hvd.allreduce(mx.nd.ones(2), op=hvd.Sum, name="mx.after.failure").asnumpy(),
                                   [hvd.size()] * 2)
+
+
+@pytest.mark.parametrize("interrupted", ["before the engine starts it", "while it runs in the core"])
+def test_an_interrupted_wait_still_gives_mxnet_the_ops_completion(interrupted, monkeypatch):
+    # The caller completes its own op (unison.mxnet.engine); a Ctrl-C that
+    # ends its wait hands the op to the completer thread, so MXNet still
+    # lets go of the array: reading it waits for the op and gets its result.
+    from unison.mxnet import engine, ops
+    x = filled((3,), "float32", hvd.rank())
+    op = ops._allreduce_async(x, x, "interrupted.%s" % interrupted, hvd.Sum, 1.0, 1.0, hvd.global_process_set, 0)
+    if interrupted == "before the engine starts it":
+        def interrupt(timeout):
+            raise KeyboardInterrupt
+        op._started.wait = interrupt
+    else:
+        wait_core, interrupts = engine._wait_core, [KeyboardInterrupt]
+
+        def wait_once_interrupted(handle):   # the caller's wait is interrupted; the completer's is not
+            if interrupts:
+                raise interrupts.pop()
+            return wait_core(handle)
+        monkeypatch.setattr(engine, "_wait_core", wait_once_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        op.wait()
+    np.testing.assert_array_equal(x.asnumpy(), sum(expected((3,), "float32", r) for r in range(hvd.size())))
+    assert hvd.allreduce(mx.nd.ones((2,)), op=hvd.Sum, name="after.interrupt").asnumpy().tolist() == [hvd.size()] * 2
