@@ -154,34 +154,32 @@ def grouped_allreduce_(tensors, average=None, name=None, priority=0, prescale_fa
 
 @contextlib.contextmanager
 def _all_waited():
-    """Yields a list for the ops pushed inside, and waits for all of them
-    on leaving (_wait_all), also when a later push raised: each op is
-    completed only by the thread that waits for it (unison.mxnet.engine),
-    so one left unwaited would keep MXNet's hold on its arrays."""
+    """Yields a list for the ops pushed inside, and on leaving waits for
+    every one of them, then raises the first failure: none is left running
+    on arrays the caller may reuse. It waits also when a later push raised
+    (that error is the one raised): each op is completed only by the thread
+    that waits for it (unison.mxnet.engine), so one left unwaited would keep
+    MXNet's hold on its arrays."""
     ops = []
     try:
         yield ops
     except BaseException:
-        for op in ops:
-            try:
-                op.wait()
-            except Exception:  # noqa: BLE001 - the push's own error is the one to raise
-                pass
+        _wait_for_every(ops)
         raise
-    _wait_all(ops)
+    failure = _wait_for_every(ops)
+    if failure is not None:
+        raise failure
 
 
-def _wait_all(ops):
-    """Waits for every op, then raises the first failure: none is left
-    running on arrays the caller may reuse."""
+def _wait_for_every(ops):
+    """Waits for each op; returns the first failure, or None."""
     failure = None
     for op in ops:
         try:
             op.wait()
-        except Exception as e:  # noqa: BLE001 - re-raised below
+        except Exception as e:  # noqa: BLE001 - returned to the caller
             failure = failure or e
-    if failure is not None:
-        raise failure
+    return failure
 
 
 # ---- broadcast ----------------------------------------------------------------

@@ -270,21 +270,30 @@ def test_an_interrupted_wait_still_gives_mxnet_the_ops_completion(interrupted, m
     # ends its wait hands the op to the completer thread, so MXNet still
     # lets go of the array: reading it waits for the op and gets its result.
     from unison.mxnet import engine, ops
-    x = filled((3,), "float32", hvd.rank())
-    op = ops._allreduce_async(x, x, "interrupted.%s" % interrupted, hvd.Sum, 1.0, 1.0, hvd.global_process_set, 0)
+    n = 600
+    # The product of a pending matrix multiply (tens of milliseconds): the
+    # engine cannot start the allreduce on it before the wait is interrupted.
+    x = mx.nd.dot(mx.nd.ones((n, n)) * (hvd.rank() + 1), mx.nd.ones((n, n)))
+    op = ops._allreduce_async(x, x, "interrupted.%s" % interrupted, hvd.Sum, 1.0, 1.0, hvd.global_process_set, 0,
+                              settle=False)
+    started_when_interrupted = []
     if interrupted == "before the engine starts it":
         def interrupt(timeout):
+            started_when_interrupted.append(op._core is not None)
             raise KeyboardInterrupt
         op._started.wait = interrupt
     else:
         wait_core, interrupts = engine._wait_core, [KeyboardInterrupt]
 
         def wait_once_interrupted(handle):   # the caller's wait is interrupted; the completer's is not
+            started_when_interrupted.append(op._core is not None)
             if interrupts:
                 raise interrupts.pop()
             return wait_core(handle)
         monkeypatch.setattr(engine, "_wait_core", wait_once_interrupted)
     with pytest.raises(KeyboardInterrupt):
         op.wait()
-    np.testing.assert_array_equal(x.asnumpy(), sum(expected((3,), "float32", r) for r in range(hvd.size())))
+    assert started_when_interrupted[0] == (interrupted != "before the engine starts it")
+    total = n * sum(r + 1 for r in range(hvd.size()))
+    assert (x.asnumpy() == total).all()
     assert hvd.allreduce(mx.nd.ones((2,)), op=hvd.Sum, name="after.interrupt").asnumpy().tolist() == [hvd.size()] * 2
