@@ -1,8 +1,9 @@
 """The one test grid every front end runs: each collective x dtype x shape
 (zero-size, scalar and odd shapes always among them) x each form the front
-end offers (sync, async, in place, grouped, tf.function), Adasum, and each
-collective on a process set, with exact values: every rank computes what
-every other rank sent.
+end offers (sync, async, in place, grouped, tf.function), Adasum, each
+collective on a process set, and random programs of many asynchronous ops
+in flight at once, started and waited for in a different order on each
+rank, with exact values: every rank computes what every other rank sent.
 
 A front end joins with a file of a few lines, test_<framework>_grid.py:
 
@@ -14,6 +15,7 @@ tests/test_mpi.py runs the numpy one on every MPI layout.
 """
 import inspect
 import re
+import time
 
 import numpy as np
 import pytest
@@ -163,7 +165,9 @@ def pytest_generate_tests(metafunc):
     axes = {"fw": ([shim], [shim.name]), "op": (OPS, OPS), "shape": (SHAPES, None), "row_shape": (ROW_SHAPES, None),
             "dtype": (shim.dtypes, None), "reduce_dtype": (shim.reduce_dtypes, None),
             "float_dtype": ([d for d in FLOATS if d in shim.reduce_dtypes], None),
-            "complex_dtype": ([d for d in COMPLEX if d in shim.dtypes], None)}
+            "complex_dtype": ([d for d in COMPLEX if d in shim.dtypes], None),
+            # One seed for a front end without asynchronous forms: the test says why it skips, once.
+            "program_seed": (PROGRAM_SEEDS if shim._has("allreduce_async", "synchronize") else [0], None)}
     for argument, (values, ids) in axes.items():
         if argument not in metafunc.fixturenames:
             continue
@@ -196,9 +200,12 @@ def reduced(op, inputs, dtype, ranks):
                "Average": lambda: np.trunc(sum(wide) / ranks).astype(np.int64)}[op]()
         return np.asarray(out).astype(np_dtype(dtype))
     wide = [x.astype(np.complex128 if dtype in COMPLEX else np.float64) for x in inputs]
+    # A complex average divides each part by the count: numpy's complex
+    # division by 3+0j can round differently.
+    average = (lambda t: t.real / ranks + 1j * (t.imag / ranks)) if dtype in COMPLEX else (lambda t: t / ranks)
     out = {"Sum": lambda: sum(wide), "Product": lambda: np.prod(wide, axis=0),
            "Min": lambda: np.min(wide, axis=0), "Max": lambda: np.max(wide, axis=0),
-           "Average": lambda: sum(wide) / ranks}[op]()
+           "Average": lambda: average(sum(wide))}[op]()
     return np.asarray(out).astype(np_dtype(dtype))
 
 
@@ -591,3 +598,213 @@ def test_every_collective_on_a_process_set(fw, part):
     scatter = next(iter(fw.reducescatter_forms().values()))
     assert_exact(fw, scatter(fw.tensor(np.ones((2 * k, 2))), fw.api.Sum, "ps.rs", part), np.full((2, 2), float(k)))
     fw.barrier(part)
+
+
+# ---- random programs ---------------------------------------------------------------
+#
+# The tests above start one op and wait for it. Training starts many and
+# waits later, each rank in its own order and at its own pace: the core must
+# then negotiate which ops every rank has, fuse what is ready, and hand each
+# rank its own results. A program here is a few waves of asynchronous ops
+# drawn at random from one seed, so every rank draws the same ones: every
+# collective, every reduce op, every dtype, zero-size, scalar and large
+# tensors, scale factors, ragged rows and splits, some on this rank's half
+# of the job. Each rank then starts its wave's ops in an order of its own,
+# sometimes pausing between them, and waits for them in another order of
+# its own. Names come from a small pool, so a later wave reuses them with
+# another dtype, shape, op or process set. Every rank computes every other
+# rank's inputs from the seed and checks its results exactly.
+
+PROGRAM_SEEDS = list(range(16))
+PROGRAM_NAMES = ["prog.%d" % i for i in range(12)]
+# Each kind of op, by its asynchronous form; a front end runs those it has.
+PROGRAM_ASYNC = {"allreduce": "allreduce_async", "allreduce_": "allreduce_async_",
+                 "grouped_allreduce": "grouped_allreduce_async", "grouped_allreduce_": "grouped_allreduce_async_",
+                 "allgather": "allgather_async", "grouped_allgather": "grouped_allgather_async",
+                 "broadcast": "broadcast_async", "broadcast_": "broadcast_async_", "alltoall": "alltoall_async",
+                 "reducescatter": "reducescatter_async", "grouped_reducescatter": "grouped_reducescatter_async"}
+REDUCING = ("allreduce", "allreduce_", "grouped_allreduce", "grouped_allreduce_", "reducescatter",
+            "grouped_reducescatter")
+RAGGED = ("allgather", "grouped_allgather", "alltoall")   # each rank's first dimension is its own
+IN_PLACE = ("allreduce_", "grouped_allreduce_", "broadcast_")
+SCALES = [1.0, 0.5, 2.0]   # powers of two: scaling is exact, so the results are too
+
+
+def program_values(seed, index, rank, shape, dtype, low=0, high=6):
+    """Rank `rank`'s input to tensor `index` of program `seed`: small integers, exact in every dtype."""
+    rng = np.random.default_rng([seed, index, rank])
+    if dtype == "bool":
+        return np.asarray(rng.integers(0, 2, size=shape)).astype(bool)
+    if dtype in COMPLEX:
+        return (rng.integers(low, high, size=shape) + 1j * rng.integers(low, high, size=shape)).astype(dtype)
+    return np.asarray(rng.integers(low, high, size=shape)).astype(np_dtype(dtype))
+
+
+def random_op(rng, fw, seed, index, name, on_part):
+    """Op `index` of program `seed`, drawn from `rng` (the same on every rank)."""
+    kinds = [k for k, form in PROGRAM_ASYNC.items() if fw._has(form)]
+    kind = kinds[rng.integers(len(kinds))]
+    op = dict(kind=kind, seed=seed, index=index, name=name, on_part=on_part, pre=1.0, post=1.0,
+              choice=int(rng.integers(1 << 30)), scatter_splits=False)
+    count = int(rng.integers(1, 4)) if kind.startswith("grouped") else 1
+    tails = [[(), (3,), (2, 2)][rng.integers(3)] for _ in range(count)]
+    if kind in REDUCING:
+        op["op"] = OPS[rng.integers(len(OPS))]
+        dtypes = fw.reduce_dtypes + ([d for d in COMPLEX if d in fw.dtypes] if op["op"] in ("Sum", "Average") else [])
+        op["dtypes"] = [dtypes[rng.integers(len(dtypes))] for _ in range(count)]
+        if kind.endswith("reducescatter"):
+            op["shapes"] = [(int(rng.integers(0, 8)),) + tail for tail in tails]
+            op["scatter_splits"] = kind == "reducescatter" and fw._takes("reducescatter_async", "splits") \
+                and rng.random() < 0.5
+        else:
+            shapes = [(), (0,), (1,), (5,), (3, 4), (2, 3, 2), (int(rng.integers(40_000, 300_000)),)]
+            op["shapes"] = [shapes[rng.integers(len(shapes))] for _ in range(count)]
+        if op["op"] in ("Sum", "Average") and all(d in FLOATS for d in op["dtypes"]):
+            op["pre"], op["post"] = SCALES[rng.integers(3)], SCALES[rng.integers(3)]
+    else:
+        op["dtypes"] = [fw.dtypes[rng.integers(len(fw.dtypes))] for _ in range(count)]
+        op["shapes"] = [(int(rng.integers(0, 5)),) + tail for tail in tails]
+    return op
+
+
+def random_program(seed, fw, with_part):
+    """Waves of ops, each with whether a barrier follows it. Names are
+    unique within a wave and a process set, as ops in flight must be; the
+    same name may be in flight on the job and on this rank's half at once."""
+    rng = np.random.default_rng(seed)
+    waves, index = [], 0
+    for _ in range(8):
+        wave, taken = [], set()
+        for _ in range(int(rng.integers(1, 11))):
+            on_part = bool(with_part and rng.random() < 0.3)
+            name = str(rng.choice([n for n in PROGRAM_NAMES if (n, on_part) not in taken]))
+            taken.add((name, on_part))
+            wave.append(random_op(rng, fw, seed, index, name, on_part))
+            index += 1
+        waves.append((wave, rng.random() < 0.3))
+    return waves
+
+
+def _drawn(op, *key):
+    return np.random.default_rng([op["seed"], op["index"]] + list(key))
+
+
+def alltoall_splits(op, rank, members):
+    """The rows `rank` sends to each member."""
+    return [int(s) for s in _drawn(op, rank, 11).integers(0, 3, size=len(members))]
+
+
+def scatter_counts(op, i, rows, members):
+    """Each member's rows of tensor i's reducescatter: the splits every rank
+    gives, or the even split (the first ranks one more)."""
+    k = len(members)
+    if op["scatter_splits"]:
+        return [int(s) for s in _drawn(op, i, 13).integers(0, 3, size=k)]
+    return [rows // k + (1 if j < rows % k else 0) for j in range(k)]
+
+
+def program_inputs(op, rank, members):
+    """Every tensor `rank` gives to `op`."""
+    out = []
+    for i, (dtype, shape) in enumerate(zip(op["dtypes"], op["shapes"])):
+        if op["kind"] == "alltoall":
+            shape = (sum(alltoall_splits(op, rank, members)),) + shape[1:]
+        elif op["kind"] in RAGGED:
+            shape = (int(_drawn(op, rank, i, 7).integers(0, 4)),) + shape[1:]
+        elif op["scatter_splits"]:
+            shape = (sum(scatter_counts(op, i, 0, members)),) + shape[1:]
+        low, high = (1, 3) if op.get("op") == "Product" else (0, 6)
+        out.append(program_values(op["seed"], op["index"] * 4 + i, rank, shape, dtype, low, high))
+    return out
+
+
+def program_expected(op, members, me):
+    """What `op` gives rank `me`: an array per tensor, and for alltoall the
+    received splits after them."""
+    inputs = {r: program_inputs(op, r, members) for r in members}
+    kind, k, position = op["kind"], len(members), members.index(me)
+    if kind in ("broadcast", "broadcast_"):
+        return [inputs[members[op["choice"] % k]][0]]
+    if kind in ("allgather", "grouped_allgather"):
+        return [np.concatenate([inputs[r][i] for r in members]) for i in range(len(op["dtypes"]))]
+    if kind == "alltoall":
+        parts = []
+        for r in members:
+            splits = alltoall_splits(op, r, members)
+            start = sum(splits[:position])
+            parts.append(inputs[r][0][start:start + splits[position]])
+        return [np.concatenate(parts), [alltoall_splits(op, r, members)[position] for r in members]]
+    results = []
+    for i, dtype in enumerate(op["dtypes"]):
+        scaled = [(x.astype(np.float64) * op["pre"]).astype(x.dtype) if op["pre"] != 1.0 else x
+                  for x in (inputs[r][i] for r in members)]
+        out = reduced(op["op"], scaled, dtype, k)
+        if op["post"] != 1.0:
+            out = (out.astype(np.float64) * op["post"]).astype(out.dtype)
+        if kind.endswith("reducescatter"):
+            counts = scatter_counts(op, i, out.shape[0], members)
+            out = out[sum(counts[:position]):sum(counts[:position + 1])]
+        results.append(out)
+    return results
+
+
+def start_program_op(fw, op, tensors, process_set, members):
+    """Starts `op` asynchronously on this rank's `tensors`; returns its handle."""
+    api, ps = fw.api, fw.ps(process_set)
+    start = getattr(api, PROGRAM_ASYNC[op["kind"]])
+    kind, name = op["kind"], op["name"]
+    given = tensors if kind.startswith("grouped") else tensors[0]
+    if kind in REDUCING:
+        options = dict(op=getattr(api, op["op"]), name=name, prescale_factor=op["pre"],
+                       postscale_factor=op["post"], process_set=ps)
+        if op["scatter_splits"]:
+            options["splits"] = scatter_counts(op, 0, 0, members)
+        return start(given, **options)
+    if kind in ("broadcast", "broadcast_"):
+        return start(given, members[op["choice"] % len(members)], name=name, process_set=ps)
+    if kind == "alltoall":
+        return start(given, splits=alltoall_splits(op, unison.rank(), members), name=name, process_set=ps)
+    return start(given, name=name, process_set=ps)
+
+
+def check_program_op(fw, op, tensors, result, expected):
+    where = "op %d (%s %r)" % (op["index"], op["kind"], op["name"])
+    if op["kind"] == "alltoall":
+        output, received = result
+        assert [int(s) for s in fw.numpy(received).tolist()] == expected[1], where
+        result, expected = [output], expected[:1]
+    elif not op["kind"].startswith("grouped"):
+        result = [result]
+    assert len(result) == len(expected), where
+    if op["kind"] in IN_PLACE:
+        assert all(got is given for got, given in zip(result, tensors)), where + ": the in-place form returned a copy"
+    for got, want in zip(result, expected):
+        try:
+            assert_exact(fw, got, want)
+        except AssertionError as e:
+            raise AssertionError("%s: %s" % (where, e)) from None
+
+
+def test_random_programs_of_asynchronous_collectives(fw, part, program_seed):
+    missing = [form for form in ("allreduce_async", "synchronize") if not fw._has(form)]
+    if missing:
+        pytest.skip("%s has no asynchronous forms (%s): each op is waited for where it starts"
+                    % (fw.name, ", ".join(missing)))
+    n, me = unison.size(), unison.rank()
+    everyone = list(range(n))
+    part_members = part.ranks if part.ranks else everyone
+    mine = np.random.default_rng([program_seed, me, 99])   # this rank's order and pace, no other's
+    for wave, barrier_after in random_program(program_seed, fw, part.ranks is not None):
+        started = []
+        for position in mine.permutation(len(wave)):
+            op = wave[position]
+            process_set, members = (part, part_members) if op["on_part"] else (None, everyone)
+            tensors = [fw.tensor(x) for x in program_inputs(op, me, members)]
+            if mine.random() < 0.2:
+                time.sleep(mine.uniform(0, 0.003))
+            started.append((op, tensors, members, start_program_op(fw, op, tensors, process_set, members)))
+        for position in mine.permutation(len(started)):
+            op, tensors, members, handle = started[position]
+            check_program_op(fw, op, tensors, fw.api.synchronize(handle), program_expected(op, members, me))
+        if barrier_after:
+            fw.barrier(None)
