@@ -645,7 +645,7 @@ def random_op(rng, fw, seed, index, name, on_part):
     kinds = [k for k, form in PROGRAM_ASYNC.items() if fw._has(form)]
     kind = kinds[rng.integers(len(kinds))]
     op = dict(kind=kind, seed=seed, index=index, name=name, on_part=on_part, pre=1.0, post=1.0,
-              choice=int(rng.integers(1 << 30)), scatter_splits=False)
+              choice=int(rng.integers(1 << 30)), scatter_splits=False, spoil=None)
     count = int(rng.integers(1, 4)) if kind.startswith("grouped") else 1
     tails = [[(), (3,), (2, 2)][rng.integers(3)] for _ in range(count)]
     if kind in REDUCING:
@@ -681,8 +681,48 @@ def random_program(seed, fw, with_part):
             taken.add((name, on_part))
             wave.append(random_op(rng, fw, seed, index, name, on_part))
             index += 1
+        spoilable = [op for op in wave if op["kind"] in SPOILS]
+        if spoilable and rng.random() < 0.3:
+            op = spoilable[rng.integers(len(spoilable))]
+            modes = [m for m in SPOILS[op["kind"]] if m != "op" or op["dtypes"][0] not in COMPLEX]
+            op["spoil"] = (modes[rng.integers(len(modes))], int(rng.integers(1 << 30)))
+            op["pre"] = op["post"] = 1.0   # so that the odd rank's op is refused by no rank alone
         waves.append((wave, rng.random() < 0.3))
     return waves
+
+
+# How one rank can differ from the others in an op that then fails on every
+# rank of its set with a MismatchError naming it, while the wave's other ops
+# complete, and later waves reuse its name.
+SPOILS = {"allreduce": ("dtype", "shape", "op"), "allreduce_": ("dtype", "shape", "op"),
+          "reducescatter": ("dtype", "shape", "op"), "allgather": ("dtype", "shape"),
+          "broadcast": ("dtype", "shape", "root"), "broadcast_": ("dtype", "shape", "root")}
+
+
+def odd_rank(op, members):
+    """The rank that differs in a spoiled op; None where it is not spoiled
+    or its set has one rank, which cannot differ from itself."""
+    if op["spoil"] is None or len(members) < 2:
+        return None
+    return members[op["spoil"][1] % len(members)]
+
+
+def as_the_odd_rank(op, fw):
+    """The op as the odd rank gives it."""
+    mode, odd = op["spoil"][0], dict(op)
+    if mode == "dtype":
+        others = [d for d in (fw.reduce_dtypes if op["kind"] in REDUCING else fw.dtypes) if d != op["dtypes"][0]]
+        odd["dtypes"] = [others[op["spoil"][1] % len(others)]]
+    elif mode == "shape":
+        shape = op["shapes"][0]
+        odd["shapes"] = [shape + (2,) if op["kind"] == "allgather" else (shape[0] + 1,) + shape[1:] if shape
+                         else (2,)]
+        odd["scatter_splits"] = False
+    elif mode == "op":
+        odd["op"] = OPS[(OPS.index(op["op"]) + 1) % len(OPS)]
+    else:
+        odd["choice"] = op["choice"] + 1
+    return odd
 
 
 def _drawn(op, *key):
@@ -799,12 +839,17 @@ def test_random_programs_of_asynchronous_collectives(fw, part, program_seed):
         for position in mine.permutation(len(wave)):
             op = wave[position]
             process_set, members = (part, part_members) if op["on_part"] else (None, everyone)
-            tensors = [fw.tensor(x) for x in program_inputs(op, me, members)]
+            given = as_the_odd_rank(op, fw) if odd_rank(op, members) == me else op
+            tensors = [fw.tensor(x) for x in program_inputs(given, me, members)]
             if mine.random() < 0.2:
                 time.sleep(mine.uniform(0, 0.003))
-            started.append((op, tensors, members, start_program_op(fw, op, tensors, process_set, members)))
+            started.append((op, tensors, members, start_program_op(fw, given, tensors, process_set, members)))
         for position in mine.permutation(len(started)):
             op, tensors, members, handle = started[position]
-            check_program_op(fw, op, tensors, fw.api.synchronize(handle), program_expected(op, members, me))
+            if odd_rank(op, members) is None:
+                check_program_op(fw, op, tensors, fw.api.synchronize(handle), program_expected(op, members, me))
+                continue
+            with pytest.raises(unison.MismatchError, match="'%s'" % re.escape(op["name"])):
+                fw.api.synchronize(handle)
         if barrier_after:
             fw.barrier(None)
