@@ -103,6 +103,14 @@ class Backend {
 
   // OK while every peer is alive; else which one is not.
   virtual Status check_peers() = 0;
+  // This rank's engine stopped on `cause` and takes part in nothing more.
+  // The backend tells its peers now, and a peer waiting on this rank then
+  // fails with `cause`, saying this rank stopped on it. Without this, a
+  // survivor that exits on its error is taken for the failure by the
+  // survivors slower to notice, and their errors name it, not the rank
+  // that died. Not waited on: a peer that cannot be told in passing learns
+  // of this rank's end the usual way.
+  virtual void stopped_on(const Status& /*cause*/) {}
 
   // For the autotuner: a backend that can run its allreduce both
   // hierarchically and flat switches to `on`, and says it could.

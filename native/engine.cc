@@ -526,15 +526,20 @@ void Engine::publish_completions() {
 void Engine::fail_everything(const Status& status) {
   publish_completions();
   std::vector<Entry> queued;
+  bool first;
   {
     std::lock_guard<std::mutex> lock(queue_mutex_);
-    if (terminal_.ok()) terminal_ = status;
+    first = terminal_.ok();
+    if (first) terminal_ = status;
     queued.swap(queue_);
     for (auto& [thread, group] : open_groups_)
       for (Entry& e : group.held) queued.push_back(std::move(e));
     open_groups_.clear();
     in_flight_.clear();
   }
+  // The peers hear why before any caller does: a caller's error can end
+  // the process at once.
+  if (first) backend_->stopped_on(status);
   for (Entry& e : queued) handles_->complete(e.handle, status);
   for (Entry& e : waiting_for_data_) handles_->complete(e.handle, status);
   waiting_for_data_.clear();

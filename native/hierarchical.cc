@@ -244,6 +244,10 @@ class HierarchicalBackend final : public Backend {
     Status s = local_->check_peers();
     return s.ok() ? world_->check_peers() : s;
   }
+  void stopped_on(const Status& cause) override {
+    local_->stopped_on(cause);
+    world_->stopped_on(cause);
+  }
 
   // A set within one host needs no MPI: its members get shared memory of
   // their own. A set across hosts goes flat over MPI among its members.

@@ -260,6 +260,48 @@ def test_a_failed_remote_rank_is_named_with_its_status(tmp_path):
     assert time.monotonic() - start < 30, output
 
 
+# Rank 3 dies mid-training; each survivor ends on its first error, as a
+# training script does, so the survivors that notice last find others
+# gone too.
+DIES_MID_TRAINING = """
+import os, signal, sys, numpy as np, unison, unison.numpy as unp
+unison.init()
+for step in range(20):
+    unp.allreduce(np.ones(1000), name="warm")
+if unison.rank() == 3:
+    os.kill(os.getpid(), signal.SIGKILL)
+try:
+    while True:
+        for i in range(4):
+            unp.allreduce_async(np.ones(200_000, np.float32), name="grad.%d" % i)
+        unp.allreduce(np.ones(300_000, np.float32), name="grad.last")
+except unison.UnisonError as e:
+    print("survivor %d: %s: %s" % (unison.rank(), type(e).__name__, e), flush=True)
+    sys.exit(17)
+"""
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout", ["2x2", "2x2-flat"])
+def test_every_survivor_names_the_rank_that_died_not_one_that_left_after_it(tmp_path, layout):
+    """A survivor that stops on a failure tells its peers why before it
+    exits (Backend::stopped_on), so one that learns of the failure from its
+    departure names the rank that died. Without it, survivors on the other
+    host named the first survivor to exit (ShutDownError "rank 2 has shut
+    down", or "rank 0 exited") in most runs."""
+    script = tmp_path / "dies.py"
+    script.write_text(DIES_MID_TRAINING)
+    for attempt in range(3):
+        proc = unisonrun(LAYOUTS[layout][0], [sys.executable, str(script)], timeout=100)
+        output = proc.stdout.decode(errors="replace")
+        survivors = dict(re.findall(r"survivor (\d): (.*)", output))
+        assert sorted(survivors) == ["0", "1", "2"], output
+        for rank, error in survivors.items():
+            assert error.startswith("RankFailedError: unison: rank 3 ("), (attempt, rank, output)
+            if "stopped on that" in error:   # heard from a survivor: it says which
+                assert re.search(r"; rank [012] \(.*\) stopped on that$", error), (attempt, rank, output)
+
+
 def namespace_ssh(tmp_path, namespaces):
     """An ssh stand-in that runs the command in the namespace of its host."""
     ssh = tmp_path / "ssh"

@@ -22,13 +22,20 @@
 
 namespace unison {
 
+// Room for the reason a rank stopped, as peers read it (RankArea).
+constexpr size_t kStoppedOnBytes = 1024;
+
 struct alignas(64) RankArea {
   std::atomic<uint64_t> arrived;           // barrier steps this rank has reached
   std::atomic<int64_t> heartbeat_ns;       // CLOCK_MONOTONIC, same clock host-wide
   std::atomic<int32_t> pid;
   std::atomic<uint32_t> attached;
   std::atomic<uint32_t> message_bytes[2];  // length of the message in each mailbox half
-  std::atomic<uint32_t> left;              // set when this rank's backend is destroyed (shutdown)
+  std::atomic<uint32_t> left;              // set when this rank's backend is destroyed (shutdown), or it stopped
+  // Why this rank's engine stopped (Backend::stopped_on): the status code,
+  // written after the text, and 0 while it runs.
+  std::atomic<int32_t> stopped_code;
+  char stopped_on[kStoppedOnBytes];
   alignas(64) Doorbell bell;               // wakes this rank's engine thread
 };
 

@@ -142,6 +142,18 @@ class ShmBackend final : public Backend {
 
   // ---- liveness ------------------------------------------------------------
 
+  void stopped_on(const Status& cause) override {
+    if (me_ == nullptr || job_ != nullptr) return;  // a set's members are told by the job's segment
+    const size_t n = std::min(cause.message.size(), kStoppedOnBytes - 1);
+    std::memcpy(me_->stopped_on, cause.message.data(), n);
+    me_->stopped_on[n] = '\0';
+    me_->stopped_code.store(cause.code, std::memory_order_release);
+    me_->left.store(1);
+    // Peers asleep in a barrier or between cycles look now.
+    segment_.header()->barrier_bell.ring();
+    for (int r = 0; r < size_; ++r) segment_.rank_area(r)->bell.ring();
+  }
+
   Status check_peers() override {
     if (!broken_.ok()) return broken_;
     beat();
@@ -163,12 +175,15 @@ class ShmBackend final : public Backend {
       for (const auto& f : fds)
         for (int r = 0; r < size_; ++r)
           if (f.revents != 0 && pidfds_[r] == f.fd) exited[r] = true;
+    // A peer that stopped on a failure and then exited is not the failure:
+    // what it stopped on is (check_left).
     std::string dead;
     int dead_count = 0;
     for (int r = 0; r < size_; ++r) {
       if (r == rank_) continue;
       if (pidfds_[r] < 0 && kill(segment_.rank_area(r)->pid.load(), 0) != 0 && errno == ESRCH) exited[r] = true;
-      if (exited[r]) dead += (dead_count++ ? ", " : "") + describe(r);
+      if (exited[r] && segment_.rank_area(r)->stopped_code.load(std::memory_order_acquire) == 0)
+        dead += (dead_count++ ? ", " : "") + describe(r);
     }
     if (dead_count) return fail(dead + " exited", dead_count > 1);
     Status s = check_left();
@@ -499,14 +514,21 @@ class ShmBackend final : public Backend {
 
   void beat() { me_->heartbeat_ns.store(monotonic_nanoseconds(), std::memory_order_relaxed); }
 
+  // A peer that left: one that stopped on a failure is reported with it,
+  // before one that shut down (perhaps on hearing of that failure).
   Status check_left() {
-    for (int r = 0; r < size_; ++r)
-      if (r != rank_ && segment_.rank_area(r)->left.load()) {
-        broken_ = Status::Error(UNISON_ERR_SHUT_DOWN, "unison: " + describe(r) +
-                                                          " has shut down; no more collectives can run with it");
-        return broken_;
-      }
-    return Status::OK();
+    int shut_down = -1;
+    for (int r = 0; r < size_; ++r) {
+      if (r == rank_ || !segment_.rank_area(r)->left.load()) continue;
+      const RankArea* area = segment_.rank_area(r);
+      const int code = area->stopped_code.load(std::memory_order_acquire);
+      if (code != 0)
+        return broken_ = Status::Error(code, std::string(area->stopped_on) + "; " + describe(r) + " stopped on that");
+      if (shut_down < 0) shut_down = r;
+    }
+    if (shut_down < 0) return Status::OK();
+    return broken_ = Status::Error(UNISON_ERR_SHUT_DOWN, "unison: " + describe(shut_down) +
+                                                             " has shut down; no more collectives can run with it");
   }
 
   std::string describe(int rank) const {

@@ -18,7 +18,9 @@ enum FrameKind : uint32_t {
   kCycles = 2,   // length is a cycle count (cycle scheduling)
   kBeat = 3,     // a heartbeat: this rank is alive
   kGoodbye = 4,  // this rank is shutting down; its connection closes next
+  kStopped = 5,  // this rank stopped on a failure: channel is its code, the payload its message
 };
+constexpr size_t kStopNoticeBytes = 4096;  // the longest kStopped message read
 
 // How often a waiting rank looks at the clock for heartbeats and silence,
 // at the longest.
@@ -69,7 +71,9 @@ Status Mesh::fail(const Status& s) {
 }
 
 Status Mesh::closed_error(int peer, const char* what) const {
-  if (connections_[peer].said_goodbye)
+  const Connection& c = connections_[peer];
+  if (c.stopped_code != 0) return Status::Error(c.stopped_code, c.stopped_on + "; " + describe(peer) + " stopped on that");
+  if (c.said_goodbye)
     return Status::Error(UNISON_ERR_SHUT_DOWN, "unison: " + describe(peer) + " has shut down; " + what +
                                                    " cannot complete without it");
   return Status::Error(UNISON_ERR_RANK_FAILED, "unison: " + describe(peer) + " closed its connection during " + what +
@@ -96,6 +100,19 @@ Status Mesh::pump_in(int peer, std::deque<Moves::Receive>* receives, uint32_t ch
   };
   if (c.closed) return ended();
   for (;;) {
+    if (c.stopped_length > 0) {  // a kStopped frame's message, then nothing more
+      const size_t have = c.stopped_on.size();
+      c.stopped_on.resize(c.stopped_length);
+      const ssize_t n = recv(c.fd, &c.stopped_on[have], c.stopped_length - have, MSG_DONTWAIT);
+      c.stopped_on.resize(have + (n > 0 ? (size_t)n : 0));
+      if (n == 0) return ended();
+      if (n < 0) return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR ? Status::OK() : ended();
+      *progressed = true;
+      if (c.stopped_on.size() < c.stopped_length) continue;
+      c.stopped_length = 0;
+      c.stopped_code = (int)c.header.channel;
+      return ended();
+    }
     if (receives != nullptr && !receives->empty() && receives->front().message == nullptr &&
         receives->front().bytes == 0) {
       std::function<void()> then = std::move(receives->front().then);  // an empty move: nothing on the wire
@@ -123,6 +140,15 @@ Status Mesh::pump_in(int peer, std::deque<Moves::Receive>* receives, uint32_t ch
           continue;
         case kGoodbye:
           c.said_goodbye = true;
+          continue;
+        case kStopped:
+          if (c.header.length == 0 || c.header.length > kStopNoticeBytes || c.header.channel == 0) {
+            c.closed = true;
+            return fail(Status::Error(UNISON_ERR_INTERNAL, "unison: " + describe(peer) +
+                                                               " sent a malformed stop notice during " + what));
+          }
+          c.stopped_on.clear();
+          c.stopped_length = (size_t)c.header.length;
           continue;
         case kData:
           c.header_ready = true;
@@ -168,7 +194,7 @@ Status Mesh::pump_out(int peer, std::deque<Moves::Send>* sends, uint32_t channel
   Connection& c = connections_[peer];
   // A peer that has gone needs nothing more from this rank. Whether that is
   // an error depends on why it went, which only reading it can tell (run).
-  if (c.cannot_send) {
+  if (c.cannot_send || c.stopped_code != 0) {
     if (sends != nullptr && (!sends->empty() || c.sending)) c.dropped_sends = true;
     if (sends != nullptr) sends->clear();
     c.sending = false;
@@ -375,6 +401,20 @@ void Mesh::wake() {
   doorbell_.ring();
   const uint64_t one = 1;
   (void)!write(wake_fd_, &one, sizeof(one));
+}
+
+void Mesh::stopped_on(const Status& cause) {
+  const std::string message = cause.message.substr(0, kStopNoticeBytes);
+  if (message.empty()) return;
+  for (int p = 0; p < size(); ++p) {
+    Connection& c = connections_[p];
+    if (p == rank_ || c.fd < 0 || c.cannot_send || c.sending) continue;
+    const Frame stopped{kStopped, (uint32_t)cause.code, message.size()};
+    c.outbox.append(reinterpret_cast<const char*>(&stopped), sizeof(stopped));
+    c.outbox += message;
+    bool progressed = false;
+    pump_out(p, nullptr, 0, "a stop notice", &progressed);
+  }
 }
 
 Status Mesh::check() {

@@ -107,6 +107,12 @@ class Mesh {
   // the peer timeout.
   Status check();
 
+  // Tells every peer, in passing, that this rank stopped on `cause`
+  // (Backend::stopped_on); each then fails what it waits on from this rank
+  // with `cause`. A connection with a data frame half sent cannot carry it:
+  // that peer learns of this rank's end when the connection closes.
+  void stopped_on(const Status& cause);
+
  private:
   struct Frame {
     uint32_t kind;
@@ -128,6 +134,11 @@ class Mesh {
     size_t out_sent = 0;
     double last_heard = 0;
     bool said_goodbye = false;
+    // What the peer stopped on (a kStopped frame), being read while
+    // stopped_length > 0; once whole, the connection is closed to reading.
+    std::string stopped_on;
+    size_t stopped_length = 0;
+    int stopped_code = 0;
     bool closed = false;        // read the end of the stream, or an error
     bool cannot_send = false;   // a send failed: the peer has gone, perhaps cleanly
     bool dropped_sends = false; // this run had data for it that could not go

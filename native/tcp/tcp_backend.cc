@@ -112,6 +112,7 @@ class TcpBackend final : public Backend {
   void wake() override { mesh_->wake(); }
 
   Status check_peers() override { return mesh_->check(); }
+  void stopped_on(const Status& cause) override { mesh_->stopped_on(cause); }
 
   // ---- data plane ----------------------------------------------------------
 
