@@ -202,6 +202,59 @@ def test_rank_dies_mid_run_and_survivors_fail_fast(tmp_path, np_, how):
     assert shm_segments() - before == set()
 
 
+@pytest.mark.parametrize("victim", [0, 1, 2])
+def test_a_rank_killed_at_a_random_moment_is_named_by_every_survivor(tmp_path, victim):
+    """One of 3 ranks is killed at a random moment of a random stream of
+    asynchronous allreduces, allgathers and broadcasts of up to 36 MB, so
+    it dies anywhere: between ops, mid-negotiation, mid-round of the shared
+    memory data plane. Each survivor ends on its first error, as a training
+    script does. Every survivor fails within seconds with RankFailedError
+    naming the rank that was killed, even one that hears of it from a
+    survivor that went first, and nothing is left in /dev/shm."""
+    before = shm_segments()
+    proc = run(tmp_path, """
+        import os, signal, sys, threading, time
+        import numpy as np
+        import unison, unison.numpy as unp
+        unison.init()
+        me, n = unison.rank(), unison.size()
+        rng = np.random.default_rng(%d)   # the same stream on every rank
+        delay = rng.uniform(0.05, 0.6)
+        if me == %d:
+            threading.Timer(delay, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+        sizes = [1, 1000, 40_000, 2_000_000, 9_000_000]
+        start = time.monotonic()
+        try:
+            for step in range(100_000):
+                handles = []
+                for i in range(int(rng.integers(1, 8))):
+                    x = np.ones(sizes[rng.integers(len(sizes))], np.float32)
+                    kind = rng.integers(3)
+                    if kind == 0:
+                        handles.append(unp.allreduce_async_(x, op=unison.Sum, name="t%%d" %% i))
+                    elif kind == 1:
+                        handles.append(unp.allgather_async(x[: x.size // 2 + 1], name="t%%d" %% i))
+                    else:
+                        handles.append(unp.broadcast_async_(x, 0, name="t%%d" %% i))
+                for h in handles:
+                    unp.synchronize(h)
+                if step %% 7 == 0:
+                    unp.barrier()
+        except unison.UnisonError as e:
+            print("survivor %%d after %%.1f s: %%s: %%s" %% (me, time.monotonic() - start, type(e).__name__, e),
+                  flush=True)
+            sys.exit(17)
+    """ % (victim, victim), np_=3)
+    out = proc.stdout.decode()
+    survivors = re.findall(r"survivor (\d) after ([0-9.]+) s: (\w+): (.*)", out)
+    assert sorted(int(r) for r, _, _, _ in survivors) == sorted(set(range(3)) - {victim}), out
+    for rank, seconds, kind, message in survivors:
+        assert kind == "RankFailedError" and message.startswith("unison: rank %d (pid " % victim), out
+        assert float(seconds) < 10, out
+    assert "unisonrun: job failed: rank %d was killed by signal 9 (SIGKILL)" % victim in proc.stderr.decode()
+    assert shm_segments() - before == set()
+
+
 def test_pending_op_fails_when_peer_dies_while_waiting(tmp_path):
     # Rank 0 waits on a tensor rank 1 never submits; rank 1 dies instead.
     proc = run(tmp_path, """
