@@ -37,7 +37,8 @@ import torch
 from unison.handles import GraphNode, synchronize
 from unison.process_sets import global_process_set
 from unison.torch.functions import allgather_object
-from unison.torch.ops import Average, allgather_async, placeholder_reducescatter_async, reducescatter_async
+from unison.torch.ops import (Average, Max, allgather_async, allreduce, placeholder_reducescatter_async,
+                              reducescatter_async)
 
 _instances = itertools.count()   # names ops per optimizer; ranks build theirs in the same order
 
@@ -67,7 +68,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     and identities stay), so every rank's update lands in place. A gradient
     changed between backward and step() (gradient accumulation over several
     backward passes, clipping in place) is noticed and averaged again as it
-    is at step(), at the cost of that step's overlap.
+    is at step(), at the cost of that step's overlap; a rank sends them
+    again only when every rank does, which one small allreduce per step
+    decides.
 
     `optim` is this rank's wrapped optimizer; `param_groups` are the global
     groups, and changes to their settings (a learning-rate scheduler's, say)
@@ -126,7 +129,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     def _lay_out(self):
         """Makes every parameter a view of its dtype's flat buffer, laid out
         owner by owner, and hooks the trainable ones."""
-        self._wait_in_flight()
+        self._start_the_rest()
+        self._wait_in_flight()   # sent under the old layout: step() sends them again
         params = self._params()
         self._index = {p: i for i, p in enumerate(params)}
         by_dtype = {}
@@ -148,12 +152,13 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             length = sum(p.numel() for p in mine)
             self._chunk[dtype] = (sum(p.numel() for p in ordered if self._owner[p] < me), length)
             self._flat[dtype] = flat
-            # Averaged gradients land in one buffer kept from step to step:
-            # a new one each step would cost fresh pages from the kernel.
-            grads, offset = torch.empty(length, dtype=dtype, device=ordered[0].device), 0
+            # Averaged gradients land in buffers kept from step to step: new
+            # ones each step would cost fresh pages from the kernel. One
+            # each, not views of one: views share a version counter, so
+            # backward accumulating into one (zero_grad(set_to_none=False))
+            # would look like a change to every other after it was sent.
             for p in mine:
-                self._averaged[p] = grads[offset:offset + p.numel()]
-                offset += p.numel()
+                self._averaged[p] = torch.empty(p.numel(), dtype=dtype, device=p.device)
         for p in params:
             if p.requires_grad and p not in self._hooked:
                 p.register_post_accumulate_grad_hook(self._make_hook(p))
@@ -203,6 +208,18 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                                          output=output)
         self._in_flight[p] = (handle, p.grad, p.grad._version if p.grad is not None else None)
 
+    def _start_the_rest(self):
+        """Starts the reduction of every hooked trainable parameter not yet
+        in flight: those this rank's backward did not reach (unused here,
+        perhaps used on another rank). Before waiting on what is in flight,
+        every rank must have the same ops in flight: one waiting on its own
+        set would wait for good on a parameter another rank sends only at
+        step(), and one that sends again after waiting would pair its
+        second round with another's first."""
+        for p in getattr(self, "_index", ()):
+            if p.requires_grad and p in self._hooked and p not in self._in_flight:
+                self._start_reduction(p)
+
     def _wait_in_flight(self):
         """Waits for every reduction started (a failure is raised once all
         are done); gives {parameter: its averaged gradient, or an empty one}."""
@@ -224,15 +241,21 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 
     def _reduce_gradients(self):
         """Averages each owned parameter's gradient across ranks."""
-        if self._stale or self._changed_since_sent():
-            self._wait_in_flight()   # sent too early: send them again as they are now
-            self._stale = False
-        for p in self._params():
-            if p.requires_grad and p not in self._in_flight:
-                self._start_reduction(p)   # its hook did not fire: unused this step, or no backward
+        self._start_the_rest()   # their hooks did not fire: unused this step, or no backward
+        # Sent too early (a second backward, a gradient changed in place):
+        # send them again as they are now. Every rank must, if any does,
+        # or the rounds would not pair up; the flag travels with the round.
+        again = self._stale or self._changed_since_sent()
+        again = bool(allreduce(torch.tensor([int(again)]), op=Max, name=self._prefix + "again",
+                               process_set=self._process_set)[0])
+        results = self._wait_in_flight()
+        self._stale = False
+        if again:
+            self._start_the_rest()
+            results = self._wait_in_flight()
         me = self._process_set.rank()
         replaced = []
-        for p, averaged in self._wait_in_flight().items():
+        for p, averaged in results.items():
             if self._owner[p] == me:
                 replaced.append(p.grad)
                 p.grad = None if averaged is None else averaged.view_as(p)

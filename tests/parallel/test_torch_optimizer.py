@@ -5,6 +5,8 @@ end with the same parameters as one process training on the whole batch.
 Every rank computes that single-process reference itself and compares."""
 import warnings
 
+import numpy as np
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -690,3 +692,102 @@ def test_parameters_no_rank_used_are_left_without_a_gradient_as_in_one_process(o
     assert reference_grads == [(True, False), (True, True), (True, False), (True, True)]
     if options != "zero":   # (ZeRO leaves averaged gradients on their owners only)
         assert grads == reference_grads
+
+
+# ---- random recipes ------------------------------------------------------------------
+#
+# The tests above each try one feature. Training scripts combine them: a
+# recipe here draws, from its seed (the same on every rank), a network with
+# a branch that only some rows take (so in a step some ranks use it and
+# others do not, or none does), layers frozen and unfrozen from step to
+# step, an optimizer with its settings, gradient accumulation, groups and
+# a predivide factor, or ZeroRedundancyOptimizer, and zero_grad's
+# set_to_none. N ranks on their shards must end where one process does on
+# the whole batch.
+
+RECIPE_SEEDS = list(range(12))
+RECIPE_ROWS = 6   # per rank; divides into 1, 2 or 3 backward passes
+
+
+class RecipeNet(torch.nn.Module):
+    def __init__(self, rng):
+        super().__init__()
+        widths = [5] + [int(w) for w in rng.integers(2, 7, size=int(rng.integers(1, 4)))] + [3]
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(a, b) for a, b in zip(widths, widths[1:]))
+        self.branch = torch.nn.Linear(widths[-2], 3)
+        self.threshold = float(rng.choice([0.5, 1.5, 9.0]))   # 9: no row ever takes the branch
+
+    def forward(self, x):
+        h = x
+        for layer in self.layers[:-1]:
+            h = torch.tanh(layer(h))
+        out = self.layers[-1](h)
+        taken = x[:, 0] > self.threshold
+        if bool(taken.any()):
+            out = out + self.branch(h) * taken.unsqueeze(1).to(out.dtype)
+        return out
+
+
+def recipe(seed):
+    rng = np.random.default_rng(seed)
+    kind = ["sgd", "adam", "adamw", "rmsprop", "adagrad"][rng.integers(5)]
+    settings = {"sgd": dict(lr=0.1, momentum=float(rng.choice([0.0, 0.9])), weight_decay=float(rng.choice([0, 0.01]))),
+                "adam": dict(lr=0.01, weight_decay=float(rng.choice([0, 0.01]))),
+                "adamw": dict(lr=0.01, weight_decay=0.1), "rmsprop": dict(lr=0.01, momentum=0.5),
+                "adagrad": dict(lr=0.1)}[kind]
+    classes = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW,
+               "rmsprop": torch.optim.RMSprop, "adagrad": torch.optim.Adagrad}
+    zero = bool(rng.random() < 0.25)
+    steps = int(rng.integers(3, 6))
+    freezing = bool(rng.random() < 0.5)
+    r = dict(seed=seed, optimizer=classes[kind], settings=settings, zero=zero, steps=steps,
+             passes=1 if zero else int(rng.choice([1, 2, 3])),
+             options={} if zero else dict(groups=[None, 1, 2][rng.integers(3)],
+                                          gradient_predivide_factor=float(rng.choice([1.0, 2.0]))),
+             # Frozen this step, per layer: few, and never every one.
+             frozen=[[freezing and rng.random() < 0.3 for _ in range(4)] for _ in range(steps)],
+             # A parameter frozen with grads kept (not None) would be moved by
+             # momentum in one process; DistributedOptimizer leaves it alone.
+             set_to_none=True if freezing else bool(rng.random() < 0.5))
+    return r, RecipeNet(rng)
+
+
+def train_recipe(seed, distributed):
+    r, _ = recipe(seed)
+    torch.manual_seed(seed)
+    model = recipe(seed)[1].double()
+    if distributed and r["zero"]:
+        optimizer = hvd.ZeroRedundancyOptimizer(model.parameters(), r["optimizer"], **r["settings"])
+    else:
+        optimizer = r["optimizer"](model.parameters(), **r["settings"])
+        if distributed:
+            optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                                 backward_passes_per_step=r["passes"], **r["options"])
+    n = hvd.size()
+    for step in range(r["steps"]):
+        for layer, frozen in zip(model.layers, r["frozen"][step]):
+            layer.requires_grad_(not frozen)
+        g = torch.Generator().manual_seed(1000 * seed + step)
+        x, y = torch.randn(n * RECIPE_ROWS, 5, generator=g).double(), torch.randn(n * RECIPE_ROWS, 3, generator=g).double()
+        passes = 1
+        if distributed:
+            mine = slice(hvd.rank() * RECIPE_ROWS, (hvd.rank() + 1) * RECIPE_ROWS)
+            x, y, passes = x[mine], y[mine], r["passes"]
+        optimizer.zero_grad(set_to_none=r["set_to_none"])
+        part = x.shape[0] // passes
+        for p in range(passes):
+            rows = slice(p * part, (p + 1) * part)
+            (torch.nn.functional.mse_loss(model(x[rows]), y[rows]) / passes).backward()
+        optimizer.step()
+    return model
+
+
+@pytest.mark.parametrize("seed", RECIPE_SEEDS)
+def test_random_recipes_match_one_process(seed):
+    expected = [p.detach() for p in train_recipe(seed, distributed=False).parameters()]
+    model = train_recipe(seed, distributed=True)
+    r, _ = recipe(seed)
+    for (name, p), q in zip(model.named_parameters(), expected):
+        torch.testing.assert_close(p.detach(), q, rtol=0, atol=1e-10,
+                                   msg=lambda m: "recipe %d %s, %s: %s" % (seed, {k: v for k, v in r.items()
+                                                                               if k != "frozen"}, name, m))

@@ -152,6 +152,36 @@ def test_gradients_changed_after_backward_are_averaged_as_they_are_at_step():
     assert_same_params(model, reference)
 
 
+@pytest.mark.parametrize("then", ["kept-gradients", "a-layer-frozen"])
+def test_a_parameter_only_rank_0_uses_when_gradients_are_sent_again_matches_one_process(then):
+    """The last layer only trains on rank 0's rows, so only rank 0's backward
+    starts its reductions. Then every rank sends its gradients again at
+    step(): with zero_grad(set_to_none=False) (gradients accumulate into
+    last step's averages), or after a layer is frozen (the layout is made
+    again). The other ranks used to wait only on what their own backward
+    had started and to send the rest in the second round, which rank 0
+    paired with its first: a DeadlockError a minute later."""
+    reference, model = make_model(), make_model()
+    plain = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    zero = hvd.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9)
+    mine = slice(hvd.rank() * ROWS, (hvd.rank() + 1) * ROWS)
+    for step in range(3):
+        for net, optimizer, rows in ((reference, plain, slice(None)), (model, zero, mine)):
+            if then == "a-layer-frozen":
+                net[0].requires_grad_(step != 1)
+            optimizer.zero_grad(set_to_none=then != "kept-gradients")
+            x, y = data(step, net)
+            hidden = torch.tanh(net[:-1](x))
+            loss = torch.nn.functional.mse_loss(hidden[rows, :3], y[rows])
+            if rows == slice(None):   # one process: rank 0's term, averaged over the ranks
+                loss = loss + net[-1](hidden[:ROWS]).pow(2).mean() / hvd.size()
+            elif hvd.rank() == 0:
+                loss = loss + net[-1](hidden[:ROWS]).pow(2).mean()
+            loss.backward()
+            optimizer.step()
+        assert_same_params(model, reference)
+
+
 def test_parameters_given_new_memory_are_laid_out_again():
     reference, model = make_model(), make_model()
     plain = torch.optim.Adam(reference.parameters(), lr=0.01)
