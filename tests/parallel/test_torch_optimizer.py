@@ -3,10 +3,10 @@
 The numerical claim: N ranks, each training on its shard of the batch,
 end with the same parameters as one process training on the whole batch.
 Every rank computes that single-process reference itself and compares."""
+import os
 import warnings
 
 import numpy as np
-
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -699,13 +699,16 @@ def test_parameters_no_rank_used_are_left_without_a_gradient_as_in_one_process(o
 # The tests above each try one feature. Training scripts combine them: a
 # recipe here draws, from its seed (the same on every rank), a network with
 # a branch that only some rows take (so in a step some ranks use it and
-# others do not, or none does), layers frozen and unfrozen from step to
-# step, an optimizer with its settings, gradient accumulation, groups and
-# a predivide factor, or ZeroRedundancyOptimizer, and zero_grad's
-# set_to_none. N ranks on their shards must end where one process does on
-# the whole batch.
+# others do not, or none does) and that may join the optimizer in a param
+# group of its own later, layers frozen and unfrozen from step to step, an
+# optimizer with its settings, gradient accumulation, groups, a predivide
+# factor and Horovod's clipping recipe, or ZeroRedundancyOptimizer, and
+# zero_grad's set_to_none. N ranks on their shards must end where one
+# process does on the whole batch. (This found ZeRO's deadlock of
+# test_torch_zero.py's test_a_parameter_only_rank_0_uses_...)
 
-RECIPE_SEEDS = list(range(12))
+# UNISON_TEST_RECIPES=200 draws more when looking for trouble.
+RECIPE_SEEDS = list(range(int(os.environ.get("UNISON_TEST_RECIPES", "24"))))
 RECIPE_ROWS = 6   # per rank; divides into 1, 2 or 3 backward passes
 
 
@@ -744,11 +747,16 @@ def recipe(seed):
              passes=1 if zero else int(rng.choice([1, 2, 3])),
              options={} if zero else dict(groups=[None, 1, 2][rng.integers(3)],
                                           gradient_predivide_factor=float(rng.choice([1.0, 2.0]))),
-             # Frozen this step, per layer: few, and never every one.
+             # Frozen this step, per layer: few.
              frozen=[[freezing and rng.random() < 0.3 for _ in range(4)] for _ in range(steps)],
              # A parameter frozen with grads kept (not None) would be moved by
              # momentum in one process; DistributedOptimizer leaves it alone.
-             set_to_none=True if freezing else bool(rng.random() < 0.5))
+             set_to_none=True if freezing else bool(rng.random() < 0.5),
+             # Horovod's clipping recipe (synchronize, clip, skip_synchronize);
+             # ZeRO has no averaged gradients to clip by their norm.
+             clip=not zero and bool(rng.random() < 0.3),
+             # The branch joins the optimizer in a param group of its own at this step.
+             joins=int(rng.choice([0, 0, 1, 2])))
     return r, RecipeNet(rng)
 
 
@@ -756,29 +764,49 @@ def train_recipe(seed, distributed):
     r, _ = recipe(seed)
     torch.manual_seed(seed)
     model = recipe(seed)[1].double()
+    branch = list(model.branch.parameters())
+    initial = [p for p in model.parameters() if r["joins"] == 0 or all(p is not q for q in branch)]
     if distributed and r["zero"]:
-        optimizer = hvd.ZeroRedundancyOptimizer(model.parameters(), r["optimizer"], **r["settings"])
+        optimizer = hvd.ZeroRedundancyOptimizer(initial, r["optimizer"], **r["settings"])
     else:
-        optimizer = r["optimizer"](model.parameters(), **r["settings"])
+        optimizer = r["optimizer"](initial, **r["settings"])
         if distributed:
             optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                                  backward_passes_per_step=r["passes"], **r["options"])
     n = hvd.size()
     for step in range(r["steps"]):
-        for layer, frozen in zip(model.layers, r["frozen"][step]):
-            layer.requires_grad_(not frozen)
+        frozen = list(r["frozen"][step][:len(model.layers)])
+        if all(frozen):
+            frozen[-1] = False   # never every layer: there would be nothing to train
+        for layer, still in zip(model.layers, frozen):
+            layer.requires_grad_(not still)
         g = torch.Generator().manual_seed(1000 * seed + step)
-        x, y = torch.randn(n * RECIPE_ROWS, 5, generator=g).double(), torch.randn(n * RECIPE_ROWS, 3, generator=g).double()
+        x = torch.randn(n * RECIPE_ROWS, 5, generator=g, dtype=torch.float64)
+        y = torch.randn(n * RECIPE_ROWS, 3, generator=g, dtype=torch.float64)
         passes = 1
         if distributed:
             mine = slice(hvd.rank() * RECIPE_ROWS, (hvd.rank() + 1) * RECIPE_ROWS)
             x, y, passes = x[mine], y[mine], r["passes"]
+        if r["joins"] and step == r["joins"]:
+            optimizer.add_param_group({"params": branch})
         optimizer.zero_grad(set_to_none=r["set_to_none"])
+        if step < r["joins"]:
+            for p in branch:
+                p.grad = None   # outside the optimizer: its gradient would pile up
         part = x.shape[0] // passes
         for p in range(passes):
             rows = slice(p * part, (p + 1) * part)
             (torch.nn.functional.mse_loss(model(x[rows]), y[rows]) / passes).backward()
-        optimizer.step()
+        trained = [p for group in optimizer.param_groups for p in group["params"]]
+        if r["clip"] and distributed:
+            optimizer.synchronize()
+            torch.nn.utils.clip_grad_norm_(trained, 0.5)
+            with optimizer.skip_synchronize():
+                optimizer.step()
+        else:
+            if r["clip"]:
+                torch.nn.utils.clip_grad_norm_(trained, 0.5)
+            optimizer.step()
     return model
 
 
