@@ -123,16 +123,23 @@ def test_exchange_starts_during_backward_and_lands_in_place():
     assert {p.data_ptr() for p in model.parameters()} == flat
 
 
-def test_gradients_changed_after_backward_are_averaged_as_they_are_at_step():
-    """Accumulation over two backward passes, a gradient scaled in place
-    after backward, and a parameter this step did not use: each is
-    averaged as step() finds it, as one process would see it."""
+def side_by_side():
+    """(one process's model, the distributed model, [(model, optimizer, its rows)
+    for each]): SGD with momentum, plain on the whole batch, ZeRO on this rank's shard."""
     reference, model = make_model(), make_model()
     plain = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     zero = hvd.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9)
     mine = slice(hvd.rank() * ROWS, (hvd.rank() + 1) * ROWS)
+    return reference, model, [(reference, plain, slice(None)), (model, zero, mine)]
+
+
+def test_gradients_changed_after_backward_are_averaged_as_they_are_at_step():
+    """Accumulation over two backward passes, a gradient scaled in place
+    after backward, and a parameter this step did not use: each is
+    averaged as step() finds it, as one process would see it."""
+    reference, model, trainers = side_by_side()
     for step in range(3):
-        for net, optimizer, rows in ((reference, plain, slice(None)), (model, zero, mine)):
+        for net, optimizer, rows in trainers:
             optimizer.zero_grad()
             for micro in range(2):   # accumulation: the second backward adds to the first
                 x, y = data(10 * step + micro, net)
@@ -141,7 +148,7 @@ def test_gradients_changed_after_backward_are_averaged_as_they_are_at_step():
                 net[0].weight.grad.mul_(0.5)   # changed in place after backward (as clipping does)
             optimizer.step()
         assert_same_params(model, reference)
-    for net, optimizer, rows in ((reference, plain, slice(None)), (model, zero, mine)):
+    for net, optimizer, rows in trainers:
         optimizer.zero_grad()
         x, y = data(99, net)
         # the last layer alone: the others get no gradient at all this step,
@@ -161,12 +168,9 @@ def test_a_parameter_only_rank_0_uses_when_gradients_are_sent_again_matches_one_
     again). The other ranks used to wait only on what their own backward
     had started and to send the rest in the second round, which rank 0
     paired with its first: a DeadlockError a minute later."""
-    reference, model = make_model(), make_model()
-    plain = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
-    zero = hvd.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9)
-    mine = slice(hvd.rank() * ROWS, (hvd.rank() + 1) * ROWS)
+    reference, model, trainers = side_by_side()
     for step in range(3):
-        for net, optimizer, rows in ((reference, plain, slice(None)), (model, zero, mine)):
+        for net, optimizer, rows in trainers:
             if then == "a-layer-frozen":
                 net[0].requires_grad_(step != 1)
             optimizer.zero_grad(set_to_none=then != "kept-gradients")
