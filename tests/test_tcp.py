@@ -272,9 +272,10 @@ if unison.rank() == 3:
     os.kill(os.getpid(), signal.SIGKILL)
 try:
     while True:
-        for i in range(4):
-            unp.allreduce_async(np.ones(200_000, np.float32), name="grad.%d" % i)
+        handles = [unp.allreduce_async(np.ones(200_000, np.float32), name="grad.%d" % i) for i in range(4)]
         unp.allreduce(np.ones(300_000, np.float32), name="grad.last")
+        for handle in handles:
+            unp.synchronize(handle)
 except unison.UnisonError as e:
     print("survivor %d: %s: %s" % (unison.rank(), type(e).__name__, e), flush=True)
     sys.exit(17)
