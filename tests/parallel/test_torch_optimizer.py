@@ -761,9 +761,9 @@ def recipe(seed):
 
 
 def train_recipe(seed, distributed):
-    r, _ = recipe(seed)
-    torch.manual_seed(seed)
-    model = recipe(seed)[1].double()
+    torch.manual_seed(seed)   # the layers' initial weights
+    r, model = recipe(seed)
+    model = model.double()
     branch = list(model.branch.parameters())
     initial = [p for p in model.parameters() if r["joins"] == 0 or all(p is not q for q in branch)]
     if distributed and r["zero"]:
