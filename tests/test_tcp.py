@@ -303,6 +303,125 @@ def test_every_survivor_names_the_rank_that_died_not_one_that_left_after_it(tmp_
                 assert re.search(r"; rank [012] \(.*\) stopped on that$", error), (attempt, rank, output)
 
 
+STARTS = """
+import sys, time, numpy as np, unison, unison.numpy as unp
+start = time.monotonic()
+try:
+    unison.init()
+    unp.allreduce(np.ones(3), name="first")
+except unison.HorovodInternalError as e:
+    print("rank %s after %.1f s: %s" % (sys.argv[1], time.monotonic() - start, e), flush=True)
+    sys.exit(1)
+"""
+
+
+class FakeRank:
+    """A rank of a 3-rank TCP job played by the test: it proves the job's
+    secret to rank 0 and says where it listens, as a real rank does, then
+    does only what the test tells it. That holds a real rank's start-up at
+    a chosen step, which no timing of a real process could."""
+
+    def __init__(self, port, secret, rank, listen_port):
+        import hmac
+
+        self.rank = rank
+        deadline = time.monotonic() + 30
+        while True:  # rank 0 may not listen yet
+            try:
+                self.socket = socket.create_connection(("127.0.0.1", port), timeout=30)
+                break
+            except ConnectionRefusedError:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        theirs = self.read(16)
+        mine = os.urandom(16)
+        self.socket.sendall(mine + hmac.new(secret.encode(), b"unison connects" + theirs + mine, "sha256").digest())
+        assert hmac.compare_digest(self.read(32), hmac.new(secret.encode(), b"unison accepts" + theirs + mine,
+                                                           "sha256").digest())
+        hello = ("3 %d %d 127.0.0.1:%d fakehost\n" % (rank, os.getpid(), listen_port)).encode()
+        self.socket.sendall(len(hello).to_bytes(4, sys.byteorder) + hello)
+
+    def read(self, n):
+        data = b""
+        while len(data) < n:
+            more = self.socket.recv(n - len(data))
+            assert more, "rank 0 closed the connection"
+            data += more
+        return data
+
+    def read_table(self):
+        return self.read(int.from_bytes(self.read(4), sys.byteorder)).decode()
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", ["rank 0 waits for the rest", "a rank connects to one that died",
+                                  "a rank waits for one that died"])
+def test_a_rank_that_dies_during_start_up_ends_the_others_start_up_at_once_naming_it(tmp_path, case):
+    """A rank that dies after it reached rank 0 (an elastic round re-forming
+    as one more worker dies) used to leave the others waiting for it until
+    UNISON_START_TIMEOUT; the elastic driver then took them for hung and
+    blacklisted their hosts too. Now each waiting rank learns of it at once."""
+    script = tmp_path / "starts.py"
+    script.write_text(STARTS)
+    port, secret = free_port(), "s3cret"
+    base = {k: v for k, v in without_mpi().items() if not k.startswith(("UNISON_", "HOROVOD_"))}
+    procs, outputs = {}, {}
+
+    def start(rank):
+        env = dict(base, UNISON_RANK=str(rank), UNISON_SIZE="3", UNISON_LOCAL_RANK="0", UNISON_LOCAL_SIZE="1",
+                   UNISON_CROSS_RANK=str(rank), UNISON_CROSS_SIZE="3", UNISON_HOSTNAME="host%d" % rank,
+                   UNISON_RENDEZVOUS_ADDR="127.0.0.1", UNISON_RENDEZVOUS_PORT=str(port), UNISON_SECRET_KEY=secret,
+                   UNISON_START_TIMEOUT="100", UNISON_PEER_TIMEOUT_SECONDS="100")
+        procs[rank] = subprocess.Popen([sys.executable, str(script), str(rank)], env=env, stdout=subprocess.PIPE,
+                                       stderr=subprocess.STDOUT)
+
+    def output(rank):
+        if rank not in outputs:
+            outputs[rank] = procs[rank].communicate(timeout=60)[0].decode(errors="replace")
+        return outputs[rank]
+
+    start(0)
+    if case == "rank 0 waits for the rest":
+        # Rank 1 reaches rank 0 and dies; rank 2 never comes.
+        FakeRank(port, secret, 1, free_port()).socket.close()
+        assert re.search(r"rank 0 after [0-9.]+ s: unison: rank 1 \(host fakehost, pid \d+\) closed its connection "
+                         r"before every rank had reached rank 0: it exited, was killed or gave up while the job "
+                         r"started", output(0)), output(0)
+    elif case == "a rank connects to one that died":
+        # Rank 1 reached rank 0 saying where it listens, and has stopped
+        # listening there: rank 2, connecting to it, is refused.
+        fake = FakeRank(port, secret, 1, free_port())
+        start(2)
+        fake.read_table()
+        fake.socket.close()
+        assert re.search(r"rank 2 after [0-9.]+ s: unison: cannot connect to rank 1 \(host fakehost, pid \d+\) at "
+                         r"127\.0\.0\.1:\d+: Connection refused; it was listening when it reached rank 0, so it "
+                         r"exited, was killed or gave up since", output(2)), output(2)
+    else:
+        # Rank 2 reaches rank 0, gets the table and dies without connecting
+        # to rank 1. Rank 0, started, fails on that; rank 1, still waiting
+        # for rank 2, sees rank 0 go.
+        start(1)
+        time.sleep(1)  # rank 1 reaches rank 0 first; were it later, the table would wait for it
+        fake = FakeRank(port, secret, 2, free_port())
+        fake.read_table()
+        fake.socket.close()
+        assert re.search(r"rank 0 after [0-9.]+ s: unison: rank 2 \(host fakehost, pid \d+\) closed its connection",
+                         output(0)), output(0)
+        assert re.search(r"rank 1 after [0-9.]+ s: unison: rank 0 \(host host0, pid \d+\) closed its connection "
+                         r"while rank 1 waited for rank\(s\) 2 to connect", output(1)), output(1)
+    for rank, proc in procs.items():
+        assert proc.wait(timeout=60) == 1, rank
+    for seconds in re.findall(r"after ([0-9.]+) s", "".join(output(r) for r in procs)):
+        assert float(seconds) < 30, "a wait for UNISON_START_TIMEOUT (100 s), not for the failure"
+
+
 def namespace_ssh(tmp_path, namespaces):
     """An ssh stand-in that runs the command in the namespace of its host."""
     ssh = tmp_path / "ssh"

@@ -80,6 +80,11 @@ Status Mesh::closed_error(int peer, const char* what) const {
                                                    ": it exited or was killed, or its host went away");
 }
 
+Status Mesh::left_during_start_up(int peer, const std::string& when) const {
+  return Status::Error(UNISON_ERR_RANK_FAILED, "unison: " + describe(peer) + " closed its connection " + when +
+                                                   ": it exited, was killed or gave up while the job started");
+}
+
 void Mesh::queue_small_frame(int peer, uint32_t kind, uint32_t channel, uint64_t value) {
   Connection& c = connections_[peer];
   if (c.fd < 0 || c.closed) return;

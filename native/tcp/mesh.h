@@ -147,6 +147,8 @@ class Mesh {
   Mesh(const Config& config) : config_(config) {}
   Status fail(const Status& s);
   Status closed_error(int peer, const char* what) const;
+  // A rank whose connection closed while the job started, `when`.
+  Status left_during_start_up(int peer, const std::string& when) const;
   Status pump_in(int peer, std::deque<Moves::Receive>* receives, uint32_t channel, const char* what,
                  bool* progressed);
   Status pump_out(int peer, std::deque<Moves::Send>* sends, uint32_t channel, const char* what, bool* progressed);

@@ -146,8 +146,9 @@ Status Mesh::connect(const Config& config, std::shared_ptr<Mesh>* out) {
     std::vector<bool> seen(size, false);
     std::string problem;
     for (int joined = 1; joined < size;) {
-      int fd = -1;
-      s = accept_before(listener, deadline, &fd);
+      int fd = -1, closed = -1;
+      s = accept_before(listener, deadline, sockets.fds, &fd, &closed);
+      if (closed >= 0) return mesh->left_during_start_up(closed, "before every rank had reached rank 0");
       if (!s.ok())
         return Status::Error(UNISON_ERR_RANK_FAILED,
                              "unison: only " + std::to_string(joined) + " of " + std::to_string(size) +
@@ -220,16 +221,30 @@ Status Mesh::connect(const Config& config, std::shared_ptr<Mesh>* out) {
     int their_port = 0;
     s = parse_endpoint(mesh->peers_[lower].address, "a rank's address", &ip, &their_port);
     int fd = -1;
-    if (s.ok()) s = connect_to(ip, their_port, deadline, mesh->describe(lower), &fd);
-    if (!s.ok()) return s;
+    // It listened before it reached rank 0 and listens until every rank
+    // above it has connected, this one included: a refusal means it is gone.
+    if (s.ok()) s = connect_to(ip, their_port, deadline, mesh->describe(lower), &fd, /*refused_is_final=*/true);
+    if (!s.ok())
+      return Status::Error(UNISON_ERR_RANK_FAILED, s.message + "; it was listening when it reached rank 0, so it "
+                                                               "exited, was killed or gave up since");
     sockets.fds[lower] = fd;
     s = prove_as_connector(fd, secret, deadline);
     if (s.ok()) s = send_text(fd, std::to_string(me), deadline);
-    if (!s.ok()) return s;
+    if (!s.ok()) return Status::Error(s.code, s.message + " (with " + mesh->describe(lower) + ")");
   }
   for (int higher = std::max(me + 1, 1); me > 0 && higher < size;) {
-    int fd = -1;
-    s = accept_before(listener, deadline, &fd);
+    int fd = -1, closed = -1;
+    // Watching the connections made so far: a rank above that died before
+    // connecting here never will, and rank 0, which has then finished its
+    // start-up, fails on that death and closes; this rank learns it so.
+    s = accept_before(listener, deadline, sockets.fds, &fd, &closed);
+    if (closed >= 0) {
+      std::string missing;
+      for (int r = me + 1; r < size; ++r)
+        if (sockets.fds[r] < 0) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+      return mesh->left_during_start_up(closed, "while rank " + std::to_string(me) + " waited for rank(s) " + missing +
+                                                    " to connect");
+    }
     if (!s.ok()) return Status::Error(UNISON_ERR_RANK_FAILED, "unison: rank " + std::to_string(me) +
                                                                   " timed out waiting for the ranks above it to connect");
     Status proved = prove_as_acceptor(fd, secret, std::min(deadline, monotonic_seconds() + 5.0));

@@ -152,7 +152,8 @@ Status listen_on(const std::string& ip, int* port, int backlog, int* fd) {
   return Status::OK();
 }
 
-Status connect_to(const std::string& ip, int port, double deadline, const std::string& who, int* fd) {
+Status connect_to(const std::string& ip, int port, double deadline, const std::string& who, int* fd,
+                  bool refused_is_final) {
   double pause = 0.01;
   for (;;) {
     *fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
@@ -162,8 +163,8 @@ Status connect_to(const std::string& ip, int port, double deadline, const std::s
     const int reason = errno;
     close(*fd);
     *fd = -1;
-    const bool worth_retrying = reason == ECONNREFUSED || reason == ETIMEDOUT || reason == EHOSTUNREACH ||
-                                reason == ENETUNREACH || reason == EINTR;
+    const bool worth_retrying = (reason == ECONNREFUSED && !refused_is_final) || reason == ETIMEDOUT ||
+                                reason == EHOSTUNREACH || reason == ENETUNREACH || reason == EINTR;
     if (!worth_retrying || monotonic_seconds() + pause > deadline) {
       errno = reason;
       return system_error("cannot connect to " + who + " at " + ip + ":" + std::to_string(port));
@@ -173,8 +174,31 @@ Status connect_to(const std::string& ip, int port, double deadline, const std::s
   }
 }
 
-Status accept_before(int listen_fd, double deadline, int* fd) {
-  if (!wait_for(listen_fd, POLLIN, deadline)) return error("timed out waiting for connections");
+Status accept_before(int listen_fd, double deadline, const std::vector<int>& watched, int* fd, int* closed) {
+  *fd = -1;
+  *closed = -1;
+  // POLLRDHUP, not POLLIN, on the watched: a peer past start-up may already
+  // be sending heartbeats, which are not a close.
+  std::vector<pollfd> polled{{listen_fd, POLLIN, 0}};
+  std::vector<int> index_of{-1};
+  for (size_t i = 0; i < watched.size(); ++i) {
+    if (watched[i] < 0) continue;
+    polled.push_back({watched[i], POLLRDHUP, 0});
+    index_of.push_back((int)i);
+  }
+  for (;;) {
+    const double left = deadline - monotonic_seconds();
+    if (left <= 0) return error("timed out waiting for connections");
+    const int n = poll(polled.data(), polled.size(), (int)(left * 1000) + 1);
+    if (n < 0 && errno != EINTR) return system_error("poll");
+    for (size_t i = 1; n > 0 && i < polled.size(); ++i) {
+      if (polled[i].revents & (POLLRDHUP | POLLHUP | POLLERR)) {
+        *closed = index_of[i];
+        return error("a connection closed during start-up");
+      }
+    }
+    if (n > 0 && polled[0].revents != 0) break;
+  }
   *fd = accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC);
   if (*fd < 0) return system_error("accept");
   return Status::OK();

@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "../status.h"
 
@@ -28,11 +29,17 @@ Status choose_listen_address(const std::string& interface, const std::string& to
 Status listen_on(const std::string& ip, int* port, int backlog, int* fd);
 
 // Connects to ip:port, retrying refused connections until `deadline`
-// (monotonic seconds): the peer may not be listening yet.
-Status connect_to(const std::string& ip, int port, double deadline, const std::string& who, int* fd);
+// (monotonic seconds): the peer may not be listening yet. With
+// `refused_is_final`, a refusal ends it at once: the caller knows the peer
+// has been listening, so a refusal means it is gone.
+Status connect_to(const std::string& ip, int port, double deadline, const std::string& who, int* fd,
+                  bool refused_is_final = false);
 
-// Accepts one connection, waiting until `deadline`.
-Status accept_before(int listen_fd, double deadline, int* fd);
+// Accepts one connection, waiting until `deadline`. Meanwhile it watches
+// the sockets in `watched` (-1 for none): when the far end of one of them
+// closes, it returns an error with *closed set to that one's index, so
+// that a wait for a rank cannot outlast one that already failed.
+Status accept_before(int listen_fd, double deadline, const std::vector<int>& watched, int* fd, int* closed);
 
 // Whole reads and writes on a blocking-mode socket, giving up at `deadline`.
 Status write_all(int fd, const void* data, size_t bytes, double deadline);
