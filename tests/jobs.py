@@ -1,6 +1,7 @@
 """What the tests that start whole jobs share: running unisonrun, running a
 suite of tests/parallel inside every rank, and small rank scripts."""
 import os
+import random
 import re
 import signal
 import subprocess
@@ -144,6 +145,39 @@ def elastic_job(tmp_path, options, script, env=None, timeout=240):
             lines = [json.loads(line) for line in f]
         events[lines[0]["worker"]] = lines
     return proc, events
+
+
+def random_kills(seed, window_ms):
+    """An elastic job drawn from `seed`: two or three host names for this
+    machine, of one or two slots each, and a worker on one host (or on each
+    of two, with three) that SIGKILLs itself within `window_ms` of its
+    first step (tests/elastic/faults.py: ELASTIC_KILL_AFTER). The moment
+    falls wherever it falls: in a collective, a commit, a reset, or the
+    next round's start-up after an earlier kill. Returns the launcher's
+    options, the environment, and the slots by host."""
+    rng = random.Random(seed)
+    names = ["localhost", "127.0.0.1", "127.0.0.2"][:rng.choice([2, 3])]
+    slots = {host: rng.choice([1, 2]) for host in names}
+    victims = rng.sample(names, rng.choice([1, len(names) - 1]))
+    kills = ",".join("%s:%d:%d" % (h, rng.randrange(slots[h]), rng.randrange(window_ms)) for h in victims)
+    options = ["-np", str(sum(slots.values())), "--min-np", "1",
+               "-H", ",".join("%s:%d" % item for item in slots.items())]
+    return options, {"ELASTIC_KILL_AFTER": kills}, slots
+
+
+def assert_only_the_killed_left(proc, events, slots):
+    """The job of random_kills ended well, on every slot of every host none
+    of whose workers was killed; no survivor was taken for hung, and no
+    host blacklisted but for a kill. Returns how many ranks finished."""
+    output = proc.stdout.decode(errors="replace")
+    assert proc.returncode == 0, failure_digest(output)
+    killed = {e["worker"].rsplit(":", 1)[0] for worker in events.values() for e in worker if e["event"] == "fault"}
+    blacklisted = set(re.findall(r"unisonrun: blacklisting host (\S+):", output))
+    assert blacklisted == killed, (killed, failure_digest(output))
+    survivors = sum(n for host, n in slots.items() if host not in killed)
+    done = [e for worker in events.values() for e in worker if e["event"] == "done"]
+    assert len(done) == survivors and {e["size"] for e in done} == {survivors}, (done, failure_digest(output))
+    return survivors
 
 
 def discovery_script(tmp_path, hosts):

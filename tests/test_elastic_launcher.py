@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from jobs import discovery_script, elastic_job, unisonrun
+from jobs import assert_only_the_killed_left, discovery_script, elastic_job, random_kills, unisonrun
 from unison import timeline
 
 pytestmark = pytest.mark.timeout(300)
@@ -37,6 +37,21 @@ def test_object_state_survives_a_killed_worker(tmp_path, hosts, victim):
     # Every step's Sum is step + 1: the total of the committed steps, exactly.
     expected = sum(range(1, STEPS + 1))
     for e in done:
+        assert e["step"] == STEPS and e["total"] == [expected] * 3, e
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_workers_killed_at_random_moments_leave_the_exact_sum_of_the_committed_steps(tmp_path, seed):
+    """Seed 16 of the first draws ended the job: a second worker died while
+    the survivors of the first started their next round, and they let
+    init's error end them (now they go on to the round after), or waited
+    for the dead one until the driver took them for hung (now start-up
+    sees it go)."""
+    options, env, slots = random_kills(seed, window_ms=400)
+    proc, events = elastic_job(tmp_path, options, "train_numpy.py", env=dict(env, ELASTIC_STEPS=str(STEPS)))
+    assert_only_the_killed_left(proc, events, slots)
+    expected = sum(range(1, STEPS + 1))
+    for e in done_events(events):
         assert e["step"] == STEPS and e["total"] == [expected] * 3, e
 
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 torch = pytest.importorskip("torch")
-from jobs import HERE, discovery_script, elastic_job  # noqa: E402
+from jobs import HERE, assert_only_the_killed_left, discovery_script, elastic_job, random_kills  # noqa: E402
 
 sys.path.insert(0, os.path.join(HERE, "elastic"))
 from reference import STEPS, torch_reference  # noqa: E402
@@ -52,6 +52,18 @@ def test_a_killed_worker_leaves_the_job_on_the_remaining_host(tmp_path, hosts, v
     # every survivor.
     assert len(resumed) == survivors and len({e["step"] for e in resumed}) == 1, resumed
     assert resumed[0]["step"] in (9, 10), resumed
+
+
+@pytest.mark.parametrize("seed", [3, 5, 12, 16, 23, 25])
+def test_workers_killed_at_random_moments_leave_the_parameters_of_one_process(tmp_path, seed):
+    """Random hosts and kills (jobs.random_kills); in seed 12 a second
+    worker dies as the next round starts up, which used to end the job."""
+    options, env, slots = random_kills(seed, window_ms=1200)
+    proc, events = elastic_job(tmp_path, options, "train_torch.py", env=env)
+    survivors = assert_only_the_killed_left(proc, events, slots)
+    final = final_of(events)
+    assert final["size"] == survivors
+    assert_reference_parameters(final)
 
 
 def test_a_frozen_worker_is_killed_and_its_host_blacklisted(tmp_path):

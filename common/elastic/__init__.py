@@ -114,8 +114,16 @@ def run_fn(func, reset):
     @functools.wraps(func)
     def wrapper(state, *args, **kwargs):
         skip_sync = False
+        rejoin = False
         while True:
             try:
+                # Re-forming is inside the try: a rank can die while the
+                # next round starts up too, and the survivors then go on to
+                # the round after it rather than end the job.
+                if rejoin:
+                    reset()
+                    state.on_reset()
+                    rejoin = False
                 if not skip_sync:
                     state.sync()
                 return func(state, *args, **kwargs)
@@ -133,8 +141,7 @@ def run_fn(func, reset):
                 # commit, which every survivor holds.
                 state.restore()
                 skip_sync = False
-            reset()
-            state.on_reset()
+            rejoin = True
 
     return wrapper
 

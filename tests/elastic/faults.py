@@ -9,10 +9,15 @@ faults and host changes a test asks for, in the environment:
   ELASTIC_ADD      step:file:line; rank 0 appends the line to the file (the
                    discovery script's) once, when it reaches that step
   ELASTIC_GROW_TO  the size the job waits for after that (wait_for_growth)
+  ELASTIC_KILL_AFTER  worker:ms[,worker:ms...]; the worker SIGKILLs itself
+                   that many milliseconds after its first step began,
+                   wherever it is then (a collective, a commit, a reset),
+                   unless its last step has begun (timed_kill_window)
 """
 import json
 import os
 import signal
+import threading
 import time
 
 # An elastic worker's name (host:slot), or rankN in a plain job.
@@ -34,6 +39,35 @@ def log_end_of_keras_job(model, step, rank, size):
         log(event="final", size=size, step=step,
             params={"weight": weights[0].flatten().tolist(), "bias": weights[1].flatten().tolist()})
     log(event="done", rank=rank, size=size)
+
+
+_timed_kill = {"armed": False, "window_open": True, "lock": threading.Lock()}
+
+
+def timed_kill_window(step, steps):
+    """ELASTIC_KILL_AFTER: a kill at a moment no step boundary chooses. The
+    first call starts the clock; the window closes as the last step begins,
+    so that a kill always leaves the others a collective that needs the
+    victim (one after their last would end the job as a failure, as
+    Horovod's driver does, and the test could not say which to expect)."""
+    with _timed_kill["lock"]:
+        if step >= steps - 1:
+            _timed_kill["window_open"] = False
+        if _timed_kill["armed"]:
+            return
+        _timed_kill["armed"] = True
+    for entry in filter(None, os.environ.get("ELASTIC_KILL_AFTER", "").split(",")):
+        name, _, ms = entry.rpartition(":")
+        if name == WORKER:
+            threading.Thread(target=_kill_after, args=(int(ms) / 1000,), daemon=True).start()
+
+
+def _kill_after(seconds):
+    time.sleep(seconds)
+    with _timed_kill["lock"]:
+        if _timed_kill["window_open"]:
+            log(event="fault", how="timed")
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def fault_at(step):

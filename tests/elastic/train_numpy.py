@@ -8,7 +8,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from faults import fault_at, log, maybe_add_host  # noqa: E402
+from faults import fault_at, log, maybe_add_host, timed_kill_window  # noqa: E402
 
 import unison  # noqa: E402
 import unison.elastic  # noqa: E402
@@ -51,6 +51,7 @@ def main():
     def train(state):
         log(event="sync", rank=unison.rank(), size=unison.size(), step=state.step)
         while state.step < STEPS:
+            timed_kill_window(state.step, STEPS)
             maybe_add_host(state.step, unison.rank())
             state.total += step_sum(state.step)
             state.step += 1

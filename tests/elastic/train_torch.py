@@ -15,7 +15,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from faults import fault_at, log, maybe_add_host, wait_for_growth  # noqa: E402
+from faults import fault_at, log, maybe_add_host, timed_kill_window, wait_for_growth  # noqa: E402
 from reference import BATCH, STEPS, batch_of, make_torch_model, make_torch_optimizer  # noqa: E402
 
 import unison.torch as hvd  # noqa: E402
@@ -55,6 +55,7 @@ def main():
         log(event="sync", rank=hvd.rank(), size=hvd.size(), step=state.step,
             weight=state.model.weight.detach().flatten().tolist())
         while state.step < steps:
+            timed_kill_window(state.step, steps)
             maybe_add_host(state.step, hvd.rank())
             wait_for_growth(state.step, hvd.size(), state.commit)
             one_step(state.model, state.optimizer, state.step)
