@@ -3,6 +3,7 @@ rank and size queries, build queries, and turning status codes into
 exceptions. Every adapter imports these from here."""
 import atexit
 import os
+import sys
 
 from unison import exceptions
 from unison._native import ffi, lib
@@ -84,12 +85,11 @@ def init(comm=None, process_sets=None):
     _refuse_an_inherited_rank()
     from unison import process_sets as sets  # it imports this module
     from unison.elastic import worker
-    if worker.in_elastic_job() and not lib.unison_is_initialized():
-        # This round's rank and size, from unisonrun's driver, and the port
-        # this worker offered for the rendezvous, held until the core listens.
-        worker.join_round().close()
     started_here = not lib.unison_is_initialized()
-    check(lib.unison_init())
+    if worker.in_elastic_job() and started_here:
+        _start_in_an_elastic_round(worker)
+    else:
+        check(lib.unison_init())
     if comm is not None:
         problem = _communicator_problem(comm)
         if problem is not None:
@@ -101,6 +101,28 @@ def init(comm=None, process_sets=None):
     if size() > 1:  # a job of one shares nothing, so a copy of its identity harms nobody
         os.environ[INITIALIZED_BY] = "%d:%d" % (os.getpid(), rank())
     sets.register_at_init(process_sets)
+
+
+def _start_in_an_elastic_round(worker):
+    """Joins the elastic driver's next round and starts in it. A member of
+    the round can die while it starts up (the core then fails at once,
+    naming it): the round is lost, and the driver forms the next without
+    that member's host. This worker joins that one, whether it is a
+    newcomer in its first init() or a survivor in hvd.elastic.run's reset,
+    rather than end, which would blacklist its host as well. join_round()
+    ends the worker when the driver ends the job, and --reset-limit bounds
+    the rounds."""
+    while True:
+        # This round's rank and size, from unisonrun's driver, and the port
+        # this worker offered for the rendezvous, held until the core listens.
+        worker.join_round().close()
+        code = lib.unison_init()
+        if code != lib.UNISON_ERR_RANK_FAILED:
+            check(code)
+            return
+        print("unison: worker %s: round %s did not start: %s; joining the next" % (
+            os.environ.get(worker.WORKER), os.environ.get("UNISON_ELASTIC_ROUND"),
+            ffi.string(lib.unison_last_error()).decode(errors="replace")), file=sys.stderr, flush=True)
 
 
 def _communicator_problem(comm):

@@ -12,6 +12,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -137,9 +138,13 @@ std::string built_backends();
 // The single-process null object: every collective is a local copy.
 bool solo_backend_available();
 Status make_solo_backend(const Config& config, int generation, std::unique_ptr<Backend>* out);
-// Shared memory between the processes of one host.
+// Shared memory between the processes of one host. `start_watch`, when
+// given, runs while start-up waits for the other local ranks; an error from
+// it ends the wait (a job across hosts passes its TCP mesh's check that no
+// rank has gone, which would otherwise be waited for until the start timeout).
 bool shm_backend_available();
-Status make_shm_backend(const Config& config, int generation, std::unique_ptr<Backend>* out);
+Status make_shm_backend(const Config& config, int generation, std::unique_ptr<Backend>* out,
+                        const std::function<Status()>& start_watch = nullptr);
 // A job started by mpirun or srun (mpi/): shared memory within each host and
 // MPI across hosts, or MPI alone. Fills in `config`'s identity from MPI.
 // Where no MPI was found at build time, a stub answers with an error that

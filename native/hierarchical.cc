@@ -62,12 +62,12 @@ class HierarchicalBackend final : public Backend {
   HierarchicalBackend(const Config& config, const HostLayout& layout)
       : config_(config), host_ranks_(layout.host_ranks), host_of_(layout.host_of), host_(layout.host_of[config.rank]) {}
 
-  Status start(int generation, const MakeAcross& make_across) {
+  Status start(int generation, const MakeAcross& make_across, const std::function<Status()>& start_watch) {
     // The leader polls its cross group while idle, so its shared-memory
     // waits must not spin first: it does its own spinning (wait_for_activity).
     Config local = config_;
     if (leader()) local.idle_spin_microseconds = 0;
-    Status s = make_shm_backend(local, generation, &local_);
+    Status s = make_shm_backend(local, generation, &local_, start_watch);
     if (!s.ok()) return s;
     return make_across(local_.get(), &world_, &cross_);
   }
@@ -349,9 +349,10 @@ void place_rank(Config* config, int rank, const HostLayout& layout) {
 }
 
 Status make_hierarchical_backend(const Config& config, const HostLayout& layout, int generation,
-                                 const MakeAcross& make_across, std::unique_ptr<Backend>* out) {
+                                 const MakeAcross& make_across, std::unique_ptr<Backend>* out,
+                                 const std::function<Status()>& start_watch) {
   auto backend = std::make_unique<HierarchicalBackend>(config, layout);
-  Status s = backend->start(generation, make_across);
+  Status s = backend->start(generation, make_across, start_watch);
   if (!s.ok()) return s;
   *out = std::move(backend);
   return Status::OK();

@@ -35,7 +35,9 @@ void place_rank(Config* config, int rank, const HostLayout& layout);
 using MakeAcross = std::function<Status(Backend* local, std::unique_ptr<Backend>* world,
                                         std::unique_ptr<Backend>* cross)>;
 
+// `start_watch` goes to the local shared-memory start-up (make_shm_backend).
 Status make_hierarchical_backend(const Config& config, const HostLayout& layout, int generation,
-                                 const MakeAcross& make_across, std::unique_ptr<Backend>* out);
+                                 const MakeAcross& make_across, std::unique_ptr<Backend>* out,
+                                 const std::function<Status()>& start_watch = nullptr);
 
 }  // namespace unison

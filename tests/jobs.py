@@ -147,35 +147,63 @@ def elastic_job(tmp_path, options, script, env=None, timeout=240):
     return proc, events
 
 
-def random_kills(seed, window_ms):
+def random_kills(seed, window_ms, tmp_path=None, steps=None):
     """An elastic job drawn from `seed`: two or three host names for this
     machine, of one or two slots each, and a worker on one host (or on each
     of two, with three) that SIGKILLs itself within `window_ms` of its
     first step (tests/elastic/faults.py: ELASTIC_KILL_AFTER). The moment
     falls wherever it falls: in a collective, a commit, a reset, or the
-    next round's start-up after an earlier kill. Returns the launcher's
-    options, the environment, and the slots by host."""
+    next round's start-up after an earlier kill.
+
+    With tmp_path, the job instead starts on one or two hosts, found by a
+    discovery script, and rank 0 adds one more at a random step before
+    steps / 2; the kills may fall on any host, newcomers included,
+    but spare one host the job started with.
+
+    Returns the launcher's options, the environment, the slots by host, and
+    the added host (None without one), which a short job may end without."""
     rng = random.Random(seed)
-    names = ["localhost", "127.0.0.1", "127.0.0.2"][:rng.choice([2, 3])]
+    names = ["localhost", "127.0.0.1", "127.0.0.2"]
+    if tmp_path is None:
+        names = names[:rng.choice([2, 3])]
     slots = {host: rng.choice([1, 2]) for host in names}
+    started, added, env = names, None, {}
+    if tmp_path is not None:
+        started = names[:rng.choice([1, 2])]
+        added = names[len(started)]
+        names = started + [added]
+        slots = {host: slots[host] for host in names}
+        script, listing = discovery_script(tmp_path, ["%s:%d" % (h, slots[h]) for h in started])
+        env["ELASTIC_ADD"] = "%d:%s:%s:%d" % (rng.randrange(1, steps // 2), listing, added, slots[added])
     victims = rng.sample(names, rng.choice([1, len(names) - 1]))
-    kills = ",".join("%s:%d:%d" % (h, rng.randrange(slots[h]), rng.randrange(window_ms)) for h in victims)
-    options = ["-np", str(sum(slots.values())), "--min-np", "1",
-               "-H", ",".join("%s:%d" % item for item in slots.items())]
-    return options, {"ELASTIC_KILL_AFTER": kills}, slots
+    if all(h in victims for h in started):
+        victims.remove(started[0])  # else the job would wait for hosts that may never come
+    env["ELASTIC_KILL_AFTER"] = ",".join("%s:%d:%d" % (h, rng.randrange(slots[h]), rng.randrange(window_ms))
+                                         for h in victims)
+    options = ["-np", str(sum(slots[h] for h in started)), "--min-np", "1"]
+    if tmp_path is None:
+        options += ["-H", ",".join("%s:%d" % item for item in slots.items())]
+    else:
+        options += ["--max-np", str(sum(slots.values())), "--host-discovery-script", script]
+    return options, env, slots, added
 
 
-def assert_only_the_killed_left(proc, events, slots):
+def assert_only_the_killed_left(proc, events, slots, added=None):
     """The job of random_kills ended well, on every slot of every host none
-    of whose workers was killed; no survivor was taken for hung, and no
-    host blacklisted but for a kill. Returns how many ranks finished."""
+    of whose workers was killed (the added host's, if it came in time); no
+    survivor, newcomers included, was taken for hung or let a failed
+    start-up end it, and no host was blacklisted but for a kill. Returns
+    how many ranks finished."""
     output = proc.stdout.decode(errors="replace")
     assert proc.returncode == 0, failure_digest(output)
     killed = {e["worker"].rsplit(":", 1)[0] for worker in events.values() for e in worker if e["event"] == "fault"}
     blacklisted = set(re.findall(r"unisonrun: blacklisting host (\S+):", output))
     assert blacklisted == killed, (killed, failure_digest(output))
-    survivors = sum(n for host, n in slots.items() if host not in killed)
     done = [e for worker in events.values() for e in worker if e["event"] == "done"]
+    finished = {e["worker"].rsplit(":", 1)[0] for e in done}
+    if added in finished or added in killed:
+        added = None
+    survivors = sum(n for host, n in slots.items() if host not in killed and host != added)
     assert len(done) == survivors and {e["size"] for e in done} == {survivors}, (done, failure_digest(output))
     return survivors
 

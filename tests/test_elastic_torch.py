@@ -58,7 +58,7 @@ def test_a_killed_worker_leaves_the_job_on_the_remaining_host(tmp_path, hosts, v
 def test_workers_killed_at_random_moments_leave_the_parameters_of_one_process(tmp_path, seed):
     """Random hosts and kills (jobs.random_kills); in seed 12 a second
     worker dies as the next round starts up, which used to end the job."""
-    options, env, slots = random_kills(seed, window_ms=1200)
+    options, env, slots, _ = random_kills(seed, window_ms=1200)
     proc, events = elastic_job(tmp_path, options, "train_torch.py", env=env)
     survivors = assert_only_the_killed_left(proc, events, slots)
     final = final_of(events)

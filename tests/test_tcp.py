@@ -316,12 +316,12 @@ except unison.HorovodInternalError as e:
 
 
 class FakeRank:
-    """A rank of a 3-rank TCP job played by the test: it proves the job's
+    """A rank of a TCP job played by the test: it proves the job's
     secret to rank 0 and says where it listens, as a real rank does, then
     does only what the test tells it. That holds a real rank's start-up at
     a chosen step, which no timing of a real process could."""
 
-    def __init__(self, port, secret, rank, listen_port):
+    def __init__(self, port, secret, rank, size, host, listen_port):
         import hmac
 
         self.rank = rank
@@ -338,7 +338,7 @@ class FakeRank:
         self.socket.sendall(mine + hmac.new(secret.encode(), b"unison connects" + theirs + mine, "sha256").digest())
         assert hmac.compare_digest(self.read(32), hmac.new(secret.encode(), b"unison accepts" + theirs + mine,
                                                            "sha256").digest())
-        hello = ("3 %d %d 127.0.0.1:%d fakehost\n" % (rank, os.getpid(), listen_port)).encode()
+        hello = ("%d %d %d 127.0.0.1:%d %s\n" % (size, rank, os.getpid(), listen_port, host)).encode()
         self.socket.sendall(len(hello).to_bytes(4, sys.byteorder) + hello)
 
     def read(self, n):
@@ -361,21 +361,30 @@ def free_port():
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("case", ["rank 0 waits for the rest", "a rank connects to one that died",
-                                  "a rank waits for one that died"])
+                                  "a rank waits for one that died", "2x2: its host waits in shared memory"])
 def test_a_rank_that_dies_during_start_up_ends_the_others_start_up_at_once_naming_it(tmp_path, case):
     """A rank that dies after it reached rank 0 (an elastic round re-forming
     as one more worker dies) used to leave the others waiting for it until
     UNISON_START_TIMEOUT; the elastic driver then took them for hung and
-    blacklisted their hosts too. Now each waiting rank learns of it at once."""
+    blacklisted their hosts too. Now each waiting rank learns of it at once,
+    whether it waits on a socket or, across hosts of two ranks, for a local
+    rank in shared memory."""
     script = tmp_path / "starts.py"
     script.write_text(STARTS)
     port, secret = free_port(), "s3cret"
     base = {k: v for k, v in without_mpi().items() if not k.startswith(("UNISON_", "HOROVOD_"))}
     procs, outputs = {}, {}
+    hosts = ["hostA", "hostA", "hostB", "hostB"] if case.startswith("2x2") else ["host0", "host1", "host2"]
+    size = len(hosts)
+
+    def fake(rank):
+        return FakeRank(port, secret, rank, size, hosts[rank], free_port())
 
     def start(rank):
-        env = dict(base, UNISON_RANK=str(rank), UNISON_SIZE="3", UNISON_LOCAL_RANK="0", UNISON_LOCAL_SIZE="1",
-                   UNISON_CROSS_RANK=str(rank), UNISON_CROSS_SIZE="3", UNISON_HOSTNAME="host%d" % rank,
+        mine = [r for r in range(size) if hosts[r] == hosts[rank]]
+        env = dict(base, UNISON_RANK=str(rank), UNISON_SIZE=str(size), UNISON_LOCAL_RANK=str(mine.index(rank)),
+                   UNISON_LOCAL_SIZE=str(len(mine)), UNISON_CROSS_RANK=str(sorted(set(hosts)).index(hosts[rank])),
+                   UNISON_CROSS_SIZE=str(len(set(hosts))), UNISON_HOSTNAME=hosts[rank], UNISON_JOB_ID="dies",
                    UNISON_RENDEZVOUS_ADDR="127.0.0.1", UNISON_RENDEZVOUS_PORT=str(port), UNISON_SECRET_KEY=secret,
                    UNISON_START_TIMEOUT="100", UNISON_PEER_TIMEOUT_SECONDS="100")
         procs[rank] = subprocess.Popen([sys.executable, str(script), str(rank)], env=env, stdout=subprocess.PIPE,
@@ -389,33 +398,46 @@ def test_a_rank_that_dies_during_start_up_ends_the_others_start_up_at_once_namin
     start(0)
     if case == "rank 0 waits for the rest":
         # Rank 1 reaches rank 0 and dies; rank 2 never comes.
-        FakeRank(port, secret, 1, free_port()).socket.close()
-        assert re.search(r"rank 0 after [0-9.]+ s: unison: rank 1 \(host fakehost, pid \d+\) closed its connection "
+        fake(1).socket.close()
+        assert re.search(r"rank 0 after [0-9.]+ s: unison: rank 1 \(host host1, pid \d+\) closed its connection "
                          r"before every rank had reached rank 0: it exited, was killed or gave up while the job "
                          r"started", output(0)), output(0)
     elif case == "a rank connects to one that died":
         # Rank 1 reached rank 0 saying where it listens, and has stopped
         # listening there: rank 2, connecting to it, is refused.
-        fake = FakeRank(port, secret, 1, free_port())
+        rank1 = fake(1)
         start(2)
-        fake.read_table()
-        fake.socket.close()
-        assert re.search(r"rank 2 after [0-9.]+ s: unison: cannot connect to rank 1 \(host fakehost, pid \d+\) at "
+        rank1.read_table()
+        rank1.socket.close()
+        assert re.search(r"rank 2 after [0-9.]+ s: unison: cannot connect to rank 1 \(host host1, pid \d+\) at "
                          r"127\.0\.0\.1:\d+: Connection refused; it was listening when it reached rank 0, so it "
                          r"exited, was killed or gave up since", output(2)), output(2)
-    else:
+    elif case == "a rank waits for one that died":
         # Rank 2 reaches rank 0, gets the table and dies without connecting
         # to rank 1. Rank 0, started, fails on that; rank 1, still waiting
         # for rank 2, sees rank 0 go.
         start(1)
         time.sleep(1)  # rank 1 reaches rank 0 first; were it later, the table would wait for it
-        fake = FakeRank(port, secret, 2, free_port())
-        fake.read_table()
-        fake.socket.close()
-        assert re.search(r"rank 0 after [0-9.]+ s: unison: rank 2 \(host fakehost, pid \d+\) closed its connection",
+        rank2 = fake(2)
+        rank2.read_table()
+        rank2.socket.close()
+        assert re.search(r"rank 0 after [0-9.]+ s: unison: rank 2 \(host host2, pid \d+\) closed its connection",
                          output(0)), output(0)
         assert re.search(r"rank 1 after [0-9.]+ s: unison: rank 0 \(host host0, pid \d+\) closed its connection "
                          r"while rank 1 waited for rank\(s\) 2 to connect", output(1)), output(1)
+    else:
+        # Hierarchical: rank 0 has every connection it needs and waits in
+        # shared memory for rank 1, which waits for rank 3 to connect. Rank
+        # 3 reached rank 0 and dies: rank 0 sees its connection close.
+        start(1)
+        start(2)
+        time.sleep(1)
+        rank3 = fake(3)
+        rank3.read_table()
+        rank3.socket.close()
+        assert re.search(r"rank 0 after [0-9.]+ s: unison: rank 3 \(host hostB, pid \d+\) closed its connection "
+                         r"while the ranks of a host set up shared memory: it exited, was killed or gave up while "
+                         r"the job started", output(0)), output(0)
     for rank, proc in procs.items():
         assert proc.wait(timeout=60) == 1, rank
     for seconds in re.findall(r"after ([0-9.]+) s", "".join(output(r) for r in procs)):

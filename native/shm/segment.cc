@@ -44,7 +44,20 @@ ShmSegment::~ShmSegment() {
   if (!unlinked_ && !name_.empty() && header_ != nullptr) shm_unlink(name_.c_str());
 }
 
-Status ShmSegment::open(const Config& config, int generation, const HearCreator& hear_creator) {
+Status ShmSegment::pause_watching() {
+  pause_briefly();
+  return watch_ ? watch_() : Status::OK();
+}
+
+Status ShmSegment::open(const Config& config, int generation, const HearCreator& hear_creator,
+                        const StartWatch& watch) {
+  watch_ = watch;
+  Status s = open_watched(config, generation, hear_creator);
+  watch_ = nullptr;
+  return s;
+}
+
+Status ShmSegment::open_watched(const Config& config, int generation, const HearCreator& hear_creator) {
   name_ = "/unison-" + config.job_id + "-" + std::to_string(config.local_size) + "-g" +
           std::to_string(generation);
   const size_t size = (size_t)config.local_size;
@@ -73,7 +86,7 @@ Status ShmSegment::open(const Config& config, int generation, const HearCreator&
       if (monotonic_seconds() > deadline)
         return Status::Error(UNISON_ERR_INTERNAL, "unison: shared memory " + name_ +
                                                       " was never initialised by local rank 0");
-      pause_briefly();
+      if (Status watched = pause_watching(); !watched.ok()) return watched;
     }
     if (header_->size != size || header_->total_bytes != total)
       return Status::Error(UNISON_ERR_INVALID_ARGUMENT,
@@ -162,7 +175,7 @@ Status ShmSegment::attach(size_t total, double deadline) {
     if (monotonic_seconds() > deadline)
       return Status::Error(UNISON_ERR_INTERNAL, "unison: local rank 0 did not create shared memory " + name_ +
                                                     " in time (see UNISON_START_TIMEOUT)");
-    pause_briefly();
+    if (Status watched = pause_watching(); !watched.ok()) return watched;
   }
 }
 
@@ -182,7 +195,7 @@ Status ShmSegment::wait_for_everyone(const Config& config, double deadline) {
                                                        "] did not start within " +
                                                        std::to_string((int)config.start_timeout_seconds) +
                                                        " s (see UNISON_START_TIMEOUT)");
-    pause_briefly();
+    if (Status watched = pause_watching(); !watched.ok()) return watched;
   }
   // Nobody returns from init while the name still exists, so a job that is
   // running never has anything in /dev/shm to leak.
@@ -193,7 +206,7 @@ Status ShmSegment::wait_for_everyone(const Config& config, double deadline) {
   while (header_->name_removed.load(std::memory_order_acquire) == 0) {
     if (monotonic_seconds() > deadline)
       return Status::Error(UNISON_ERR_RANK_FAILED, "unison: local rank 0 stopped during start-up");
-    pause_briefly();
+    if (Status watched = pause_watching(); !watched.ok()) return watched;
   }
   unlinked_ = true;
   return Status::OK();

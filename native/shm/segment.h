@@ -63,7 +63,13 @@ class ShmSegment {
   // through the job's control plane that it failed (no room in /dev/shm)
   // instead of waiting for a segment that will never exist.
   using HearCreator = std::function<Status(const Status& mine)>;
-  Status open(const Config& config, int generation, const HearCreator& hear_creator = nullptr);
+  // `watch`, when given, runs while this rank waits for the others; an
+  // error from it ends the wait. A job across hosts has its TCP connections
+  // by then, and a local rank that gave up or died closed its own: without
+  // that, the others would wait for it until UNISON_START_TIMEOUT.
+  using StartWatch = std::function<Status()>;
+  Status open(const Config& config, int generation, const HearCreator& hear_creator = nullptr,
+              const StartWatch& watch = nullptr);
 
   Header* header() const { return header_; }
   RankArea* rank_area(int rank) const { return areas_ + rank; }
@@ -76,9 +82,11 @@ class ShmSegment {
   const std::string& name() const { return name_; }
 
  private:
+  Status open_watched(const Config& config, int generation, const HearCreator& hear_creator);
   Status create(size_t total_bytes, double deadline);
   Status attach(size_t total_bytes, double deadline);
   Status wait_for_everyone(const Config& config, double deadline);
+  Status pause_watching();
   std::string no_room_message(size_t total_bytes, int error) const;
 
   std::string name_;
@@ -91,6 +99,7 @@ class ShmSegment {
   bool unlinked_ = false;
   int local_size_ = 0;
   size_t per_rank_bytes_ = 0;  // mailboxes and slot
+  StartWatch watch_;            // during open() only
 };
 
 int64_t monotonic_nanoseconds();

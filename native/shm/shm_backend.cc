@@ -55,9 +55,10 @@ class ShmBackend final : public Backend {
       if (fd >= 0) close(fd);
   }
 
-  Status start(int generation, const ShmSegment::HearCreator& hear_creator = nullptr) {
+  Status start(int generation, const ShmSegment::HearCreator& hear_creator = nullptr,
+               const ShmSegment::StartWatch& watch = nullptr) {
     generation_ = generation;
-    Status s = segment_.open(config_, generation, hear_creator);
+    Status s = segment_.open(config_, generation, hear_creator, watch);
     if (!s.ok()) return s;
     rank_ = config_.local_rank;
     size_ = config_.local_size;
@@ -572,13 +573,14 @@ class ShmBackend final : public Backend {
 
 bool shm_backend_available() { return true; }
 
-Status make_shm_backend(const Config& config, int generation, std::unique_ptr<Backend>* out) {
+Status make_shm_backend(const Config& config, int generation, std::unique_ptr<Backend>* out,
+                        const std::function<Status()>& start_watch) {
   if (config.job_id.empty())
     return Status::Error(UNISON_ERR_INVALID_ARGUMENT,
                          "unison: UNISON_SIZE is " + std::to_string(config.size) +
                              " but UNISON_JOB_ID is not set; start multi-rank jobs with unisonrun");
   auto backend = std::make_unique<ShmBackend>(config);
-  Status s = backend->start(generation);
+  Status s = backend->start(generation, nullptr, start_watch);
   if (!s.ok()) return s;
   *out = std::move(backend);
   return Status::OK();

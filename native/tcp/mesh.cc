@@ -85,6 +85,17 @@ Status Mesh::left_during_start_up(int peer, const std::string& when) const {
                                                    ": it exited, was killed or gave up while the job started");
 }
 
+Status Mesh::check_nobody_left(const std::string& when) const {
+  for (size_t r = 0; r < connections_.size(); ++r) {
+    if (connections_[r].fd < 0) continue;
+    // POLLRDHUP, not POLLIN: a rank already started may send heartbeats.
+    pollfd p{connections_[r].fd, POLLRDHUP, 0};
+    if (poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0)
+      return left_during_start_up((int)r, when);
+  }
+  return Status::OK();
+}
+
 void Mesh::queue_small_frame(int peer, uint32_t kind, uint32_t channel, uint64_t value) {
   Connection& c = connections_[peer];
   if (c.fd < 0 || c.closed) return;

@@ -84,6 +84,9 @@ class Mesh {
   int rank() const { return rank_; }
   int size() const { return (int)peers_.size(); }
   const std::vector<TcpPeer>& peers() const { return peers_; }
+  // Start-up only: an error naming a rank whose connection its far end
+  // closed (a rank that died or gave up while the job started), `when`.
+  Status check_nobody_left(const std::string& when) const;
   // "rank 3 (host b, pid 4242)", for error messages.
   std::string describe(int rank) const;
 

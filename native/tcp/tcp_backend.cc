@@ -376,7 +376,10 @@ Status make_tcp_backend(Config* config, int generation, std::unique_ptr<Backend>
   const int host_count = (int)layout.host_ranks.size();
   std::vector<int> everyone(config->size);
   for (int r = 0; r < config->size; ++r) everyone[r] = r;
-  if (host_count == 1) return make_shm_backend(*config, generation, out);
+  // A rank that fails or dies before it reaches shared memory has closed
+  // its connections: the local ranks waiting for it there learn so.
+  const auto nobody_left = [mesh]() { return mesh->check_nobody_left("while the ranks of a host set up shared memory"); };
+  if (host_count == 1) return make_shm_backend(*config, generation, out, nobody_left);
   if (config->hierarchical && layout.same_size_hosts() && config->local_size > 1) {
     // Local rank l's group: the l-th rank of every host, in host order.
     std::vector<int> group;
@@ -389,7 +392,7 @@ Status make_tcp_backend(Config* config, int generation, std::unique_ptr<Backend>
           *cross = std::make_unique<TcpBackend>(mesh, group, kCrossChannel + (uint32_t)c.local_rank, c);
           return Status::OK();
         },
-        out);
+        out, nobody_left);
   }
   static bool warned = false;  // once per process, not at every init
   if (config->hierarchical && config->local_size > 1 && config->rank == 0 && !warned) {
