@@ -4,6 +4,7 @@ exceptions. Every adapter imports these from here."""
 import atexit
 import os
 import sys
+import threading
 
 from unison import exceptions
 from unison._native import ffi, lib
@@ -103,6 +104,19 @@ def init(comm=None, process_sets=None):
     sets.register_at_init(process_sets)
 
 
+# The elastic round whose start-up is in progress, and the lock that makes
+# "is it still round N's?" and aborting it one step: a watch of an earlier
+# round must not end a later round's start-up.
+_start_lock = threading.Lock()
+_starting_round = None
+
+
+def _abort_start(number, why):
+    with _start_lock:
+        if _starting_round == number:
+            lib.unison_abort_start(why.encode())
+
+
 def _start_in_an_elastic_round(worker):
     """Joins the elastic driver's next round and starts in it. A member of
     the round can die while it starts up (the core then fails at once,
@@ -112,16 +126,25 @@ def _start_in_an_elastic_round(worker):
     rather than end, which would blacklist its host as well. join_round()
     ends the worker when the driver ends the job, and --reset-limit bounds
     the rounds."""
+    global _starting_round
     while True:
         # This round's rank and size, from unisonrun's driver, and the port
         # this worker offered for the rendezvous, held until the core listens.
         worker.join_round().close()
+        number = int(os.environ["UNISON_ELASTIC_ROUND"])
+        with _start_lock:
+            _starting_round = number
+        # A member that dies before it reached this rank leaves nothing here
+        # to notice: the driver, which saw it die, ends the start-up.
+        worker.watch_round(_abort_start)
         code = lib.unison_init()
+        with _start_lock:
+            _starting_round = None
         if code != lib.UNISON_ERR_RANK_FAILED:
             check(code)
             return
         print("unison: worker %s: round %s did not start: %s; joining the next" % (
-            os.environ.get(worker.WORKER), os.environ.get("UNISON_ELASTIC_ROUND"),
+            os.environ.get(worker.WORKER), number,
             ffi.string(lib.unison_last_error()).decode(errors="replace")), file=sys.stderr, flush=True)
 
 

@@ -90,6 +90,8 @@ class ElasticDriver:
         self.changes = []  # (version, a host or slot was added)
         self.round = -1
         self.members = []  # worker names of the current round, in rank order
+        self.watchers = []  # connections of the current round's workers waiting to hear it lost a member
+        self.round_lost = None  # why the current round lost a member, once it has
         self.round_hosts_version = 0
         self.first_rejoin = None  # when a member of this round first asked for the next
         self.short_since = None  # since when fewer than --min-np slots are available
@@ -247,6 +249,15 @@ class ElasticDriver:
                     if worker.name in self.members and self.first_rejoin is None:
                         self.first_rejoin = time.monotonic()
                     self.lock.notify_all()
+                elif request.get("op") == "watch":
+                    # Answered when a member of the round dies (lost_member),
+                    # or when the next round forms; a worker still starting
+                    # in the round then ends its start-up (basics.init),
+                    # since the dead one may never have reached it.
+                    if request.get("round") == self.round and self.round_lost is None:
+                        self.watchers.append(connection)
+                    else:
+                        connection.send({"lost": self.round_lost if request.get("round") == self.round else None})
                 elif request.get("op") == "hosts":
                     since = request.get("since", 0)
                     news = [added for version, added in self.changes if version > since]
@@ -282,6 +293,8 @@ class ElasticDriver:
                        UNISON_HOSTNAME=worker.host)
             self.answer(worker, {"kind": "assign", "env": env, "round": self.round,
                                  "hosts_version": self.hosts_version})
+        self.tell_watchers(None)
+        self.round_lost = None
         self.members = names
         self.round_hosts_version = self.hosts_version
         self.first_rejoin = None
@@ -293,6 +306,14 @@ class ElasticDriver:
                     self.answer(worker, {"kind": "dismiss", "reason": "round %d has no place for it" % self.round})
                 else:
                     self.stop_worker(worker)
+
+    def tell_watchers(self, lost):
+        for connection in self.watchers:
+            try:
+                connection.send({"lost": lost})
+            except (OSError, ValueError):
+                pass
+        self.watchers = []
 
     def end(self, status, message):
         if self.failure is None:
@@ -321,6 +342,9 @@ class ElasticDriver:
                 self.end(1, "worker %s %s after the job had finished training" % (worker.name, how))
                 continue
             self.say("worker %s %s" % (worker.name, how))
+            if member and self.round_lost is None:
+                self.round_lost = "worker %s of round %d %s" % (worker.name, self.round, how)
+                self.tell_watchers(self.round_lost)
             self.blacklist_host(worker.host, "worker %s %s" % (worker.name, how))
 
         if self.finishing:

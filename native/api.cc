@@ -14,6 +14,7 @@
 #include "cuda/device_plane.h"
 #include "engine.h"
 #include "log.h"
+#include "start_abort.h"
 #include "unison.h"
 
 namespace unison {
@@ -96,7 +97,9 @@ int unison_init(void) {
                                                                  " of size " + std::to_string(c.size) +
                                                                  " from the environment is impossible"));
   std::unique_ptr<Backend> backend;
+  start_up_begins();
   Status made = make_backend(&c, c.elastic_round >= 0 ? c.elastic_round : generation, &backend);
+  start_up_ends();
   if (!made.ok()) return report(made);
   // Counted once the backend exists, so that an init retried after the
   // failure below meets its peers under new names.
@@ -118,6 +121,8 @@ int unison_shutdown(void) {
 }
 
 int unison_is_initialized(void) { return engine != nullptr ? 1 : 0; }
+
+void unison_abort_start(const char* reason) { abort_start_up(reason != nullptr ? reason : "aborted"); }
 
 int unison_start_timeline(const char* path, int mark_cycles) {
   if (forked_from != 0) return refuse_in_forked_child();

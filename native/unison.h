@@ -147,6 +147,11 @@ typedef struct {
 int unison_init(void);
 int unison_shutdown(void);
 int unison_is_initialized(void);
+/* Ends an init in progress on another thread with UNISON_ERR_RANK_FAILED
+   and `reason`; does nothing when no init is starting. An elastic worker
+   calls it when its driver reports that a member of the round it is
+   starting in died (that member may never have reached this rank). */
+void unison_abort_start(const char* reason);
 
 /* The timeline (timeline.h): rank 0 writes a Chrome trace of every
    tensor's phases to `path` until stopped; on other ranks these do

@@ -4,6 +4,7 @@ committed steps; repeated failures past --reset-limit, and too few slots
 for longer than --elastic-timeout, end the job with the reason; bad
 elastic options are refused by name."""
 import re
+import time
 
 import pytest
 
@@ -38,6 +39,27 @@ def test_object_state_survives_a_killed_worker(tmp_path, hosts, victim):
     expected = sum(range(1, STEPS + 1))
     for e in done:
         assert e["step"] == STEPS and e["total"] == [expected] * 3, e
+
+
+def test_a_worker_that_dies_as_it_joins_a_round_ends_that_rounds_start_up_at_once(tmp_path):
+    """127.0.0.2:0 dies at step 5; the driver places 127.0.0.1:0 in round 1,
+    and it dies before it reaches rank 0. Nothing of it is left for rank 0
+    to see: it would wait for it until UNISON_START_TIMEOUT. The driver saw
+    it die, and the worker's watch on the driver ends rank 0's start-up."""
+    start = time.monotonic()
+    proc, events = elastic_job(tmp_path, ["-np", "3", "--min-np", "1", "-H", "localhost:1,127.0.0.1:1,127.0.0.2:1"],
+                               "train_numpy.py", env={"ELASTIC_FAULT": "127.0.0.2:0@5:sigkill",
+                                                      "ELASTIC_DIE_JOINING": "127.0.0.1:0@1",
+                                                      "ELASTIC_STEPS": str(STEPS), "UNISON_START_TIMEOUT": "100"})
+    output = proc.stdout.decode(errors="replace")
+    assert proc.returncode == 0, output[-6000:]
+    assert time.monotonic() - start < 40, output[-6000:]
+    assert re.search(r"\[localhost:0\]<stderr>:unison: worker localhost:0: round 1 did not start: unison: start-up "
+                     r"ended: worker 127\.0\.0\.1:0 of round 1 was killed by signal 9 \(SIGKILL\); joining the next",
+                     output), output[-6000:]
+    done = done_events(events)
+    assert [(e["worker"], e["size"], e["step"]) for e in done] == [("localhost:0", 1, STEPS)], done
+    assert done[0]["total"] == [sum(range(1, STEPS + 1))] * 3
 
 
 @pytest.mark.parametrize("seed", range(16))

@@ -444,6 +444,43 @@ def test_a_rank_that_dies_during_start_up_ends_the_others_start_up_at_once_namin
         assert float(seconds) < 30, "a wait for UNISON_START_TIMEOUT (100 s), not for the failure"
 
 
+ABORTED = """
+import os, threading, time, numpy as np, unison, unison.numpy as unp
+from unison._native import lib
+lib.unison_abort_start(b"nothing is starting")  # does nothing, and is not kept for the init below
+threading.Timer(0.5, lambda: lib.unison_abort_start(b"the driver says so")).start()
+start = time.monotonic()
+try:
+    unison.init()  # rank 0 of 2: rank 1 never comes
+except unison.HorovodInternalError as e:
+    print("aborted after %.1f s: %s" % (time.monotonic() - start, e), flush=True)
+for name in [k for k in os.environ if k.startswith("UNISON_")]:
+    del os.environ[name]
+unison.init()
+print("then alone:", unp.allreduce(np.ones(2), name="x").tolist(), flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_start_up_aborted_from_another_thread_fails_with_the_reason_and_the_process_stays_usable(tmp_path):
+    """unison_abort_start, which an elastic worker calls when its driver
+    says a member of the round died (test_elastic_launcher has that whole)."""
+    script = tmp_path / "aborted.py"
+    script.write_text(ABORTED)
+    env = dict({k: v for k, v in without_mpi().items() if not k.startswith(("UNISON_", "HOROVOD_"))},
+               UNISON_RANK="0", UNISON_SIZE="2", UNISON_LOCAL_RANK="0", UNISON_LOCAL_SIZE="1",
+               UNISON_CROSS_RANK="0", UNISON_CROSS_SIZE="2", UNISON_HOSTNAME="host0", UNISON_JOB_ID="aborted",
+               UNISON_RENDEZVOUS_ADDR="127.0.0.1", UNISON_RENDEZVOUS_PORT=str(free_port()),
+               UNISON_SECRET_KEY="s3cret", UNISON_START_TIMEOUT="100")
+    proc = subprocess.run([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          timeout=50)
+    output = proc.stdout.decode(errors="replace")
+    assert proc.returncode == 0, output
+    found = re.search(r"aborted after ([0-9.]+) s: unison: start-up ended: the driver says so\n", output)
+    assert found and float(found.group(1)) < 5, output
+    assert "then alone: [1.0, 1.0]" in output, output
+
+
 def namespace_ssh(tmp_path, namespaces):
     """An ssh stand-in that runs the command in the namespace of its host."""
     ssh = tmp_path / "ssh"

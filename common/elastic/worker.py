@@ -17,6 +17,7 @@ HMAC challenge both ways before anything is unpickled.
 import os
 import socket
 import sys
+import threading
 from multiprocessing.connection import Client
 
 DRIVER = "UNISON_ELASTIC_DRIVER"
@@ -30,16 +31,41 @@ def in_elastic_job():
     return bool(os.environ.get(DRIVER))
 
 
+def _connect():
+    host, _, port = os.environ[DRIVER].rpartition(":")
+    return Client((host, int(port)), authkey=os.environ.get("UNISON_SECRET_KEY", "").encode())
+
+
 def _driver():
     global _connection
     if _connection is None:
-        host, _, port = os.environ[DRIVER].rpartition(":")
         try:
-            _connection = Client((host, int(port)), authkey=os.environ.get("UNISON_SECRET_KEY", "").encode())
+            _connection = _connect()
         except (OSError, EOFError) as e:
             raise SystemExit("unison: cannot reach the elastic driver at %s=%s (%s); elastic workers are "
                              "started by unisonrun" % (DRIVER, os.environ[DRIVER], e))
     return _connection
+
+
+def watch_round(on_lost):
+    """Calls on_lost(round, reason), from a thread of its own, if the driver
+    says a member of the round this worker last joined died; the thread
+    ends when the next round forms. It has a connection of its own: the
+    worker's is busy with its joins."""
+    number = _round["round"]
+
+    def watch():
+        try:
+            connection = _connect()
+            connection.send({"op": "watch", "round": number})
+            answer = connection.recv()
+            connection.close()
+        except (OSError, EOFError):
+            return  # the driver is gone; the worker's own connection says so
+        if answer.get("lost"):
+            on_lost(number, answer["lost"])
+
+    threading.Thread(target=watch, name="unison-round-watch", daemon=True).start()
 
 
 def _ask(request):

@@ -1,4 +1,5 @@
 #include "segment.h"
+#include "../start_abort.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -46,6 +47,7 @@ ShmSegment::~ShmSegment() {
 
 Status ShmSegment::pause_watching() {
   pause_briefly();
+  if (Status aborted = start_up_aborted(); !aborted.ok()) return aborted;
   return watch_ ? watch_() : Status::OK();
 }
 

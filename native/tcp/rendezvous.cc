@@ -24,6 +24,7 @@
 #include "mesh.h"
 #include "socket.h"
 #include "../log.h"
+#include "../start_abort.h"
 
 namespace unison {
 namespace {
@@ -149,6 +150,7 @@ Status Mesh::connect(const Config& config, std::shared_ptr<Mesh>* out) {
       int fd = -1, closed = -1;
       s = accept_before(listener, deadline, sockets.fds, &fd, &closed);
       if (closed >= 0) return mesh->left_during_start_up(closed, "before every rank had reached rank 0");
+      if (Status aborted = start_up_aborted(); !aborted.ok()) return aborted;
       if (!s.ok())
         return Status::Error(UNISON_ERR_RANK_FAILED,
                              "unison: only " + std::to_string(joined) + " of " + std::to_string(size) +
@@ -224,6 +226,7 @@ Status Mesh::connect(const Config& config, std::shared_ptr<Mesh>* out) {
     // It listened before it reached rank 0 and listens until every rank
     // above it has connected, this one included: a refusal means it is gone.
     if (s.ok()) s = connect_to(ip, their_port, deadline, mesh->describe(lower), &fd, /*refused_is_final=*/true);
+    if (Status aborted = start_up_aborted(); !aborted.ok()) return aborted;
     if (!s.ok())
       return Status::Error(UNISON_ERR_RANK_FAILED, s.message + "; it was listening when it reached rank 0, so it "
                                                                "exited, was killed or gave up since");
@@ -245,6 +248,7 @@ Status Mesh::connect(const Config& config, std::shared_ptr<Mesh>* out) {
       return mesh->left_during_start_up(closed, "while rank " + std::to_string(me) + " waited for rank(s) " + missing +
                                                     " to connect");
     }
+    if (Status aborted = start_up_aborted(); !aborted.ok()) return aborted;
     if (!s.ok()) return Status::Error(UNISON_ERR_RANK_FAILED, "unison: rank " + std::to_string(me) +
                                                                   " timed out waiting for the ranks above it to connect");
     Status proved = prove_as_acceptor(fd, secret, std::min(deadline, monotonic_seconds() + 5.0));

@@ -13,10 +13,12 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <thread>
 
 #include "../futex.h"
+#include "../start_abort.h"
 #include "sha256.h"
 
 namespace unison {
@@ -34,15 +36,22 @@ sockaddr_in to_sockaddr(const std::string& ip, int port) {
   return a;
 }
 
-// Waits for `events` on fd until the deadline; false when it passed.
-bool wait_for(int fd, short events, double deadline) {
+// The longest a start-up wait sleeps before it looks at start_up_aborted().
+constexpr int kAbortCheckMilliseconds = 50;
+
+int poll_slice(double left) { return std::min(kAbortCheckMilliseconds, (int)(left * 1000) + 1); }
+
+// Waits for `events` on fd until the deadline: OK when they came, else
+// why not (the deadline passed, or the start-up was aborted).
+Status wait_for(int fd, short events, double deadline, const char* timed_out) {
   for (;;) {
+    if (Status aborted = start_up_aborted(); !aborted.ok()) return aborted;
     const double left = deadline - monotonic_seconds();
-    if (left <= 0) return false;
+    if (left <= 0) return error(timed_out);
     struct pollfd p = {fd, events, 0};
-    const int n = poll(&p, 1, (int)(left * 1000) + 1);
-    if (n > 0) return true;
-    if (n < 0 && errno != EINTR) return true;  // let the read or write report it
+    const int n = poll(&p, 1, poll_slice(left));
+    if (n > 0) return Status::OK();
+    if (n < 0 && errno != EINTR) return Status::OK();  // let the read or write report it
   }
 }
 
@@ -169,6 +178,7 @@ Status connect_to(const std::string& ip, int port, double deadline, const std::s
       errno = reason;
       return system_error("cannot connect to " + who + " at " + ip + ":" + std::to_string(port));
     }
+    if (Status aborted = start_up_aborted(); !aborted.ok()) return aborted;
     std::this_thread::sleep_for(std::chrono::duration<double>(pause));
     pause = std::min(pause * 2, 0.1);
   }
@@ -187,9 +197,10 @@ Status accept_before(int listen_fd, double deadline, const std::vector<int>& wat
     index_of.push_back((int)i);
   }
   for (;;) {
+    if (Status aborted = start_up_aborted(); !aborted.ok()) return aborted;
     const double left = deadline - monotonic_seconds();
     if (left <= 0) return error("timed out waiting for connections");
-    const int n = poll(polled.data(), polled.size(), (int)(left * 1000) + 1);
+    const int n = poll(polled.data(), polled.size(), poll_slice(left));
     if (n < 0 && errno != EINTR) return system_error("poll");
     for (size_t i = 1; n > 0 && i < polled.size(); ++i) {
       if (polled[i].revents & (POLLRDHUP | POLLHUP | POLLERR)) {
@@ -207,7 +218,7 @@ Status accept_before(int listen_fd, double deadline, const std::vector<int>& wat
 Status write_all(int fd, const void* data, size_t bytes, double deadline) {
   const char* p = static_cast<const char*>(data);
   while (bytes > 0) {
-    if (!wait_for(fd, POLLOUT, deadline)) return error("timed out sending during start-up");
+    if (Status s = wait_for(fd, POLLOUT, deadline, "timed out sending during start-up"); !s.ok()) return s;
     const ssize_t n = send(fd, p, bytes, MSG_NOSIGNAL | MSG_DONTWAIT);
     if (n < 0 && (errno == EAGAIN || errno == EINTR)) continue;
     if (n <= 0) return system_error("send during start-up");
@@ -220,7 +231,7 @@ Status write_all(int fd, const void* data, size_t bytes, double deadline) {
 Status read_all(int fd, void* data, size_t bytes, double deadline) {
   char* p = static_cast<char*>(data);
   while (bytes > 0) {
-    if (!wait_for(fd, POLLIN, deadline)) return error("timed out receiving during start-up");
+    if (Status s = wait_for(fd, POLLIN, deadline, "timed out receiving during start-up"); !s.ok()) return s;
     const ssize_t n = recv(fd, p, bytes, MSG_DONTWAIT);
     if (n < 0 && (errno == EAGAIN || errno == EINTR)) continue;
     if (n == 0) return error("the connection closed during start-up");

@@ -13,6 +13,9 @@ faults and host changes a test asks for, in the environment:
                    that many milliseconds after its first step began,
                    wherever it is then (a collective, a commit, a reset),
                    unless its last step has begun (timed_kill_window)
+  ELASTIC_DIE_JOINING  worker@round; the worker SIGKILLs itself as soon as
+                   the driver places it in that round, before it reaches
+                   any other rank
 """
 import json
 import os
@@ -68,6 +71,25 @@ def _kill_after(seconds):
         if _timed_kill["window_open"]:
             log(event="fault", how="timed")
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _die_joining():
+    spec = os.environ.get("ELASTIC_DIE_JOINING")
+    if not spec or spec.partition("@")[0] != WORKER:
+        return
+    from unison.elastic import worker
+    join_round, fatal = worker.join_round, int(spec.partition("@")[2])
+
+    def joins_and_dies():
+        held = join_round()
+        if int(os.environ["UNISON_ELASTIC_ROUND"]) == fatal:
+            log(event="fault", how="joining")
+            os.kill(os.getpid(), signal.SIGKILL)
+        return held
+    worker.join_round = joins_and_dies
+
+
+_die_joining()
 
 
 def fault_at(step):
