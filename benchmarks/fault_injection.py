@@ -1,6 +1,7 @@
 """Fault injection: randomized jobs in which one rank dies, elastic and plain.
 
     python benchmarks/fault_injection.py [--runs 100] [--seed 1] [--json out.json]
+    python benchmarks/fault_injection.py --second-dies-joining [--runs 30]
 
 Each run picks, from its own seeded generator: 2 to 4 ranks over two
 simulated hosts (localhost and 127.0.0.1), elastic or plain, the victim,
@@ -21,6 +22,14 @@ Measured from the fault (the victim logs the moment before it fails):
 Peer timeout is 3 s, so a frozen rank is detected after about 3 s, and an
 elastic job's driver kills it 2 x 3 = 6 s after the first survivor
 rejoined.
+
+--second-dies-joining: elastic jobs over three simulated hosts (127.0.0.2
+too) of one or two ranks each. One worker is killed at a random step, and a
+worker of another host kills itself as soon as the driver places it in the
+next round, before it reaches any other rank (ELASTIC_DIE_JOINING): the
+survivors' first re-forming fails, and they must go on to the round after.
+Recovery is then from the first fault until training resumes in the round
+that follows the second.
 """
 import argparse
 import glob
@@ -49,6 +58,15 @@ def plan(rng):
             "victim_rank": victim_rank, "victim": "%s:%d" % (host, slot), "step": rng.randint(3, STEPS - 8)}
 
 
+def plan_second_dies_joining(rng):
+    hosts = [(h, rng.choice([1, 2])) for h in ("localhost", "127.0.0.1", "127.0.0.2")]
+    first, second = rng.sample(range(3), 2)
+    victim = "%s:%d" % (hosts[first][0], rng.randrange(hosts[first][1]))
+    joining = "%s:%d" % (hosts[second][0], rng.randrange(hosts[second][1]))
+    return {"np": sum(n for _, n in hosts), "hosts": hosts, "elastic": True, "how": "sigkill", "victim": victim,
+            "victim_rank": None, "step": rng.randint(3, STEPS - 8), "dies_joining": joining}
+
+
 def events_in(folder):
     events = []
     for path in glob.glob(os.path.join(folder, "*.jsonl")):
@@ -65,6 +83,8 @@ def run_one(run, timeout):
     if run["elastic"]:
         options += ["--min-np", "1"]
         env["ELASTIC_FAULT"] = "%s@%d:%s" % (run["victim"], run["step"], run["how"])
+        if run.get("dies_joining"):
+            env["ELASTIC_DIE_JOINING"] = run["dies_joining"] + "@1"
     else:
         env["ELASTIC_PLAIN"] = "1"
         env["ELASTIC_FAULT"] = "rank%d@%d:%s" % (run["victim_rank"], run["step"], run["how"])
@@ -84,17 +104,20 @@ def run_one(run, timeout):
     detected = sorted(e["time"] for e in events if e["event"] == "detected")
     result = dict(run, status=proc.returncode, hung=hung, seconds=time.time() - started)
     if fault:
-        at = fault[0]["time"]
+        at = min(e["time"] for e in fault)
         result["detection"] = detected[0] - at if detected else None
         resumed = sorted(e["time"] for e in events if e["event"] == "sync" and e["time"] > at)
+        last = max(e["time"] for e in fault)
+        resumed = [t for t in resumed if t > last]
         result["recovery"] = resumed[0] - at if resumed else None
     expected_total = [float(sum(range(1, STEPS + 1)))] * 3
     done = [e for e in events if e["event"] == "done"]
     if hung:
         result["as_expected"] = False
     elif run["elastic"]:
-        survivors = run["np"] - dict(run["hosts"])[run["victim"].rsplit(":", 1)[0]]
-        result["as_expected"] = (proc.returncode == 0 and len(done) == survivors and bool(fault)
+        lost = {name.rsplit(":", 1)[0] for name in (run["victim"], run.get("dies_joining")) if name}
+        survivors = run["np"] - sum(n for host, n in run["hosts"] if host in lost)
+        result["as_expected"] = (proc.returncode == 0 and len(done) == survivors and len(fault) == len(lost)
                                  and all(e["total"] == expected_total for e in done))
     else:
         result["as_expected"] = (proc.returncode != 0 and bool(fault)
@@ -135,10 +158,13 @@ def main():
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=120, help="seconds after which a run counts as hung")
     parser.add_argument("--json", help="write every run's result here")
+    parser.add_argument("--second-dies-joining", action="store_true",
+                        help="elastic jobs on three hosts in which a second worker dies joining the next round")
     args = parser.parse_args()
     results = []
     for index in range(args.runs):
-        run = plan(random.Random(args.seed * 100003 + index))
+        rng = random.Random(args.seed * 100003 + index)
+        run = plan_second_dies_joining(rng) if args.second_dies_joining else plan(rng)
         result = run_one(run, args.timeout)
         results.append(result)
         print("run %3d: %-7s np %d %-7s victim %-12s step %2d -> %s%s (%.1f s)" % (

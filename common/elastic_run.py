@@ -250,10 +250,11 @@ class ElasticDriver:
                         self.first_rejoin = time.monotonic()
                     self.lock.notify_all()
                 elif request.get("op") == "watch":
-                    # Answered when a member of the round dies (lost_member),
-                    # or when the next round forms; a worker still starting
-                    # in the round then ends its start-up (basics.init),
-                    # since the dead one may never have reached it.
+                    # Answered when a member of the round dies (step(), where
+                    # a worker's failed exit is seen), or when the next round
+                    # forms; a worker still starting in the round then ends
+                    # its start-up (basics.init), since the dead one may
+                    # never have reached it.
                     if request.get("round") == self.round and self.round_lost is None:
                         self.watchers.append(connection)
                     else:

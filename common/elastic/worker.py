@@ -9,7 +9,8 @@ waits until the driver has heard from every worker of the next round; the
 driver answers with the rank, size and rendezvous of the round, which
 init() puts in the environment the core reads. One connection per worker
 lasts for the worker's life, so the driver also learns at once when a
-worker's process is gone.
+worker's process is gone. While a worker starts in a round, a second one
+waits to hear that a member of that round died (watch_round).
 
 The connection is multiprocessing's: it proves the job's secret with an
 HMAC challenge both ways before anything is unpickled.

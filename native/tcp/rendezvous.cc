@@ -233,6 +233,7 @@ Status Mesh::connect(const Config& config, std::shared_ptr<Mesh>* out) {
     sockets.fds[lower] = fd;
     s = prove_as_connector(fd, secret, deadline);
     if (s.ok()) s = send_text(fd, std::to_string(me), deadline);
+    if (Status aborted = start_up_aborted(); !aborted.ok()) return aborted;
     if (!s.ok()) return Status::Error(s.code, s.message + " (with " + mesh->describe(lower) + ")");
   }
   for (int higher = std::max(me + 1, 1); me > 0 && higher < size;) {
