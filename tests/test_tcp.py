@@ -448,12 +448,17 @@ ABORTED = """
 import os, threading, time, numpy as np, unison, unison.numpy as unp
 from unison._native import lib
 lib.unison_abort_start(b"nothing is starting")  # does nothing, and is not kept for the init below
-threading.Timer(0.5, lambda: lib.unison_abort_start(b"the driver says so")).start()
+returned = threading.Event()
+def abort():  # until it takes: an abort before init begins is dropped, as above
+    while not returned.wait(0.2):
+        lib.unison_abort_start(b"the driver says so")
+threading.Thread(target=abort, daemon=True).start()
 start = time.monotonic()
 try:
     unison.init()  # rank 0 of 2: rank 1 never comes
 except unison.HorovodInternalError as e:
     print("aborted after %.1f s: %s" % (time.monotonic() - start, e), flush=True)
+returned.set()
 for name in [k for k in os.environ if k.startswith("UNISON_")]:
     del os.environ[name]
 unison.init()

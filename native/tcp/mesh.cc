@@ -1,4 +1,5 @@
 #include "mesh.h"
+#include "socket.h"
 
 #include <errno.h>
 #include <poll.h>
@@ -86,14 +87,10 @@ Status Mesh::left_during_start_up(int peer, const std::string& when) const {
 }
 
 Status Mesh::check_nobody_left(const std::string& when) const {
-  for (size_t r = 0; r < connections_.size(); ++r) {
-    if (connections_[r].fd < 0) continue;
-    // POLLRDHUP, not POLLIN: a rank already started may send heartbeats.
-    pollfd p{connections_[r].fd, POLLRDHUP, 0};
-    if (poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0)
-      return left_during_start_up((int)r, when);
-  }
-  return Status::OK();
+  std::vector<int> fds;
+  for (const Connection& c : connections_) fds.push_back(c.fd);
+  const int gone = first_closed(fds);
+  return gone < 0 ? Status::OK() : left_during_start_up(gone, when);
 }
 
 void Mesh::queue_small_frame(int peer, uint32_t kind, uint32_t channel, uint64_t value) {

@@ -184,31 +184,30 @@ Status connect_to(const std::string& ip, int port, double deadline, const std::s
   }
 }
 
+int first_closed(const std::vector<int>& fds) {
+  for (size_t i = 0; i < fds.size(); ++i) {
+    if (fds[i] < 0) continue;
+    // POLLRDHUP, not POLLIN: a peer past start-up may already be sending
+    // heartbeats, which are not a close.
+    pollfd p{fds[i], POLLRDHUP, 0};
+    if (poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0) return (int)i;
+  }
+  return -1;
+}
+
 Status accept_before(int listen_fd, double deadline, const std::vector<int>& watched, int* fd, int* closed) {
   *fd = -1;
-  *closed = -1;
-  // POLLRDHUP, not POLLIN, on the watched: a peer past start-up may already
-  // be sending heartbeats, which are not a close.
-  std::vector<pollfd> polled{{listen_fd, POLLIN, 0}};
-  std::vector<int> index_of{-1};
-  for (size_t i = 0; i < watched.size(); ++i) {
-    if (watched[i] < 0) continue;
-    polled.push_back({watched[i], POLLRDHUP, 0});
-    index_of.push_back((int)i);
-  }
   for (;;) {
+    // The watched and an abort are looked at every slice (poll_slice).
+    *closed = first_closed(watched);
+    if (*closed >= 0) return error("a connection closed during start-up");
     if (Status aborted = start_up_aborted(); !aborted.ok()) return aborted;
     const double left = deadline - monotonic_seconds();
     if (left <= 0) return error("timed out waiting for connections");
-    const int n = poll(polled.data(), polled.size(), poll_slice(left));
+    pollfd p{listen_fd, POLLIN, 0};
+    const int n = poll(&p, 1, poll_slice(left));
+    if (n > 0) break;
     if (n < 0 && errno != EINTR) return system_error("poll");
-    for (size_t i = 1; n > 0 && i < polled.size(); ++i) {
-      if (polled[i].revents & (POLLRDHUP | POLLHUP | POLLERR)) {
-        *closed = index_of[i];
-        return error("a connection closed during start-up");
-      }
-    }
-    if (n > 0 && polled[0].revents != 0) break;
   }
   *fd = accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC);
   if (*fd < 0) return system_error("accept");

@@ -35,6 +35,11 @@ Status listen_on(const std::string& ip, int* port, int backlog, int* fd);
 Status connect_to(const std::string& ip, int port, double deadline, const std::string& who, int* fd,
                   bool refused_is_final = false);
 
+// The index of the first socket in `fds` (-1 for none) whose far end
+// closed or reset it, or -1. Unread data does not hide a close, and data
+// arriving (a started rank's heartbeats) is not one.
+int first_closed(const std::vector<int>& fds);
+
 // Accepts one connection, waiting until `deadline`. Meanwhile it watches
 // the sockets in `watched` (-1 for none): when the far end of one of them
 // closes, it returns an error with *closed set to that one's index, so
