@@ -21,6 +21,7 @@ still counts as a host of its own, which is how two hosts are tested on one.
 """
 import fcntl
 import os
+import random
 import secrets
 import shlex
 import signal
@@ -115,6 +116,48 @@ def route_source(toward):
         probe.close()
 
 
+def ephemeral_ports():
+    """The ports this machine's kernel picks by itself, for a connect() and
+    for a bind() to port 0 (Linux's ip_local_port_range)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def bind_a_port_nobody_takes_by_chance(address):
+    """A socket bound to `address` on a port that is free now and that the
+    kernel never hands out by itself: one outside its ephemeral range.
+
+    A rendezvous port goes unheld at times: between the launcher's choice
+    and rank 0's listen, and between a shutdown() and the next init(). A
+    port from the ephemeral range can be taken meanwhile by any connection
+    or port-0 bind on the host, which CI once saw as rank 0's second init()
+    failing with "Address already in use". Outside that range, only a
+    program that names the port can take it. Falls back to a port-0 bind
+    where the kernel's range leaves nothing outside it."""
+    low, high = ephemeral_ports()
+    # Below 10000 live many well-known services; stay above it where the
+    # range leaves room.
+    floor = 10000 if low > 20000 else 1024
+    outside = list(range(floor, low)) + list(range(high + 1, 65536))
+    chance = random.SystemRandom()  # not the user's seeded `random`: workers must not pick alike
+    probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        for port in chance.sample(outside, min(64, len(outside))) + [0]:
+            try:
+                probe.bind((address, port))
+                return probe
+            except OSError:
+                if port == 0:
+                    raise
+    except BaseException:
+        probe.close()
+        raise
+
+
 def rendezvous(args, placed, local):
     """(address, port) where rank 0 listens for the others."""
     first = placed[0]
@@ -137,12 +180,9 @@ def rendezvous(args, placed, local):
     if port is None:
         # A port free here now; on another host, most likely free there too
         # (rank 0 names it if not, with --rendezvous-port as the way out).
-        probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        try:
-            probe.bind((socket.gethostbyname(address) if local[first] else "", 0))
-            port = probe.getsockname()[1]
-        finally:
-            probe.close()
+        probe = bind_a_port_nobody_takes_by_chance(socket.gethostbyname(address) if local[first] else "")
+        port = probe.getsockname()[1]
+        probe.close()
     return address, port
 
 

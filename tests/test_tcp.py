@@ -181,6 +181,24 @@ def test_a_rendezvous_without_a_secret_is_refused():
     assert "UNISON_SECRET_KEY is not" in proc.stdout.decode(), proc.stdout.decode()
 
 
+@pytest.mark.timeout(120)
+def test_the_rendezvous_port_is_one_the_kernel_never_hands_out_by_itself():
+    # Nobody holds the rendezvous port between a shutdown() and the next
+    # init(). One from the kernel's ephemeral range could meanwhile become
+    # any connection's own port, and rank 0's listen then failed with
+    # "Address already in use" (seen once in CI, in a re-init test).
+    from unison import tcp_run
+    low, high = tcp_run.ephemeral_ports()
+    show = [sys.executable, "-c", "import os; print('port', os.environ['UNISON_RENDEZVOUS_PORT'])"]
+    for _ in range(3):
+        proc = unisonrun(["-np", "2", "-H", "localhost:1,127.0.0.1:1"], show, timeout=60)
+        output = proc.stdout.decode(errors="replace")
+        assert proc.returncode == 0, output
+        ports = set(int(p) for p in re.findall(r"port (\d+)", output))
+        assert len(ports) == 1, output
+        assert not low <= ports.pop() <= high, (output, low, high)
+
+
 def test_launcher_rejects_an_unknown_interface():
     proc = unisonrun(["-np", "2", "-H", "localhost:1,127.0.0.1:1", "--network-interface", "nosuch0"],
                      [sys.executable, "-c", "pass"], timeout=60)
@@ -354,8 +372,8 @@ class FakeRank:
 
 
 def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+    from unison import tcp_run
+    with tcp_run.bind_a_port_nobody_takes_by_chance("127.0.0.1") as s:
         return s.getsockname()[1]
 
 

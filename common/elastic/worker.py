@@ -16,7 +16,6 @@ The connection is multiprocessing's: it proves the job's secret with an
 HMAC challenge both ways before anything is unpickled.
 """
 import os
-import socket
 import sys
 import threading
 from multiprocessing.connection import Client
@@ -94,12 +93,7 @@ def _listen_address():
         address = tcp_run.interface_address(interface)
     else:
         address = tcp_run.route_source(os.environ[DRIVER].rpartition(":")[0])
-    probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        probe.bind((address, 0))
-    except BaseException:
-        probe.close()
-        raise
+    probe = tcp_run.bind_a_port_nobody_takes_by_chance(address)
     return address, probe.getsockname()[1], probe
 
 
