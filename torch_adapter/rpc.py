@@ -28,7 +28,7 @@ import torch
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as torch_rpc
 
-from unison import basics, collective, objects
+from unison import basics, collective, objects, tcp_run
 from unison.exceptions import InvalidArgumentError, UnisonError
 from unison.process_sets import check_member, global_process_set
 import unison.torch.ops as ops
@@ -70,8 +70,9 @@ DEFAULT_TRANSPORTS = ("uv",)
 
 
 def _free_port(address):
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((address, 0))
+    # torch's store listens on it only after the broadcast: a port from the
+    # kernel's ephemeral range could become another socket's meanwhile.
+    with tcp_run.bind_a_port_nobody_takes_by_chance(address) as s:
         return s.getsockname()[1]
 
 
