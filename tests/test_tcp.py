@@ -473,7 +473,7 @@ def abort():  # until it takes: an abort before init begins is dropped, as above
 threading.Thread(target=abort, daemon=True).start()
 start = time.monotonic()
 try:
-    unison.init()  # rank 0 of 2: rank 1 never comes
+    unison.init()  # one rank of 2: the other never comes
 except unison.HorovodInternalError as e:
     print("aborted after %.1f s: %s" % (time.monotonic() - start, e), flush=True)
 returned.set()
@@ -484,19 +484,59 @@ print("then alone:", unp.allreduce(np.ones(2), name="x").tolist(), flush=True)
 """
 
 
+class DeafHost:
+    """A port whose connections are never answered, as a powered-off host's
+    are: a listener that never accepts, its accept queue full, so that
+    Linux drops every further SYN. A blocking connect() to it waits out the
+    kernel's SYN retries, about two minutes."""
+
+    def __enter__(self):
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", free_port()))
+        self.listener.listen(0)
+        self.filler = socket.create_connection(self.listener.getsockname())
+        return self.listener.getsockname()[1]
+
+    def __exit__(self, *exc):
+        self.filler.close()
+        self.listener.close()
+
+
+def lone_rank_env(rank, port, **settings):
+    """The environment of one rank of two across hosts, rank 0 at 127.0.0.1:port."""
+    return dict({k: v for k, v in without_mpi().items() if not k.startswith(("UNISON_", "HOROVOD_"))},
+                UNISON_RANK=str(rank), UNISON_SIZE="2", UNISON_LOCAL_RANK="0", UNISON_LOCAL_SIZE="1",
+                UNISON_CROSS_RANK=str(rank), UNISON_CROSS_SIZE="2", UNISON_HOSTNAME="host%d" % rank,
+                UNISON_JOB_ID="lone", UNISON_RENDEZVOUS_ADDR="127.0.0.1", UNISON_RENDEZVOUS_PORT=str(port),
+                UNISON_SECRET_KEY="s3cret", **settings)
+
+
 @pytest.mark.timeout(60)
-def test_a_start_up_aborted_from_another_thread_fails_with_the_reason_and_the_process_stays_usable(tmp_path):
+def test_a_rank_0_that_answers_nothing_is_given_up_at_the_start_timeout():
+    with DeafHost() as port:
+        start = time.monotonic()
+        proc = subprocess.run([sys.executable, "-c", "import unison; unison.init()"],
+                              env=lone_rank_env(1, port, UNISON_START_TIMEOUT="3"), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, timeout=50)
+        took = time.monotonic() - start
+    output = proc.stdout.decode(errors="replace")
+    assert proc.returncode != 0
+    assert "cannot connect to rank 0 at 127.0.0.1:%d: Connection timed out" % port in output, output
+    assert took < 15, (took, output)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("waiting", ["rank 0 for rank 1", "rank 1 on a rank 0 that answers nothing"])
+def test_a_start_up_aborted_from_another_thread_fails_with_the_reason_and_the_process_stays_usable(
+        tmp_path, waiting):
     """unison_abort_start, which an elastic worker calls when its driver
     says a member of the round died (test_elastic_launcher has that whole)."""
     script = tmp_path / "aborted.py"
     script.write_text(ABORTED)
-    env = dict({k: v for k, v in without_mpi().items() if not k.startswith(("UNISON_", "HOROVOD_"))},
-               UNISON_RANK="0", UNISON_SIZE="2", UNISON_LOCAL_RANK="0", UNISON_LOCAL_SIZE="1",
-               UNISON_CROSS_RANK="0", UNISON_CROSS_SIZE="2", UNISON_HOSTNAME="host0", UNISON_JOB_ID="aborted",
-               UNISON_RENDEZVOUS_ADDR="127.0.0.1", UNISON_RENDEZVOUS_PORT=str(free_port()),
-               UNISON_SECRET_KEY="s3cret", UNISON_START_TIMEOUT="100")
-    proc = subprocess.run([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          timeout=50)
+    with DeafHost() as deaf:
+        rank, port = (0, free_port()) if waiting.startswith("rank 0") else (1, deaf)
+        proc = subprocess.run([sys.executable, str(script)], env=lone_rank_env(rank, port, UNISON_START_TIMEOUT="100"),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=50)
     output = proc.stdout.decode(errors="replace")
     assert proc.returncode == 0, output
     found = re.search(r"aborted after ([0-9.]+) s: unison: start-up ended: the driver says so\n", output)

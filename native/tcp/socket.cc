@@ -161,24 +161,51 @@ Status listen_on(const std::string& ip, int* port, int backlog, int* fd) {
   return Status::OK();
 }
 
+namespace {
+
+// connect(), bounded by `deadline` and by an abort: 0, or why it failed (an
+// errno). A blocking connect() to a host that answers nothing (powered off,
+// or dropping SYNs) waits out the kernel's SYN retries, about two minutes
+// whatever UNISON_START_TIMEOUT says; so it runs non-blocking, and the wait
+// for its outcome is sliced like every other start-up wait.
+int connect_before(int fd, const sockaddr_in& a, double deadline, Status* aborted) {
+  const int flags = fcntl(fd, F_GETFL);
+  fcntl(fd, F_SETFL, flags | O_NONBLOCK);
+  int reason = connect(fd, reinterpret_cast<const sockaddr*>(&a), sizeof(a)) == 0 ? 0 : errno;
+  if (reason == EINPROGRESS) {
+    if (!wait_for(fd, POLLOUT, deadline, "").ok()) {
+      *aborted = start_up_aborted();  // an abort lasts the start-up; if none, the deadline passed
+      reason = aborted->ok() ? ETIMEDOUT : ECANCELED;
+    } else {
+      socklen_t length = sizeof(reason);
+      if (getsockopt(fd, SOL_SOCKET, SO_ERROR, &reason, &length) != 0) reason = errno;
+    }
+  }
+  fcntl(fd, F_SETFL, flags);
+  return reason;
+}
+
+}  // namespace
+
 Status connect_to(const std::string& ip, int port, double deadline, const std::string& who, int* fd,
                   bool refused_is_final) {
   double pause = 0.01;
   for (;;) {
     *fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (*fd < 0) return system_error("socket");
-    sockaddr_in a = to_sockaddr(ip, port);
-    if (connect(*fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0) return Status::OK();
-    const int reason = errno;
+    Status aborted;
+    const int reason = connect_before(*fd, to_sockaddr(ip, port), deadline, &aborted);
+    if (reason == 0) return Status::OK();
     close(*fd);
     *fd = -1;
+    if (!aborted.ok()) return aborted;
     const bool worth_retrying = (reason == ECONNREFUSED && !refused_is_final) || reason == ETIMEDOUT ||
                                 reason == EHOSTUNREACH || reason == ENETUNREACH || reason == EINTR;
     if (!worth_retrying || monotonic_seconds() + pause > deadline) {
       errno = reason;
       return system_error("cannot connect to " + who + " at " + ip + ":" + std::to_string(port));
     }
-    if (Status aborted = start_up_aborted(); !aborted.ok()) return aborted;
+    if (aborted = start_up_aborted(); !aborted.ok()) return aborted;
     std::this_thread::sleep_for(std::chrono::duration<double>(pause));
     pause = std::min(pause * 2, 0.1);
   }

@@ -29,7 +29,9 @@ Status choose_listen_address(const std::string& interface, const std::string& to
 Status listen_on(const std::string& ip, int* port, int backlog, int* fd);
 
 // Connects to ip:port, retrying refused connections until `deadline`
-// (monotonic seconds): the peer may not be listening yet. With
+// (monotonic seconds): the peer may not be listening yet. A peer that
+// answers nothing is given up at `deadline` too, not after the kernel's
+// SYN retries; an abort (start_abort.h) ends the wait as well. With
 // `refused_is_final`, a refusal ends it at once: the caller knows the peer
 // has been listening, so a refusal means it is gone.
 Status connect_to(const std::string& ip, int port, double deadline, const std::string& who, int* fd,
