@@ -321,6 +321,50 @@ def test_every_survivor_names_the_rank_that_died_not_one_that_left_after_it(tmp_
                 assert re.search(r"; rank [012] \(.*\) stopped on that$", error), (attempt, rank, output)
 
 
+HALF_SENT = """
+import os, subprocess, sys, numpy as np, unison, unison.numpy as unp
+unison.init()
+pids = unp.allgather(np.array([os.getpid()]), name="pids").tolist()
+x = np.ones(32 << 20, np.float32)
+handle = unp.allreduce_async_(x, op=unison.Max, name="big")
+if unison.rank() == 2:
+    # Mid-ring, rank 0 stops reading, so this rank's frame to it stays half
+    # sent; then rank 1, which this rank receives from, dies; then rank 0
+    # reads on.
+    subprocess.Popen(["sh", "-c", "sleep 0.1; kill -STOP %d; sleep 0.5; kill -9 %d; sleep 1; kill -CONT %d"
+                      % (pids[0], pids[1], pids[0])])
+try:
+    unp.synchronize(handle)
+except unison.UnisonError as e:
+    print("survivor %d: %s: %s" % (unison.rank(), type(e).__name__, e), flush=True)
+    sys.exit(17)
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_survivor_with_a_frame_half_sent_still_tells_the_others_which_rank_died(tmp_path):
+    """Rank 2 hears first that rank 1 died, with a data frame to rank 0 half
+    sent. It finishes that frame (keep_half_sent_frames), then sends its
+    stop notice, so rank 0 names rank 1. Before, the notice could not
+    follow a half-sent frame, and rank 0 named rank 2, which had only
+    stopped on rank 1's death, in every run."""
+    script = tmp_path / "half_sent.py"
+    script.write_text(HALF_SENT)
+    counted = 0
+    for attempt in range(3):
+        proc = unisonrun(LAYOUTS["2+1"][0] + ["--failure-grace-seconds", "60"], [sys.executable, str(script)],
+                         timeout=100)
+        output = proc.stdout.decode(errors="replace")
+        survivors = dict(re.findall(r"survivor (\d): (.*)", output))
+        assert sorted(survivors) == ["0", "2"], output
+        assert survivors["2"].startswith("RankFailedError: unison: rank 1 ("), output
+        if "during an allreduce" not in survivors["2"]:
+            continue  # rank 0 stopped before the ring began: nothing was half sent
+        counted += 1
+        assert re.match(r"RankFailedError: unison: rank 1 \(.*; rank 2 \(.*\) stopped on that$", survivors["0"]), output
+    assert counted > 0
+
+
 STARTS = """
 import sys, time, numpy as np, unison, unison.numpy as unp
 start = time.monotonic()

@@ -22,6 +22,12 @@ enum FrameKind : uint32_t {
   kStopped = 5,  // this rank stopped on a failure: channel is its code, the payload its message
 };
 constexpr size_t kStopNoticeBytes = 4096;  // the longest kStopped message read
+// The most of a half-sent data frame a failed run keeps to finish sending
+// (keep_half_sent_frames): a ring piece or a small tensor, not a huge one.
+constexpr size_t kLongestRestKept = 64u << 20;
+// How long a stopping rank keeps sending its stop notices (and the frames
+// ahead of them) to peers slow to read them, at most.
+constexpr double kStopNoticeSeconds = 2.0;
 
 // How often a waiting rank looks at the clock for heartbeats and silence,
 // at the longest.
@@ -301,6 +307,33 @@ void Mesh::beat_if_due() {
 
 Status Mesh::run(Moves* moves, uint32_t channel, const char* what) {
   if (!broken_.ok()) return broken_;
+  Status s = run_to_the_end(moves, channel, what);
+  if (!s.ok()) keep_half_sent_frames(moves);
+  return s;
+}
+
+void Mesh::keep_half_sent_frames(Moves* moves) {
+  for (int p = 0; p < size(); ++p) {
+    Connection& c = connections_[p];
+    if (p == rank_ || !c.sending || c.cannot_send || moves->sends_[p].empty()) continue;
+    const Moves::Send& s = moves->sends_[p].front();
+    if (sizeof(Frame) + s.bytes - c.out_sent > kLongestRestKept) continue;
+    std::string rest;
+    size_t payload_done = 0;
+    if (c.out_sent < sizeof(Frame))
+      rest.append(reinterpret_cast<const char*>(&c.out_header) + c.out_sent, sizeof(Frame) - c.out_sent);
+    else
+      payload_done = c.out_sent - sizeof(Frame);
+    rest.append(s.data + payload_done, s.bytes - payload_done);
+    // Ahead of the small frames queued meanwhile, which wait for it (their
+    // outbox_sent is 0 while a data frame is half sent).
+    c.outbox.insert(0, rest);
+    c.sending = false;
+    c.out_sent = 0;
+  }
+}
+
+Status Mesh::run_to_the_end(Moves* moves, uint32_t channel, const char* what) {
   const double start = monotonic_seconds();
   double next_look = start;
   std::vector<struct pollfd> fds;
@@ -425,8 +458,24 @@ void Mesh::stopped_on(const Status& cause) {
     const Frame stopped{kStopped, (uint32_t)cause.code, message.size()};
     c.outbox.append(reinterpret_cast<const char*>(&stopped), sizeof(stopped));
     c.outbox += message;
-    bool progressed = false;
-    pump_out(p, nullptr, 0, "a stop notice", &progressed);
+  }
+  // A peer reading its part of the failed collective takes the notice at
+  // once; one that is slow to read is given a moment, since this rank may
+  // exit as soon as its caller hears of the failure.
+  const double until = monotonic_seconds() + std::min(kStopNoticeSeconds, config_.peer_timeout_seconds);
+  std::vector<struct pollfd> fds;
+  for (;;) {
+    fds.clear();
+    for (int p = 0; p < size(); ++p) {
+      Connection& c = connections_[p];
+      if (p == rank_ || c.fd < 0 || c.sending || c.outbox.empty()) continue;
+      bool progressed = false;
+      pump_out(p, nullptr, 0, "a stop notice", &progressed);
+      if (!c.outbox.empty()) fds.push_back({c.fd, POLLOUT, 0});
+    }
+    const double left = until - monotonic_seconds();
+    if (fds.empty() || left <= 0) return;
+    poll(fds.data(), fds.size(), std::min(kPollMilliseconds, (int)(left * 1000) + 1));
   }
 }
 

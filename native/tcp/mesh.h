@@ -110,10 +110,11 @@ class Mesh {
   // the peer timeout.
   Status check();
 
-  // Tells every peer, in passing, that this rank stopped on `cause`
-  // (Backend::stopped_on); each then fails what it waits on from this rank
-  // with `cause`. A connection with a data frame half sent cannot carry it:
-  // that peer learns of this rank's end when the connection closes.
+  // Tells every peer that this rank stopped on `cause` (Backend::stopped_on);
+  // each then fails what it waits on from this rank with `cause`, so that
+  // it names the rank that failed first, not this one. A notice goes after
+  // any data frame a failed run left half sent (keep_half_sent_frames), and
+  // waits up to a couple of seconds for a peer slow to read.
   void stopped_on(const Status& cause);
 
  private:
@@ -148,6 +149,13 @@ class Mesh {
   };
 
   Mesh(const Config& config) : config_(config) {}
+  Status run_to_the_end(Moves* moves, uint32_t channel, const char* what);
+  // After a failed run: the unsent rest of each data frame it left half sent
+  // (up to kLongestRestKept) is copied into that connection's outbox before
+  // the run's buffers go, so that the stream stays framed and a stop notice
+  // can follow. The peer gets the frame whole: bytes this rank meant to
+  // send, which it may use; a frame cut short could only end the stream.
+  void keep_half_sent_frames(Moves* moves);
   Status fail(const Status& s);
   Status closed_error(int peer, const char* what) const;
   // A rank whose connection closed while the job started, `when`.
