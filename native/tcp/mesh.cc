@@ -461,17 +461,30 @@ void Mesh::stopped_on(const Status& cause) {
   }
   // A peer reading its part of the failed collective takes the notice at
   // once; one that is slow to read is given a moment, since this rank may
-  // exit as soon as its caller hears of the failure.
+  // exit as soon as its caller hears of the failure. This rank reads
+  // nothing more (the mesh is broken from here), so what arrives meanwhile
+  // is dropped: a peer stopping at the same moment may be sending the rest
+  // of its own frame to this rank, and neither would get through otherwise.
+  fail(cause);
   const double until = monotonic_seconds() + std::min(kStopNoticeSeconds, config_.peer_timeout_seconds);
   std::vector<struct pollfd> fds;
+  char dropped[1 << 16];
   for (;;) {
     fds.clear();
     for (int p = 0; p < size(); ++p) {
       Connection& c = connections_[p];
-      if (p == rank_ || c.fd < 0 || c.sending || c.outbox.empty()) continue;
+      if (p == rank_ || c.fd < 0 || c.closed || c.sending || c.outbox.empty()) continue;
       bool progressed = false;
       pump_out(p, nullptr, 0, "a stop notice", &progressed);
-      if (!c.outbox.empty()) fds.push_back({c.fd, POLLOUT, 0});
+      if (c.outbox.empty()) continue;
+      ssize_t got;
+      while ((got = recv(c.fd, dropped, sizeof(dropped), MSG_DONTWAIT)) > 0) {
+      }
+      if (got == 0) {  // it closed: it reads nothing more either
+        c.closed = true;
+        continue;
+      }
+      fds.push_back({c.fd, POLLOUT | POLLIN, 0});
     }
     const double left = until - monotonic_seconds();
     if (fds.empty() || left <= 0) return;
