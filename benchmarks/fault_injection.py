@@ -2,6 +2,7 @@
 
     python benchmarks/fault_injection.py [--runs 100] [--seed 1] [--json out.json]
     python benchmarks/fault_injection.py --second-dies-joining [--runs 30]
+    python benchmarks/fault_injection.py --any-moment [--runs 40]
 
 Each run picks, from its own seeded generator: 2 to 4 ranks over two
 simulated hosts (localhost and 127.0.0.1), elastic or plain, the victim,
@@ -30,6 +31,15 @@ next round, before it reaches any other rank (ELASTIC_DIE_JOINING): the
 survivors' first re-forming fails, and they must go on to the round after.
 Recovery is then from the first fault until training resumes in the round
 that follows the second.
+
+--any-moment: plain jobs across two simulated hosts (flat TCP at 2 and 3
+ranks, hierarchical and flat at 4), tests/killed_at_random.py: one rank is
+SIGKILLed from outside at a random moment of a random stream of every
+collective, so it dies mid-frame as often as between ops. The launcher's
+grace period is long, so each survivor must end by itself. As expected:
+every survivor fails with RankFailedError naming the victim (a survivor
+that hears of it from another says so as well). Detection is from the kill
+to the last survivor's error.
 """
 import argparse
 import glob
@@ -65,6 +75,68 @@ def plan_second_dies_joining(rng):
     joining = "%s:%d" % (hosts[second][0], rng.randrange(hosts[second][1]))
     return {"np": sum(n for _, n in hosts), "hosts": hosts, "elastic": True, "how": "sigkill", "victim": victim,
             "victim_rank": None, "step": rng.randint(3, STEPS - 8), "dies_joining": joining}
+
+
+ANY_MOMENT_LAYOUTS = {"1+1": ["-np", "2", "-H", "localhost:1,127.0.0.1:1"],
+                      "2+1": ["-np", "3", "-H", "localhost:2,127.0.0.1:1"],
+                      "2x2": ["-np", "4", "-H", "localhost:2,127.0.0.1:2"],
+                      "2x2-flat": ["-np", "4", "-H", "localhost:2,127.0.0.1:2", "--no-hierarchical-allreduce"]}
+
+
+def plan_any_moment(rng):
+    layout = rng.choice(sorted(ANY_MOMENT_LAYOUTS))
+    np_ = int(ANY_MOMENT_LAYOUTS[layout][1])
+    return {"layout": layout, "np": np_, "victim_rank": rng.randrange(np_), "delay": rng.uniform(0.3, 2.0),
+            "seed": rng.randrange(1 << 30)}
+
+
+def run_any_moment(run, timeout):
+    import re
+
+    script = os.path.join(HERE, "..", "tests", "killed_at_random.py")
+    command = ([sys.executable, "-m", "unison.run"] + ANY_MOMENT_LAYOUTS[run["layout"]] +
+               ["--failure-grace-seconds", str(timeout)] +
+               [sys.executable, script, str(run["seed"]), str(run["victim_rank"]), "%.3f" % run["delay"]])
+    started = time.time()
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+        hung = False
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        output, _ = proc.communicate()
+        hung = True
+    output = output.decode(errors="replace")
+    killed = re.search(r"killed at ([0-9.]+)", output)
+    survivors = re.findall(r"survivor (\d) at ([0-9.]+), after [0-9.]+ s: (\w+): (.*)", output)
+    victim = run["victim_rank"]
+    result = dict(run, hung=hung, seconds=time.time() - started)
+    result["as_expected"] = (not hung and bool(killed)
+                             and sorted(int(r) for r, _, _, _ in survivors) == [r for r in range(run["np"]) if r != victim]
+                             and all(kind == "RankFailedError" and message.startswith("unison: rank %d (" % victim)
+                                     for _, _, kind, message in survivors))
+    if killed and survivors:
+        result["detection"] = max(float(at) for _, at, _, _ in survivors) - float(killed.group(1))
+    if not result["as_expected"]:
+        result["output_tail"] = output[-3000:]
+    return result
+
+
+def summarize_any_moment(results):
+    lines = ["| layout | runs | every survivor names the victim | hangs | detection, last survivor (median / max) |",
+             "| --- | --- | --- | --- | --- |"]
+    for layout in sorted(ANY_MOMENT_LAYOUTS):
+        group = [r for r in results if r["layout"] == layout]
+        if not group:
+            continue
+        detections = [r["detection"] for r in group if r.get("detection") is not None]
+        lines.append("| %s | %d | %d | %d | %s |" % (
+            layout, len(group), sum(r["as_expected"] for r in group), sum(r["hung"] for r in group),
+            "%.2f / %.2f s" % (statistics.median(detections), max(detections)) if detections else "-"))
+    lines.append("")
+    lines.append("%d runs: %d as expected, %d hangs." % (len(results), sum(r["as_expected"] for r in results),
+                                                       sum(r["hung"] for r in results)))
+    return "\n".join(lines)
 
 
 def events_in(folder):
@@ -160,8 +232,31 @@ def main():
     parser.add_argument("--json", help="write every run's result here")
     parser.add_argument("--second-dies-joining", action="store_true",
                         help="elastic jobs on three hosts in which a second worker dies joining the next round")
+    parser.add_argument("--any-moment", action="store_true",
+                        help="plain jobs across hosts in which a rank is killed at any moment of any collective")
     args = parser.parse_args()
     results = []
+    if args.any_moment:
+        # No MPI: these layouts are for the TCP data plane.
+        os.environ["PATH"] = os.pathsep.join(d for d in os.environ.get("PATH", "").split(os.pathsep)
+                                             if not os.path.exists(os.path.join(d, "mpirun")))
+        for index in range(args.runs):
+            run = plan_any_moment(random.Random(args.seed * 100003 + index))
+            result = run_any_moment(run, args.timeout)
+            results.append(result)
+            print("run %3d: %-8s victim %d after %.2f s -> %s, last survivor %s s after the kill (%.1f s)" % (
+                index, run["layout"], run["victim_rank"], run["delay"],
+                "as expected" if result["as_expected"] else "UNEXPECTED" + (" HUNG" if result["hung"] else ""),
+                "%.2f" % result["detection"] if result.get("detection") is not None else "-", result["seconds"]),
+                flush=True)
+            if not result["as_expected"]:
+                print(result["output_tail"], flush=True)
+        print()
+        print(summarize_any_moment(results))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
+        return 0 if all(r["as_expected"] for r in results) else 1
     for index in range(args.runs):
         rng = random.Random(args.seed * 100003 + index)
         run = plan_second_dies_joining(rng) if args.second_dies_joining else plan(rng)

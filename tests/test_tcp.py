@@ -20,7 +20,7 @@ import time
 import pytest
 
 import jobs
-from jobs import CORE_SUITES, EXITS, IDENTITY, KILLED, assert_every_rank_passed, pytest_command
+from jobs import CORE_SUITES, EXITS, HERE, IDENTITY, KILLED, assert_every_rank_passed, pytest_command
 
 LAYOUTS = {
     "2x2": (["-np", "4", "-H", "localhost:2,127.0.0.1:2"], 4, "hierarchical"),
@@ -370,39 +370,6 @@ def test_a_survivor_with_a_frame_half_sent_still_tells_the_others_which_rank_die
     assert mid_ring
 
 
-KILLED_AT_RANDOM = """
-import os, random, subprocess, sys, time, numpy as np, unison, unison.numpy as unp
-seed, victim, delay = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
-unison.init()
-me, n = unison.rank(), unison.size()
-rng = random.Random(seed)  # the same stream of ops on every rank
-if me == victim:  # from outside: the kill lands anywhere, the GIL held or not
-    subprocess.Popen(["sh", "-c", "sleep %f; kill -9 %d" % (delay, os.getpid())])
-start = time.monotonic()
-try:
-    while True:
-        kind = rng.choice(["fused", "ring", "allgather", "broadcast", "alltoall", "reducescatter", "barrier"])
-        if kind == "fused":
-            handles = [unp.allreduce_async(np.ones(rng.choice([10, 1000, 50_000]), np.float32), name="f%d" % i)
-                       for i in range(rng.randint(1, 8))]
-            for h in handles:
-                unp.synchronize(h)
-        elif kind == "ring":
-            unp.allreduce(np.ones(rng.choice([1 << 18, 1 << 21]), np.float32), name="ring", op=unison.Sum)
-        elif kind == "allgather":
-            unp.allgather(np.ones((me + 1, 100), np.float32), name="gather")
-        elif kind == "broadcast":
-            unp.broadcast(np.ones(rng.choice([10, 1 << 20]), np.float32), root_rank=rng.randrange(n), name="bcast")
-        elif kind == "alltoall":
-            unp.alltoall(np.ones(n * 1000, np.float32), name="a2a")
-        elif kind == "reducescatter":
-            unp.reducescatter(np.ones(n * 5000, np.float32), name="rs")
-        else:
-            unp.barrier()
-except unison.UnisonError as e:
-    print("survivor %d after %.2f s: %s: %s" % (me, time.monotonic() - start, type(e).__name__, e), flush=True)
-    sys.exit(17)
-"""
 
 
 @pytest.mark.timeout(200)
@@ -410,19 +377,17 @@ except unison.UnisonError as e:
                                          for seed in (1, 2)])
 def test_a_rank_killed_at_a_random_moment_is_named_by_every_survivor_across_hosts(tmp_path, layout, seed):
     """Any rank, killed at any moment of a random stream of every collective
-    (fused and ring allreduces, allgathers, broadcasts, alltoalls,
-    reducescatters, barriers). With the launcher's grace period long, each
+    (killed_at_random.py). With the launcher's grace period long, each
     survivor must end by itself, within seconds, naming the killed rank
     (test_launcher has the same on one host)."""
     options, n, _ = LAYOUTS[layout]
     rng = random.Random("%s/%d" % (layout, seed))
     victim, delay = rng.randrange(n), rng.uniform(0.3, 2.0)
-    script = tmp_path / "killed.py"
-    script.write_text(KILLED_AT_RANDOM)
     proc = unisonrun(options + ["--failure-grace-seconds", "60"],
-                     [sys.executable, str(script), str(seed), str(victim), "%.3f" % delay], timeout=150)
+                     [sys.executable, os.path.join(HERE, "killed_at_random.py"), str(seed), str(victim), "%.3f" % delay],
+                     timeout=150)
     output = proc.stdout.decode(errors="replace")
-    survivors = re.findall(r"survivor (\d) after ([0-9.]+) s: (\w+): (.*)", output)
+    survivors = re.findall(r"survivor (\d) at [0-9.]+, after ([0-9.]+) s: (\w+): (.*)", output)
     assert sorted(int(r) for r, _, _, _ in survivors) == [r for r in range(n) if r != victim], output
     for rank, seconds, kind, message in survivors:
         assert kind == "RankFailedError" and message.startswith("unison: rank %d (" % victim), (rank, output)
