@@ -77,6 +77,20 @@ def plan_second_dies_joining(rng):
             "victim_rank": None, "step": rng.randint(3, STEPS - 8), "dies_joining": joining}
 
 
+def run_job(command, env, timeout):
+    """(the process, its output, whether it hung): a job still going after
+    `timeout` seconds is killed, with every process of its session."""
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+        hung = False
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        output, _ = proc.communicate()
+        hung = True
+    return proc, output.decode(errors="replace"), hung
+
+
 ANY_MOMENT_LAYOUTS = {"1+1": ["-np", "2", "-H", "localhost:1,127.0.0.1:1"],
                       "2+1": ["-np", "3", "-H", "localhost:2,127.0.0.1:1"],
                       "2x2": ["-np", "4", "-H", "localhost:2,127.0.0.1:2"],
@@ -98,15 +112,7 @@ def run_any_moment(run, timeout):
                ["--failure-grace-seconds", str(timeout)] +
                [sys.executable, script, str(run["seed"]), str(run["victim_rank"]), "%.3f" % run["delay"]])
     started = time.time()
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-        hung = False
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        output, _ = proc.communicate()
-        hung = True
-    output = output.decode(errors="replace")
+    _, output, hung = run_job(command, None, timeout)
     killed = re.search(r"killed at ([0-9.]+)", output)
     survivors = re.findall(r"survivor (\d) at ([0-9.]+), after [0-9.]+ s: (\w+): (.*)", output)
     victim = run["victim_rank"]
@@ -162,15 +168,7 @@ def run_one(run, timeout):
         env["ELASTIC_FAULT"] = "rank%d@%d:%s" % (run["victim_rank"], run["step"], run["how"])
     command = [sys.executable, "-m", "unison.run"] + options + [sys.executable, JOB]
     started = time.time()
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-        hung = False
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        output, _ = proc.communicate()
-        hung = True
-    output = output.decode(errors="replace")
+    proc, output, hung = run_job(command, env, timeout)
     events = events_in(folder)
     fault = [e for e in events if e["event"] == "fault"]
     detected = sorted(e["time"] for e in events if e["event"] == "detected")
