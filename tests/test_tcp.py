@@ -395,6 +395,42 @@ def test_a_rank_killed_at_a_random_moment_is_named_by_every_survivor_across_host
     assert "unisonrun: job failed: rank %d (host " % victim in output, output
 
 
+FROZEN = """
+import os, subprocess, sys, numpy as np, unison, unison.numpy as unp
+victim = int(sys.argv[1])
+unison.init()
+if unison.rank() == victim:
+    subprocess.Popen(["sh", "-c", "sleep 0.5; kill -STOP %d" % os.getpid()])
+try:
+    while True:
+        unp.allreduce(np.ones(1 << 18, np.float32), name="grad")
+except unison.UnisonError as e:
+    print("survivor %d: %s: %s" % (unison.rank(), type(e).__name__, e), flush=True)
+    sys.exit(17)
+"""
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("victim", [1, 2])
+def test_a_frozen_rank_is_named_by_every_survivor_not_the_leader_waiting_on_it(tmp_path, victim):
+    """Two hosts of two ranks, hierarchical. A frozen rank (SIGSTOP) is
+    found by the peer timeout. Its host's leader, or the other host's,
+    waits on it (in shared memory, or over TCP) for all of that time, and
+    its own host's other rank waits on the leader in shared memory. Before,
+    that rank read only the leader's shared-memory heartbeat, stale for as
+    long, and named the leader, alive, about half the time (liveness.h)."""
+    script = tmp_path / "frozen.py"
+    script.write_text(FROZEN)
+    for attempt in range(3):
+        proc = unisonrun(LAYOUTS["2x2"][0] + ["--peer-timeout-seconds", "2", "--failure-grace-seconds", "4"],
+                         [sys.executable, str(script), str(victim)], timeout=100)
+        output = proc.stdout.decode(errors="replace")
+        survivors = dict(re.findall(r"survivor (\d): (.*)", output))
+        assert sorted(survivors) == sorted({"0", "1", "2", "3"} - {str(victim)}), output
+        for rank, error in survivors.items():
+            assert error.startswith("RankFailedError: unison: rank %d (" % victim), (attempt, rank, output)
+
+
 STARTS = """
 import sys, time, numpy as np, unison, unison.numpy as unp
 start = time.monotonic()

@@ -35,6 +35,7 @@
 #include "../byte_stream.h"
 #include "../copy.h"
 #include "../dtype.h"
+#include "../liveness.h"
 #include "../timeline.h"
 #include "segment.h"
 
@@ -50,6 +51,7 @@ class ShmBackend final : public Backend {
     // A rank that leaves (shutdown, often after a failure elsewhere) says so:
     // its process lives on, and peers still waiting on it should hear now,
     // not after the peer timeout.
+    if (beat_id_ != 0) remove_beat(beat_id_);
     if (me_ != nullptr) me_->left.store(1);
     for (int fd : pidfds_)
       if (fd >= 0) close(fd);
@@ -64,6 +66,7 @@ class ShmBackend final : public Backend {
     size_ = config_.local_size;
     half_bytes_ = segment_.header()->slot_half_bytes;
     me_ = segment_.rank_area(rank_);
+    beat_id_ = add_beat([this] { beat(); });  // beaten by this process's waits on other planes too
     // Peer exits are noticed through pidfds, which become readable the
     // moment a process ends, child of ours or not. Kernels without them
     // fall back to kill(pid, 0) and the heartbeat. A set asks the job's
@@ -157,7 +160,7 @@ class ShmBackend final : public Backend {
 
   Status check_peers() override {
     if (!broken_.ok()) return broken_;
-    beat();
+    beat_everywhere();  // this one, and this process's other planes (liveness.h)
     if (job_ != nullptr) {
       // A set: whether a member lives is the job's segment's to say, and
       // the set's to say only whether a member has left it.
@@ -562,6 +565,7 @@ class ShmBackend final : public Backend {
   int size_ = 1;
   size_t half_bytes_ = 0;
   RankArea* me_ = nullptr;
+  int beat_id_ = 0;  // liveness.h
   std::vector<int> pidfds_;
   uint64_t step_ = 0;
   uint64_t mailbox_calls_ = 0;

@@ -11,6 +11,8 @@
 #include <algorithm>
 #include <cstring>
 
+#include "../liveness.h"
+
 namespace unison {
 namespace {
 
@@ -53,6 +55,7 @@ void Moves::receive_message(int peer, std::string* message, size_t limit) {
 }
 
 Mesh::~Mesh() {
+  if (beat_id_ != 0) remove_beat(beat_id_);
   // A goodbye first, so that a peer reading on sees a departure, not a crash.
   for (size_t p = 0; p < connections_.size(); ++p) {
     Connection& c = connections_[p];
@@ -296,6 +299,18 @@ Status Mesh::settle_unsent(const char* what) {
   return Status::OK();
 }
 
+void Mesh::beat_from_other_planes() {
+  // Heartbeats only, queued and sent if due: a data frame half sent (never
+  // while another plane waits, in the hierarchical layout's phases) keeps
+  // them queued behind it.
+  beat_if_due();
+  for (int p = 0; p < size(); ++p) {
+    if (p == rank_ || connections_[p].outbox.empty()) continue;
+    bool progressed = false;
+    pump_out(p, nullptr, 0, "a heartbeat", &progressed);
+  }
+}
+
 void Mesh::beat_if_due() {
   const double now = monotonic_seconds();
   if (now - last_beat_ < beat_interval_) return;
@@ -359,6 +374,7 @@ Status Mesh::run_to_the_end(Moves* moves, uint32_t channel, const char* what) {
     if (now >= next_look) {
       next_look = now + beat_interval_ / 4;
       beat_if_due();
+      beat_everywhere();  // this rank's own host's ranks may be waiting on it too (liveness.h)
       // A peer this rank waits on that has sent nothing, not even a
       // heartbeat, for the peer timeout is frozen or cut off.
       for (int p = 0; p < size(); ++p) {

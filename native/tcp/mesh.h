@@ -166,6 +166,8 @@ class Mesh {
   void queue_small_frame(int peer, uint32_t kind, uint32_t channel, uint64_t value);
   Status settle_unsent(const char* what);
   void beat_if_due();
+  // This rank's heartbeats to every peer, for other planes' waits (liveness.h).
+  void beat_from_other_planes();
   Status drain_everyone();
 
   Config config_;
@@ -178,6 +180,7 @@ class Mesh {
   int wake_fd_ = -1;  // an eventfd that wake() writes, so that wait()'s poll returns
   Doorbell doorbell_;
   Status broken_;
+  int beat_id_ = 0;  // liveness.h
 };
 
 }  // namespace unison

@@ -23,6 +23,7 @@
 
 #include "mesh.h"
 #include "socket.h"
+#include "../liveness.h"
 #include "../log.h"
 #include "../start_abort.h"
 
@@ -277,6 +278,8 @@ Status Mesh::connect(const Config& config, std::shared_ptr<Mesh>* out) {
   }
   mesh->wake_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   mesh->beat_interval_ = std::min(1.0, std::max(0.05, config.peer_timeout_seconds / 5));
+  Mesh* raw = mesh.get();  // the destructor removes the beat before the mesh goes
+  mesh->beat_id_ = add_beat([raw] { raw->beat_from_other_planes(); });
   *out = std::move(mesh);
   return Status::OK();
 }
