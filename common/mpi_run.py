@@ -22,8 +22,8 @@ import sys
 import threading
 import time
 
-# Variables every rank needs; Open MPI passes only what it is told to.
-PASSED_VARIABLES = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV", "PYTHONUNBUFFERED", "OMP_NUM_THREADS")
+from unison import rank_environment
+
 FAILURE = re.compile(r"unisonrun: rank (\d+) .*(exited with status|was killed by signal)")
 
 
@@ -116,7 +116,9 @@ def launch(args, settings):
     # rank's wrapper can remove what a crash during start-up left there.
     from unison.run import new_job_id
     env["UNISON_JOB_ID"] = new_job_id()
-    variables = sorted(n for n in env if n.startswith(("UNISON_", "HOROVOD_")) or n in PASSED_VARIABLES)
+    # Hydra passes every rank the whole environment; Open MPI only what -x
+    # names, and every rank gets what a horovodrun rank would (rank_environment.py).
+    variables = sorted(rank_environment.forwarded(env))
     wrapper = [sys.executable, "-m", "unison.mpi_run", "--rank-wrapper"]
     if args.simulate_hosts:
         wrapper += ["--simulate-hosts", str(args.simulate_hosts)]

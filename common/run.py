@@ -17,6 +17,7 @@ import copyreg
 import ctypes
 import glob
 import importlib.util
+import ipaddress
 import os
 import re
 import signal
@@ -131,7 +132,8 @@ def _parse(argv):
                          action="append", metavar="INTERFACE",
                          help="the interface (such as eth0) or IPv4 address ranks listen on for each other; "
                               "default: the one that reaches the first host. 0.0.0.0 listens on every interface. "
-                              "horovodrun's list form is accepted when it names one interface")
+                              "An interface is NCCL's too (NCCL_SOCKET_IFNAME), unless that is set, as with "
+                              "horovodrun. horovodrun's list form is accepted when it names one interface")
     cluster.add_argument("-p", "--ssh-port", type=int, help="the port of sshd on the hosts")
     cluster.add_argument("-i", "--ssh-identity-file", help="the key ssh logs in with")
     cluster.add_argument("--rendezvous-port", type=int,
@@ -306,7 +308,26 @@ def _settings(args):
         env["UNISON_HIERARCHICAL_ALLREDUCE"] = "1" if args.hierarchical else "0"
     if args.thread_affinity is not None:
         env["UNISON_THREAD_AFFINITY"] = args.thread_affinity.replace(" ", "")
+    # As horovodrun does, NCCL's own sockets go where the ranks meet: its
+    # bootstrap, and a flat communicator across hosts
+    # (UNISON_HIERARCHICAL_ALLREDUCE=0), would otherwise take the first
+    # interface NCCL likes, perhaps one the hosts cannot reach each other on.
+    # A NCCL_SOCKET_IFNAME of the user's own wins.
+    if _names_an_interface(args.network_interface) and "NCCL_SOCKET_IFNAME" not in os.environ:
+        env["NCCL_SOCKET_IFNAME"] = args.network_interface
     return env
+
+
+def _names_an_interface(given):
+    """Whether --network-interface named an interface (eth0), not an
+    address or every interface (0.0.0.0)."""
+    if not given:
+        return False
+    try:
+        ipaddress.ip_address(given)
+        return False
+    except ValueError:
+        return True
 
 
 def _one_interface(parser, given):

@@ -8,10 +8,12 @@ Ranks fill the hosts in order (ranks 0-3 on host1 above). Each rank is told
 the job's rendezvous (rank 0's host and a port) and a fresh per-job secret
 that every connection between ranks must prove (native/tcp/). The secret
 reaches a remote rank on ssh's standard input, never on a command line
-that `ps` on the host would show.
+that `ps` on the host would show, and so does the rest of the launcher's
+environment, which every rank gets as under horovodrun
+(rank_environment.py).
 
 A remote rank runs under a small wrapper (`python -m unison.tcp_run
---remote-rank`): it reads the secret, runs the command, ends it when ssh's
+--remote-rank`): it reads the secret and the environment, runs the command, ends it when ssh's
 standard input closes (the launcher stopped the job, or was killed), and says
 how the command ended, which ssh's exit status alone cannot tell.
 
@@ -20,6 +22,7 @@ addresses) start their ranks directly; a different name for this machine
 still counts as a host of its own, which is how two hosts are tested on one.
 """
 import fcntl
+import json
 import os
 import random
 import secrets
@@ -32,10 +35,8 @@ import sys
 import threading
 import time
 
-from unison import mpi_run
+from unison import mpi_run, rank_environment
 
-# Variables a remote rank needs beside the UNISON_* and HOROVOD_* settings.
-PASSED_VARIABLES = mpi_run.PASSED_VARIABLES
 # Variables that hold secrets: the job's, and the key of unison.run()'s
 # service (run_function.py). A remote rank gets them on ssh's standard
 # input, as one line of NAME=value pairs.
@@ -240,18 +241,43 @@ def launches(args, job_id, base):
 
 def remote_launch(args, host, env, command):
     """(ssh command line, what goes on its standard input) that run
-    `command` on `host` under the remote wrapper, with `env`'s settings:
-    the secret ones on standard input, the others on the command line."""
+    `command` on `host` under the remote wrapper with `env`, less what is
+    the launcher's own (rank_environment.py): unison's settings and what
+    the wrapper needs to start on the command line, the rest (the secrets
+    among it) on standard input as one JSON object after its length."""
+    env = rank_environment.forwarded(env)
     settings = {k: v for k, v in env.items()
-                if (k.startswith(("UNISON_", "HOROVOD_")) or k in PASSED_VARIABLES) and k not in SECRET_VARIABLES}
+                if (k.startswith(("UNISON_", "HOROVOD_")) or k in rank_environment.BEFORE_THE_WRAPPER)
+                and k not in SECRET_VARIABLES}
     remote = "cd %s 2>/dev/null; exec env %s %s -m unison.tcp_run --remote-rank -- %s" % (
         shlex.quote(os.getcwd()), " ".join("%s=%s" % (k, shlex.quote(v)) for k, v in sorted(settings.items())),
         shlex.quote(sys.executable), " ".join(shlex.quote(c) for c in command))
-    secret = " ".join("%s=%s" % (k, env[k]) for k in SECRET_VARIABLES if k in env)
-    return ssh_command(args, host, remote), secret + "\n"
+    given = json.dumps({k: v for k, v in env.items() if k not in settings}).encode()
+    return ssh_command(args, host, remote), "%d\n" % len(given) + given.decode()
 
 
 # ---- on the remote host ----------------------------------------------------------
+
+
+def _read_given_environment():
+    """The variables remote_launch() sent on standard input ({} if none).
+    Unbuffered reads of fd 0, never past them: after them comes nothing
+    but its end, which says that the launcher is gone."""
+    line = b""
+    while not line.endswith(b"\n"):
+        byte = os.read(0, 1)
+        if not byte or len(line) > 20:
+            return {}
+        line += byte
+    if not line.strip().isdigit():
+        return {}
+    length, data = int(line), b""
+    while len(data) < length:
+        chunk = os.read(0, length - len(data))
+        if not chunk:
+            return {}
+        data += chunk
+    return json.loads(data.decode())
 
 
 def remote_rank(argv):
@@ -259,18 +285,11 @@ def remote_rank(argv):
     from unison.run import _describe, _die_with_parent, remove_shared_memory
 
     command = argv[1:] if argv[:1] == ["--"] else argv
-    # Unbuffered reads of fd 0: the secrets' line, then nothing but the end.
-    line = b""
-    while not line.endswith(b"\n"):
-        byte = os.read(0, 1)
-        if not byte:
-            break
-        line += byte
-    given = dict(item.partition("=")[::2] for item in line.decode().split())
+    given = _read_given_environment()
     if not given.get("UNISON_SECRET_KEY"):
         raise SystemExit("unison.tcp_run: no secret on standard input; this wrapper is started by unisonrun")
     env = dict(os.environ)
-    env.update({k: v for k, v in given.items() if k in SECRET_VARIABLES})
+    env.update(given)
     proc = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
                             preexec_fn=_die_with_parent)
 

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from jobs import assert_only_the_killed_left, discovery_script, elastic_job, random_kills, unisonrun
+from test_tcp import fake_ssh
 from unison import timeline
 
 pytestmark = pytest.mark.timeout(300)
@@ -157,11 +158,11 @@ def test_a_failing_discovery_script_keeps_the_hosts_found_before(tmp_path):
 
 def test_workers_on_a_host_reached_by_ssh(tmp_path):
     # elsewhere.invalid is not this machine, so its workers start through
-    # "ssh" (a stand-in that runs the command here, as test_tcp.py's does),
-    # get the secret on its standard input, and reach the driver over lo.
-    ssh = tmp_path / "ssh"
-    ssh.write_text("#!/bin/bash\nwhile [ $# -gt 2 ]; do shift; done\nexec setsid -w bash -c \"$2\"\n")
-    ssh.chmod(0o755)
+    # "ssh" (test_tcp.py's stand-in, which runs the command here in a fresh
+    # login environment), get the secret and the launcher's environment
+    # (ELASTIC_FAULT, ELASTIC_STEPS) on its standard input, and reach the
+    # driver over lo.
+    ssh = fake_ssh(tmp_path)
     proc, events = elastic_job(tmp_path, ["-np", "3", "--min-np", "1", "-H", "localhost:1,elsewhere.invalid:2",
                                           "--network-interface", "lo"], "train_numpy.py",
                                env={"UNISON_SSH": str(ssh), "ELASTIC_FAULT": "elsewhere.invalid:1@7:sigkill",

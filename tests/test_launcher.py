@@ -651,6 +651,34 @@ def test_the_rest_of_horovodruns_flags(tmp_path, monkeypatch):
     assert "not allowed with argument" in refused("--start-timeout", "5", "--gloo-timeout-seconds", "6")
 
 
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_a_network_interface_is_nccls_too_as_with_horovodrun(tmp_path, monkeypatch, np_):
+    """horovodrun points NCCL's sockets (NCCL_SOCKET_IFNAME) at the interface
+    it is given; a NCCL_SOCKET_IFNAME of the user's own wins, and an address
+    or 0.0.0.0 names no interface."""
+    from unison.run import _parse, _settings
+
+    proc = run(tmp_path, """
+        import os, unison
+        unison.init()
+        print("rank %d: %s" % (unison.rank(), os.environ.get("NCCL_SOCKET_IFNAME")), flush=True)
+    """, np_=np_, extra=("--network-interface", "lo"), env={"NCCL_SOCKET_IFNAME": "ib0"})
+    out = proc.stdout.decode()
+    assert proc.returncode == 0, out + proc.stderr.decode()
+    assert sorted(re.findall(r"rank \d+: .*", out)) == ["rank %d: ib0" % r for r in range(np_)], out
+    monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
+    for given, nccls in (("lo", "lo"), ("127.0.0.1", None), ("0.0.0.0", None)):
+        assert _settings(_parse(["-np", "2", "--network-interface", given, "true"])).get("NCCL_SOCKET_IFNAME") == nccls
+    proc = run(tmp_path, """
+        import os, unison
+        unison.init()
+        print("rank %d: %s" % (unison.rank(), os.environ.get("NCCL_SOCKET_IFNAME")), flush=True)
+    """, np_=np_, extra=("--network-interface", "lo"))
+    out = proc.stdout.decode()
+    assert proc.returncode == 0, out + proc.stderr.decode()
+    assert sorted(re.findall(r"rank \d+: .*", out)) == ["rank %d: lo" % r for r in range(np_)], out
+
 def test_prefix_output_with_timestamp(tmp_path):
     proc = run(tmp_path, """
         import sys

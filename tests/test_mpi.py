@@ -283,6 +283,33 @@ def test_mpirun_command_for_each_family():
         ["mpirun", "-np", "2", "-bind-to", "core"] + wrapper)
 
 
+
+FAKE_OPEN_MPI = """#!/bin/bash
+if [ "$1" = "--version" ]; then echo "mpirun (Open MPI) 5.0.6"; exit 0; fi
+printf '%%s\\n' "$@" > %s
+"""
+
+
+def test_open_mpi_passes_every_rank_the_launchers_environment_but_its_own(tmp_path):
+    """Open MPI's ranks on other hosts get only the variables -x names:
+    unisonrun names every one a horovodrun rank would get, and none that
+    is the launcher's own (rank_environment.py)."""
+    mpirun, arguments = tmp_path / "mpirun", tmp_path / "arguments"
+    mpirun.write_text(FAKE_OPEN_MPI % arguments)
+    mpirun.chmod(0o755)
+    launcher = {"UNISON_MPIRUN": str(mpirun), "MY_SETTING": "x", "NCCL_SOCKET_IFNAME": "eth1",
+                "CUDA_VISIBLE_DEVICES": "1", "SSH_AUTH_SOCK": "/tmp/agent", "PMI_RANK": "4",
+                "OMPI_COMM_WORLD_RANK": "4", "SLURM_PROCID": "4", "SLURM_JOB_ID": "77", "BASH_FUNC_f%%": "() { :; }"}
+    proc = run_job([sys.executable, "-m", "unison.run", "--mpi", "-np", "2", "-H", "a:1,b:1", "python", "train.py"],
+                   60, env=dict(os.environ, **launcher))
+    assert proc.returncode == 0, proc.stdout.decode()
+    words = arguments.read_text().split("\n")
+    passed = {words[i + 1] for i, word in enumerate(words) if word == "-x"}
+    assert {"MY_SETTING", "NCCL_SOCKET_IFNAME", "SLURM_JOB_ID", "PATH", "UNISON_JOB_ID"} <= passed, passed
+    own = {"CUDA_VISIBLE_DEVICES", "SSH_AUTH_SOCK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID",
+           "BASH_FUNC_f%%", "HOME", "PWD"}
+    assert not passed & own, passed & own
+
 ENGINE_CORE = """
 import glob
 import numpy as np

@@ -8,9 +8,11 @@ Layouts on this one machine, with no MPI on PATH:
   two network namespaces    hierarchical, with TCP's bytes crossing a veth
                             pair, and ranks started through an ssh stand-in
 """
+import json
 import os
 import random
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -221,17 +223,20 @@ def test_placement_and_slots():
 
 # unisonrun's ssh stand-in for a host that is not this machine: it runs the
 # command here, in a session of its own, so that only the end of its standard
-# input (not a signal to ssh's process group) can stop the rank, as on a real
-# remote host.
+# input (not a signal to ssh's process group) can stop the rank, and with the
+# environment a login there would give (another home, a short PATH, nothing
+# of the launcher's), as on a real remote host. Its arguments, each on a
+# line, go to the file ssh.log beside it.
 FAKE_SSH = """#!/bin/bash
+printf '%%s\\n' "$@" >> %(log)s
 while [ $# -gt 2 ]; do shift; done
-exec setsid -w bash -c "$2"
+exec env -i HOME=/home/on-another-host PATH=/usr/bin:/bin setsid -w bash -c "$2"
 """
 
 
 def fake_ssh(tmp_path):
     ssh = tmp_path / "ssh"
-    ssh.write_text(FAKE_SSH)
+    ssh.write_text(FAKE_SSH % {"log": shlex.quote(str(tmp_path / "ssh.log"))})
     ssh.chmod(0o755)
     return str(ssh)
 
@@ -277,6 +282,44 @@ def test_a_failed_remote_rank_is_named_with_its_status(tmp_path):
     assert proc.returncode == 3, output
     assert "unisonrun: job failed: rank 1 (host elsewhere.invalid) exited with status 3" in output, output
     assert time.monotonic() - start < 30, output
+
+
+SEES = """
+import json, os, unison
+unison.init()
+seen = {name: os.environ.get(name) for name in ("MY_SETTING", "NCCL_SOCKET_IFNAME", "CUDA_VISIBLE_DEVICES",
+                                                "SSH_AUTH_SOCK", "HOME")}
+print("rank %d sees %s" % (unison.rank(), json.dumps(seen, sort_keys=True)), flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("np_", [2, 3])
+def test_every_rank_on_every_host_gets_the_launchers_environment(tmp_path, np_):
+    """As under horovodrun, a rank started over ssh gets the launcher's
+    environment (a script's settings, NCCL's), on standard input rather than
+    on a command line that ps shows, but not what is the launcher's own:
+    its GPUs, its ssh session, its home."""
+    ssh = fake_ssh(tmp_path)
+    script = tmp_path / "sees.py"
+    script.write_text(SEES)
+    setting = "two words\nand a 'quoted' line with $HOME; `true` \\ \u00e9"
+    launcher = {"MY_SETTING": setting, "NCCL_SOCKET_IFNAME": "lo", "CUDA_VISIBLE_DEVICES": "3",
+                "SSH_AUTH_SOCK": "/tmp/the-launchers-agent", "HOME": "/home/of-the-launcher"}
+    proc = unisonrun(["-np", str(np_), "-H", "localhost:1,elsewhere.invalid:%d" % (np_ - 1),
+                      "--network-interface", "lo"], [sys.executable, str(script)],
+                     env=dict(launcher, UNISON_SSH=ssh), timeout=100)
+    output = proc.stdout.decode(errors="replace")
+    assert proc.returncode == 0, output
+    seen = {int(r): json.loads(j) for r, j in re.findall(r"rank (\d+) sees (.*)", output)}
+    assert seen[0] == launcher, output  # this machine's rank inherits everything
+    remote = {"MY_SETTING": setting, "NCCL_SOCKET_IFNAME": "lo", "CUDA_VISIBLE_DEVICES": None,
+              "SSH_AUTH_SOCK": None, "HOME": "/home/on-another-host"}
+    expected = {0: launcher}
+    expected.update({r: remote for r in range(1, np_)})
+    assert seen == expected, output
+    command_lines = (tmp_path / "ssh.log").read_text()
+    assert "UNISON_RANK=1" in command_lines and "two words" not in command_lines, command_lines
 
 
 # Rank 3 dies mid-training; each survivor ends on its first error, as a

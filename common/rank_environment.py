@@ -1,0 +1,56 @@
+"""The environment a rank on another host gets from the launcher.
+
+horovodrun gives every rank, on every host, the launcher's whole
+environment, and Horovod scripts count on it: `NCCL_SOCKET_IFNAME=eth1
+horovodrun -H a:4,b:4 ...` sets NCCL's interface on both hosts, and so do a
+script's own settings (a data directory, a run name, an API token). A rank
+on this machine inherits the launcher's environment anyway; one started
+over ssh gets the login environment of the remote host, and one started by
+Open MPI's mpirun on another host gets only what `-x` names. So unisonrun
+sends them the launcher's environment too, all of it but the variables
+that describe the launcher's own shell, session, host, login or place in
+another job: those hold something else on every host, and copied they
+would mislead (an ssh agent's socket that is not there, this machine's
+GPUs, another account's home).
+
+Over ssh the variables travel on the rank's standard input, with the
+job's secret, not on its command line: `ps` on the remote host shows every
+user a command line, and a script's settings often hold tokens. Only what
+the remote wrapper needs before it can read them is on the command line
+(BEFORE_THE_WRAPPER), with unison's own settings, which say what the rank
+is and are useful to see in `ps`.
+"""
+
+# What a remote rank's wrapper needs to start (its Python, and the path to
+# unison), and the defaults the launcher sets for every rank.
+BEFORE_THE_WRAPPER = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV", "PYTHONUNBUFFERED", "OMP_NUM_THREADS")
+
+# Variables that are the launcher's own, by name:
+#   - the shell's bookkeeping: PWD, OLDPWD, SHLVL, _ (and exported shell
+#     functions, BASH_FUNC_*, whose names no `env` or `-x` accepts);
+#   - this host: HOSTNAME, and CUDA_VISIBLE_DEVICES (each host's GPUs are
+#     its own; Horovod keeps it back too);
+#   - the login the remote host gives, which may be another account
+#     (ssh's user@host, or a different home): HOME, USER, LOGNAME, SHELL, MAIL;
+#   - the launcher's place in a job of another launcher (unisonrun run by
+#     srun or mpirun): every rank would claim to be that one process.
+_OWN_NAMES = frozenset([
+    "PWD", "OLDPWD", "SHLVL", "_", "HOSTNAME", "CUDA_VISIBLE_DEVICES", "HOME", "USER", "LOGNAME", "SHELL", "MAIL",
+    "MPI_LOCALRANKID", "MPI_LOCALNRANKS", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_TASK_PID",
+    "SLURMD_NODENAME",
+])
+# ...and by prefix: exported shell functions; this machine's ssh session
+# (SSH_AUTH_SOCK is a socket path here, SSH_CONNECTION this connection);
+# Open MPI's and Hydra's per-process identity.
+_OWN_PREFIXES = ("BASH_FUNC_", "SSH_", "OMPI_COMM_WORLD_", "PMI_", "PMIX_")
+
+
+def is_the_launchers_own(name):
+    """Whether the variable `name` describes the launcher's own shell,
+    session, host, login or place in another job (see the module)."""
+    return name in _OWN_NAMES or name.startswith(_OWN_PREFIXES)
+
+
+def forwarded(env):
+    """The variables of `env` that every rank on every host gets."""
+    return {name: value for name, value in env.items() if not is_the_launchers_own(name)}
