@@ -21,9 +21,19 @@ one in-place pass over the gradients after the barrier, the least any
 allreduce that leaves its result in them must do (read every byte, write
 every byte). Also reported: one process alone on the same per-rank batch
 while the others wait, for scaling.
+
+The copies share one process, and so one glibc heap, whose freed top glibc
+gives back to the kernel by default: which copy's step then faults its
+pages in again depended on what the other copies had left on the heap, and
+a copy lost up to a fifth of its speed to it in one run and nothing in the
+next. So the script runs with glibc's heap kept (benchmarks/heap_trim.py,
+whose thresholds it sets by starting itself again) unless GLIBC_TUNABLES is
+set already or --glibc-default is given: then no copy faults.
 """
 import argparse
+import os
 import statistics
+import sys
 import time
 
 import torch
@@ -54,7 +64,12 @@ def main():
     parser.add_argument("--depth", type=int, default=16)
     parser.add_argument("--steps", type=int, default=10, help="steps per timed block")
     parser.add_argument("--blocks", type=int, default=5)
+    parser.add_argument("--glibc-default", action="store_true",
+                        help="leave glibc's heap as it is (see the top of the file)")
     args = parser.parse_args()
+    if not args.glibc_default and "GLIBC_TUNABLES" not in os.environ:
+        from heap_trim import KEPT
+        os.execve(sys.executable, [sys.executable] + sys.argv, dict(os.environ, GLIBC_TUNABLES=KEPT))
     torch.set_num_threads(1)
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
