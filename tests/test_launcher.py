@@ -651,7 +651,6 @@ def test_the_rest_of_horovodruns_flags(tmp_path, monkeypatch):
     assert "not allowed with argument" in refused("--start-timeout", "5", "--gloo-timeout-seconds", "6")
 
 
-
 @pytest.mark.parametrize("np_", [2, 3])
 def test_a_network_interface_is_nccls_too_as_with_horovodrun(tmp_path, monkeypatch, np_):
     """horovodrun points NCCL's sockets (NCCL_SOCKET_IFNAME) at the interface
@@ -659,25 +658,24 @@ def test_a_network_interface_is_nccls_too_as_with_horovodrun(tmp_path, monkeypat
     or 0.0.0.0 names no interface."""
     from unison.run import _parse, _settings
 
-    proc = run(tmp_path, """
-        import os, unison
-        unison.init()
-        print("rank %d: %s" % (unison.rank(), os.environ.get("NCCL_SOCKET_IFNAME")), flush=True)
-    """, np_=np_, extra=("--network-interface", "lo"), env={"NCCL_SOCKET_IFNAME": "ib0"})
-    out = proc.stdout.decode()
-    assert proc.returncode == 0, out + proc.stderr.decode()
-    assert sorted(re.findall(r"rank \d+: .*", out)) == ["rank %d: ib0" % r for r in range(np_)], out
+    def what_every_rank_sees(env):
+        proc = run(tmp_path, """
+            import os, unison
+            unison.init()
+            print("rank %d: %s" % (unison.rank(), os.environ.get("NCCL_SOCKET_IFNAME")), flush=True)
+        """, np_=np_, extra=("--network-interface", "lo"), env=env)
+        out = proc.stdout.decode()
+        assert proc.returncode == 0, out + proc.stderr.decode()
+        seen = sorted(re.findall(r"rank (\d+): (.*)", out))
+        assert [int(r) for r, _ in seen] == list(range(np_)), out
+        return {value for _, value in seen}
+
+    assert what_every_rank_sees({"NCCL_SOCKET_IFNAME": "ib0"}) == {"ib0"}
     monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
+    assert what_every_rank_sees({}) == {"lo"}
     for given, nccls in (("lo", "lo"), ("127.0.0.1", None), ("0.0.0.0", None)):
         assert _settings(_parse(["-np", "2", "--network-interface", given, "true"])).get("NCCL_SOCKET_IFNAME") == nccls
-    proc = run(tmp_path, """
-        import os, unison
-        unison.init()
-        print("rank %d: %s" % (unison.rank(), os.environ.get("NCCL_SOCKET_IFNAME")), flush=True)
-    """, np_=np_, extra=("--network-interface", "lo"))
-    out = proc.stdout.decode()
-    assert proc.returncode == 0, out + proc.stderr.decode()
-    assert sorted(re.findall(r"rank \d+: .*", out)) == ["rank %d: lo" % r for r in range(np_)], out
+
 
 def test_prefix_output_with_timestamp(tmp_path):
     proc = run(tmp_path, """
