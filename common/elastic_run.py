@@ -40,7 +40,7 @@ import sys
 import threading
 import time
 
-from unison import run, tcp_run
+from unison import rank_environment, run, tcp_run
 from unison.keyed_listener import KeyedListener
 
 DISCOVERY_INTERVAL_SECONDS = 1.0
@@ -292,6 +292,7 @@ class ElasticDriver:
                                                  if len(on_host[h]) > local_rank)),
                        UNISON_CROSS_SIZE=str(sum(1 for h in hosts if len(on_host[h]) > local_rank)),
                        UNISON_HOSTNAME=worker.host)
+            env = rank_environment.with_horovods_names(env)
             self.answer(worker, {"kind": "assign", "env": env, "round": self.round,
                                  "hosts_version": self.hosts_version})
         self.tell_watchers(None)

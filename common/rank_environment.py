@@ -1,4 +1,13 @@
-"""The environment a rank on another host gets from the launcher.
+"""The environment a rank gets from the launcher: its identity under
+Horovod's names too, and on another host the launcher's environment.
+
+horovodrun tells each rank who it is in HOROVOD_RANK, HOROVOD_SIZE,
+HOROVOD_LOCAL_RANK, HOROVOD_LOCAL_SIZE, HOROVOD_CROSS_RANK, HOROVOD_CROSS_SIZE
+and HOROVOD_HOSTNAME, and Horovod scripts read them before init() or
+without it: HOROVOD_LOCAL_RANK to choose a GPU before TensorFlow starts, a
+rank to name a log file. unisonrun sets unison's names (UNISON_RANK...),
+and Horovod's to the same values (with_horovods_names); read without them,
+such a script would quietly put every rank on GPU 0.
 
 horovodrun gives every rank, on every host, the launcher's whole
 environment, and Horovod scripts count on it: `NCCL_SOCKET_IFNAME=eth1
@@ -54,3 +63,18 @@ def is_the_launchers_own(name):
 def forwarded(env):
     """The variables of `env` that every rank on every host gets."""
     return {name: value for name, value in env.items() if not is_the_launchers_own(name)}
+
+
+# unison's name for each part of a rank's identity, and horovodrun's.
+HOROVODS_NAMES = {"UNISON_RANK": "HOROVOD_RANK", "UNISON_SIZE": "HOROVOD_SIZE",
+                  "UNISON_LOCAL_RANK": "HOROVOD_LOCAL_RANK", "UNISON_LOCAL_SIZE": "HOROVOD_LOCAL_SIZE",
+                  "UNISON_CROSS_RANK": "HOROVOD_CROSS_RANK", "UNISON_CROSS_SIZE": "HOROVOD_CROSS_SIZE",
+                  "UNISON_HOSTNAME": "HOROVOD_HOSTNAME"}
+
+
+def with_horovods_names(identity):
+    """`identity` (UNISON_RANK and the rest), and each of its parts under
+    horovodrun's name as well."""
+    both = dict(identity)
+    both.update({horovods: identity[ours] for ours, horovods in HOROVODS_NAMES.items() if ours in identity})
+    return both

@@ -28,6 +28,8 @@ import time
 import types
 import uuid
 
+from unison import rank_environment
+
 PR_SET_PDEATHSIG = 1
 
 
@@ -454,12 +456,12 @@ def local_launches(args, job_id, base):
     launches = []
     for rank in range(n):
         env = dict(base)
-        env.update({
+        env.update(rank_environment.with_horovods_names({
             "UNISON_RANK": str(rank), "UNISON_SIZE": str(n),
             "UNISON_LOCAL_RANK": str(rank), "UNISON_LOCAL_SIZE": str(n),
             "UNISON_CROSS_RANK": "0", "UNISON_CROSS_SIZE": "1",
             "UNISON_JOB_ID": job_id,
-        })
+        }))
         launches.append(Launch(rank, args.command, env))
     return launches
 
@@ -607,12 +609,13 @@ def remove_shared_memory(job_id):
 # own, so its ranks must not inherit these: a rendezvous address would send
 # them to the outer job's rank 0, an elastic driver's to the outer driver,
 # and the outer rank's record of its init() (basics.INITIALIZED_BY) would
-# refuse their init(); under mpirun, an inherited UNISON_RANK would override
-# MPI's identity. Each launcher sets what its own ranks need of these.
+# refuse their init(); under mpirun, an inherited UNISON_RANK (or its
+# horovodrun name, which init() also reads) would override MPI's identity.
+# Each launcher sets what its own ranks need of these.
 JOB_WIRING = ("UNISON_RANK", "UNISON_SIZE", "UNISON_LOCAL_RANK", "UNISON_LOCAL_SIZE", "UNISON_CROSS_RANK",
               "UNISON_CROSS_SIZE", "UNISON_JOB_ID", "UNISON_RENDEZVOUS_ADDR", "UNISON_RENDEZVOUS_PORT",
               "UNISON_SECRET_KEY", "UNISON_ELASTIC_DRIVER", "UNISON_ELASTIC_WORKER", "UNISON_ELASTIC_ROUND",
-              "UNISON_INITIALIZED_BY")
+              "UNISON_INITIALIZED_BY") + tuple(rank_environment.HOROVODS_NAMES.values())
 
 
 def main(argv=None):

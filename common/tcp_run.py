@@ -225,6 +225,7 @@ def launches(args, job_id, base):
             # two hosts, with shared memory of their own.
             "UNISON_HOSTNAME": host,
         })
+        identity = rank_environment.with_horovods_names(identity)
         if local[host]:
             env = dict(base)
             env.update(identity)

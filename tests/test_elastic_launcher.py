@@ -175,6 +175,12 @@ def test_workers_on_a_host_reached_by_ssh(tmp_path):
     done = done_events(events)
     assert [e["worker"] for e in done] == ["localhost:0"]
     assert done[0]["total"] == [sum(range(1, STEPS + 1))] * 3
+    # Each round tells every worker who it is under horovodrun's names too.
+    syncs = [e for worker in events.values() for e in worker if e["event"] == "sync"]
+    assert len(syncs) >= 4, events
+    for e in syncs:
+        assert e["horovods_names"] == {"RANK": str(e["rank"]), "SIZE": str(e["size"]),
+                                       "LOCAL_RANK": str(e["local_rank"]), "HOSTNAME": e["worker"].split(":")[0]}, e
 
 
 def test_a_plain_job_using_the_elastic_api_fails_at_once_when_a_rank_dies(tmp_path):

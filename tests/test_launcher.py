@@ -30,16 +30,24 @@ def shm_segments():
     return set(glob.glob("/dev/shm/unison-*"))
 
 
-def test_output_is_prefixed_and_identity_is_set(tmp_path):
+@pytest.mark.parametrize("np_", [2, 3])
+def test_output_is_prefixed_and_identity_is_set(tmp_path, np_):
+    # The identity is under horovodrun's names too, which Horovod scripts
+    # read before init() (HOROVOD_LOCAL_RANK, to pick a GPU).
     proc = run(tmp_path, """
+        import os
         import unison
         unison.init()
+        horovods = [os.environ.get("HOROVOD_" + n) for n in ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE",
+                                                             "CROSS_RANK", "CROSS_SIZE")]
+        assert horovods == [str(v) for v in (unison.rank(), unison.size(), unison.local_rank(), unison.local_size(),
+                                             unison.cross_rank(), unison.cross_size())], horovods
         print("hello from", unison.rank(), "of", unison.size(), unison.backend_name())
-    """, np_=3)
+    """, np_=np_)
     out = proc.stdout.decode()
     assert proc.returncode == 0, proc.stderr.decode()
-    for r in range(3):
-        assert "[%d]<stdout>:hello from %d of 3 shm" % (r, r) in out
+    for r in range(np_):
+        assert "[%d]<stdout>:hello from %d of %d shm" % (r, r, np_) in out
 
 
 def test_a_launcher_started_inside_a_rank_starts_a_job_of_its_own(tmp_path, monkeypatch):
@@ -52,20 +60,22 @@ def test_a_launcher_started_inside_a_rank_starts_a_job_of_its_own(tmp_path, monk
              "UNISON_CROSS_RANK": "1", "UNISON_CROSS_SIZE": "2", "UNISON_JOB_ID": "outer",
              "UNISON_RENDEZVOUS_ADDR": "127.0.0.1", "UNISON_RENDEZVOUS_PORT": "9", "UNISON_SECRET_KEY": "outer",
              "UNISON_ELASTIC_DRIVER": "127.0.0.1:9", "UNISON_ELASTIC_WORKER": "outer:1", "UNISON_ELASTIC_ROUND": "3",
-             "UNISON_INITIALIZED_BY": "1:5"}
+             "UNISON_INITIALIZED_BY": "1:5", "HOROVOD_RANK": "5", "HOROVOD_SIZE": "8", "HOROVOD_HOSTNAME": "outer"}
     for name, value in outer.items():
         monkeypatch.setenv(name, value)
     proc = run(tmp_path, """
+        import os
         import numpy as np
         import unison, unison.numpy as unp
         unison.init()
         total = unp.allreduce(np.full(2, unison.rank() + 1, np.int64), op=unison.Sum, name="inner")
-        print("inner", unison.rank(), unison.size(), unison.backend_name(), total.tolist())
+        horovods = [os.environ.get("HOROVOD_" + n) for n in ("RANK", "SIZE", "HOSTNAME")]
+        print("inner", unison.rank(), unison.size(), unison.backend_name(), total.tolist(), horovods)
     """, np_=3)
     assert proc.returncode == 0, proc.stderr.decode()
     out = proc.stdout.decode()
     for r in range(3):
-        assert "[%d]<stdout>:inner %d 3 shm [6, 6]" % (r, r) in out
+        assert "[%d]<stdout>:inner %d 3 shm [6, 6] ['%d', '3', None]" % (r, r, r) in out, out
 
 
 def run_with_small_dev_shm(tmp_path, megabytes, script, env=None, np_=2):

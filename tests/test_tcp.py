@@ -289,6 +289,11 @@ import json, os, unison
 unison.init()
 seen = {name: os.environ.get(name) for name in ("MY_SETTING", "NCCL_SOCKET_IFNAME", "CUDA_VISIBLE_DEVICES",
                                                 "SSH_AUTH_SOCK", "HOME")}
+identity = [unison.rank(), unison.size(), unison.local_rank(), unison.local_size(), unison.cross_rank(),
+            unison.cross_size(), os.environ["UNISON_HOSTNAME"]]
+horovods = [os.environ.get("HOROVOD_" + n) for n in ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK",
+                                                     "CROSS_SIZE", "HOSTNAME")]
+assert horovods == [str(v) for v in identity], (horovods, identity)
 print("rank %d sees %s" % (unison.rank(), json.dumps(seen, sort_keys=True)), flush=True)
 """
 
@@ -299,7 +304,8 @@ def test_every_rank_on_every_host_gets_the_launchers_environment(tmp_path, np_):
     """As under horovodrun, a rank started over ssh gets the launcher's
     environment (a script's settings, NCCL's), on standard input rather than
     on a command line that ps shows, but not what is the launcher's own:
-    its GPUs, its ssh session, its home."""
+    its GPUs, its ssh session, its home. Every rank's identity is under
+    horovodrun's names too (HOROVOD_RANK...)."""
     ssh = fake_ssh(tmp_path)
     script = tmp_path / "sees.py"
     script.write_text(SEES)
@@ -630,7 +636,7 @@ try:
 except unison.HorovodInternalError as e:
     print("aborted after %.1f s: %s" % (time.monotonic() - start, e), flush=True)
 returned.set()
-for name in [k for k in os.environ if k.startswith("UNISON_")]:
+for name in [k for k in os.environ if k.startswith(("UNISON_", "HOROVOD_"))]:
     del os.environ[name]
 unison.init()
 print("then alone:", unp.allreduce(np.ones(2), name="x").tolist(), flush=True)

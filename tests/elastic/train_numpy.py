@@ -49,7 +49,9 @@ def main():
 
     @unison.elastic.run
     def train(state):
-        log(event="sync", rank=unison.rank(), size=unison.size(), step=state.step)
+        log(event="sync", rank=unison.rank(), size=unison.size(), step=state.step,
+            horovods_names={n: os.environ.get("HOROVOD_" + n) for n in ("RANK", "SIZE", "LOCAL_RANK", "HOSTNAME")},
+            local_rank=unison.local_rank())
         while state.step < STEPS:
             timed_kill_window(state.step, STEPS)
             maybe_add_host(state.step, unison.rank())
