@@ -13,9 +13,10 @@ environment, which every rank gets as under horovodrun
 (rank_environment.py).
 
 A remote rank runs under a small wrapper (`python -m unison.tcp_run
---remote-rank`): it reads the secret and the environment, runs the command, ends it when ssh's
-standard input closes (the launcher stopped the job, or was killed), and says
-how the command ended, which ssh's exit status alone cannot tell.
+--remote-rank`): it reads the secret and the environment, runs the command,
+ends it when ssh's standard input closes (the launcher stopped the job, or
+was killed), and says how the command ended, which ssh's exit status alone
+cannot tell.
 
 Hosts that are this machine (localhost, 127.0.0.1, its name, any of its
 addresses) start their ranks directly; a different name for this machine
@@ -39,7 +40,7 @@ from unison import mpi_run, rank_environment
 
 # Variables that hold secrets: the job's, and the key of unison.run()'s
 # service (run_function.py). A remote rank gets them on ssh's standard
-# input, as one line of NAME=value pairs.
+# input, with the rest of the launcher's environment (remote_launch).
 SECRET_VARIABLES = ("UNISON_SECRET_KEY", "UNISON_RUN_FUNCTION_KEY")
 SIOCGIFADDR = 0x8915
 
