@@ -283,7 +283,6 @@ def test_mpirun_command_for_each_family():
         ["mpirun", "-np", "2", "-bind-to", "core"] + wrapper)
 
 
-
 FAKE_OPEN_MPI = """#!/bin/bash
 if [ "$1" = "--version" ]; then echo "mpirun (Open MPI) 5.0.6"; exit 0; fi
 printf '%%s\\n' "$@" > %s
@@ -309,6 +308,7 @@ def test_open_mpi_passes_every_rank_the_launchers_environment_but_its_own(tmp_pa
     own = {"CUDA_VISIBLE_DEVICES", "SSH_AUTH_SOCK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID",
            "BASH_FUNC_f%%", "HOME", "PWD"}
     assert not passed & own, passed & own
+
 
 ENGINE_CORE = """
 import glob
