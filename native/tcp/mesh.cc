@@ -373,8 +373,9 @@ Status Mesh::run_to_the_end(Moves* moves, uint32_t channel, const char* what) {
     const double now = monotonic_seconds();
     if (now >= next_look) {
       next_look = now + beat_interval_ / 4;
-      beat_if_due();
-      beat_everywhere();  // this rank's own host's ranks may be waiting on it too (liveness.h)
+      // Every plane's heartbeats, this mesh's among them (beat_from_other_planes):
+      // this rank's own host's ranks may be waiting on it too (liveness.h).
+      beat_everywhere();
       // A peer this rank waits on that has sent nothing, not even a
       // heartbeat, for the peer timeout is frozen or cut off.
       for (int p = 0; p < size(); ++p) {
