@@ -60,6 +60,7 @@ void copy_by_vectors(char* to, const char* from, size_t bytes) { std::memcpy(to,
 }  // namespace
 
 void copy_bytes(void* to, const void* from, size_t bytes) {
+  if (bytes == 0) return;  // an empty tensor's pointers may be null, which memcpy may not be given
   if (bytes < kSmallestAffected || bytes > largest_affected() || !slow_distance(to, from)) {
     std::memcpy(to, from, bytes);
     return;
@@ -68,6 +69,7 @@ void copy_bytes(void* to, const void* from, size_t bytes) {
 }
 
 void move_bytes(void* to, const void* from, size_t bytes) {
+  if (bytes == 0) return;
   const char* a = static_cast<const char*>(to);
   const char* b = static_cast<const char*>(from);
   if (a < b + bytes && b < a + bytes) {

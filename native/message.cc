@@ -50,7 +50,7 @@ class Reader {
     uint32_t n;
     if (!get(&n) || left_ / sizeof(T) < n) return fail();
     v->resize(n);
-    std::memcpy(v->data(), data_, n * sizeof(T));
+    if (n > 0) std::memcpy(v->data(), data_, n * sizeof(T));  // an empty vector's data() may be null
     advance(n * sizeof(T));
     return true;
   }

@@ -46,13 +46,13 @@ Status Timeline::start(const std::string& path, bool mark_cycles) {
   file_ = file;
   std::fputs("[\n", file_);
   std::fflush(file_);
-  mark_cycles_ = mark_cycles;
+  mark_cycles_.store(mark_cycles, std::memory_order_relaxed);
   first_event_ = true;
   stopping_ = false;
   pending_.clear();
   rows_.clear();
   arrivals_.clear();
-  origin_ns_ = steady_ns();
+  origin_ns_.store(steady_ns(), std::memory_order_relaxed);
   writer_ = std::thread([this] { write_loop(); });
   active_.store(true);
   return Status::OK();
@@ -89,7 +89,7 @@ void Timeline::write_loop() {
   }
 }
 
-int64_t Timeline::now_us() const { return (steady_ns() - origin_ns_) / 1000; }
+int64_t Timeline::now_us() const { return (steady_ns() - origin_ns_.load(std::memory_order_relaxed)) / 1000; }
 
 void Timeline::append(const std::string& event) {
   // Each event after the first starts with the comma that separates it from

@@ -46,8 +46,9 @@ class Timeline {
   Status start(const std::string& path, bool mark_cycles);
   void stop();
   // Read before formatting anything: a job without a timeline pays one load.
-  bool active() const { return active_.load(std::memory_order_relaxed); }
-  bool marking_cycles() const { return active() && mark_cycles_; }
+  // Acquire: a recorder that sees the timeline on also sees what start() set.
+  bool active() const { return active_.load(std::memory_order_acquire); }
+  bool marking_cycles() const { return active() && mark_cycles_.load(std::memory_order_relaxed); }
 
   // A span on `tensor`'s row. `args` is a JSON object's members, or empty.
   void begin(const std::string& tensor, const std::string& phase, const std::string& args = "");
@@ -68,7 +69,10 @@ class Timeline {
   void write_loop();
 
   std::atomic<bool> active_{false};
-  bool mark_cycles_ = false;
+  // Atomic as well as set before active_: the engine thread reads these
+  // without the mutex, and a restarted timeline sets them again while a
+  // recorder that saw the old one on may still be reading.
+  std::atomic<bool> mark_cycles_{false};
   std::mutex mutex_;
   std::condition_variable wake_;
   std::string pending_;  // formatted events not yet written
@@ -76,7 +80,7 @@ class Timeline {
   bool stopping_ = false;
   std::FILE* file_ = nullptr;
   std::thread writer_;
-  int64_t origin_ns_ = 0;
+  std::atomic<int64_t> origin_ns_{0};
   std::map<std::string, int> rows_;
   std::map<std::string, std::map<int, uint64_t>> arrivals_;  // tensor -> rank -> cycle
 };
