@@ -418,8 +418,15 @@ def start_process(command, env, stdin_text=None):
                             stdin=subprocess.PIPE if stdin_text is not None else subprocess.DEVNULL,
                             start_new_session=True, preexec_fn=_die_with_parent)
     if stdin_text is not None:
-        proc.stdin.write(stdin_text.encode())
-        proc.stdin.flush()
+        try:
+            proc.stdin.write(stdin_text.encode())
+            proc.stdin.flush()
+        except BrokenPipeError:
+            # It ended without reading it: ssh could not reach the host, or
+            # the remote command could not start. That is reported as any
+            # rank's end is, with its status and what it printed; a traceback
+            # from here would say neither.
+            pass
     return proc
 
 

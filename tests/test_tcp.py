@@ -30,6 +30,8 @@ LAYOUTS = {
     "1+1": (["-np", "2", "-H", "localhost:1,127.0.0.1:1"], 2, "tcp"),
     "2+1": (["-np", "3", "-H", "localhost:2,127.0.0.1:1"], 3, "tcp"),
 }
+
+
 def without_mpi():
     """The environment with every directory that holds an mpirun off PATH."""
     path = [d for d in os.environ.get("PATH", "").split(os.pathsep)
@@ -250,7 +252,7 @@ def test_ctrl_c_stops_every_rank_on_every_host(tmp_path):
                       "pathlib.Path(%r + str(unison.rank())).touch()\ntime.sleep(60)\n" % str(marker))
     proc = subprocess.Popen([sys.executable, "-m", "unison.run", "-np", "3", "-H", "localhost:1,elsewhere.invalid:2",
                              "--network-interface", "lo", sys.executable, str(script)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,                            env=dict(without_mpi(), UNISON_SSH=ssh))
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=dict(without_mpi(), UNISON_SSH=ssh))
     deadline = time.monotonic() + 60
     while not all(os.path.exists(str(marker) + str(r)) for r in range(3)):
         assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read().decode()
@@ -282,6 +284,33 @@ def test_a_failed_remote_rank_is_named_with_its_status(tmp_path):
     assert proc.returncode == 3, output
     assert "unisonrun: job failed: rank 1 (host elsewhere.invalid) exited with status 3" in output, output
     assert time.monotonic() - start < 30, output
+
+
+UNREACHABLE_SSH = """#!/bin/bash
+echo "ssh: connect to host elsewhere.invalid port 22: Connection refused" >&2
+exit 255
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_host_ssh_cannot_reach_is_named_with_what_ssh_said(tmp_path):
+    """ssh exits at once, without reading the environment the launcher
+    writes to it. The environment is larger than a pipe holds, so the
+    launcher's write finds the pipe closed; the job still fails naming the
+    host, ssh's status and its message, not with the launcher's traceback."""
+    ssh = tmp_path / "ssh"
+    ssh.write_text(UNREACHABLE_SSH)
+    ssh.chmod(0o755)
+    large = {"LARGE_SETTING_%d" % i: "x" * 60000 for i in range(4)}  # 240 KB; a pipe holds 64 KiB
+    proc = unisonrun(["-np", "3", "-H", "localhost:1,elsewhere.invalid:2", "--network-interface", "lo"],
+                     [sys.executable, "-c", "import time; time.sleep(60)"],
+                     env=dict(large, UNISON_SSH=str(ssh)), timeout=100)
+    output = proc.stdout.decode(errors="replace")
+    assert proc.returncode == 255, output
+    assert re.search(r"unisonrun: job failed: rank [12] \(host elsewhere.invalid\) exited with status 255", output), \
+        output
+    assert "Connection refused" in output, output
+    assert "Traceback" not in output, output
 
 
 SEES = """
@@ -417,8 +446,6 @@ def test_a_survivor_with_a_frame_half_sent_still_tells_the_others_which_rank_die
         if mid_ring:
             break
     assert mid_ring
-
-
 
 
 @pytest.mark.timeout(200)
