@@ -7,6 +7,11 @@ The MPI backend (native/mpi/) is compiled when an `mpicc` is found (on PATH,
 or named by $MPICC), with the flags that mpicc reports; otherwise
 native/mpi/without_mpi.cc stands in for it. UNISON_WITH_MPI=1 makes a
 missing MPI an error, UNISON_WITHOUT_MPI=1 leaves MPI out even if found.
+
+UNISON_SANITIZE=address (AddressSanitizer with UndefinedBehaviorSanitizer)
+or UNISON_SANITIZE=thread (ThreadSanitizer) builds an instrumented core for
+tests/sanitized.py (the `asan` and `tsan` tox envs); the process that loads
+it needs the sanitizer's runtime preloaded.
 """
 import glob
 import os
@@ -80,6 +85,22 @@ def _sources(with_mpi):
     return [os.path.relpath(f, ROOT) for f in files]
 
 
+# What each UNISON_SANITIZE value adds to the compile and link lines.
+SANITIZERS = {"address": ["-fsanitize=address,undefined"], "thread": ["-fsanitize=thread"]}
+
+
+def _sanitizer_flags():
+    chosen = os.environ.get("UNISON_SANITIZE", "")
+    if not chosen:
+        return []
+    if chosen not in SANITIZERS:
+        sys.exit("unison: UNISON_SANITIZE=%r is not one of %s" % (chosen, ", ".join(sorted(SANITIZERS))))
+    print("unison: building the core with %s" % " ".join(SANITIZERS[chosen]))
+    # Frames kept and line tables in, so reports name the core's lines.
+    return SANITIZERS[chosen] + ["-fno-omit-frame-pointer", "-g"]
+
+
+SANITIZE = _sanitizer_flags()
 MPICC = _find_mpicc()
 MPI = _mpi_flags(MPICC) if MPICC else {"include_dirs": [], "library_dirs": [], "libraries": [], "extra_link_args": []}
 if MPICC:
@@ -97,15 +118,16 @@ ffibuilder.set_source(
     # with MPI after one without (a checkout whose build/ is left over) would
     # silently keep the MPI-less core. cffi rewrites the file when this text
     # changes, which makes it newer than the old extension.
-    '#include "unison.h"\n/* unison core built with MPI: %s */' % (MPICC or "no"),
+    '#include "unison.h"\n/* unison core built with MPI: %s, sanitizers: %s */'
+    % (MPICC or "no", " ".join(SANITIZE) or "none"),
     sources=_sources(MPICC is not None),
     include_dirs=[os.path.relpath(HERE, ROOT)] + MPI["include_dirs"],
     library_dirs=MPI["library_dirs"],
     source_extension=".cpp",
     # MPI's C++ bindings are not used: the core calls the C API.
     define_macros=[("MPICH_SKIP_MPICXX", "1"), ("OMPI_SKIP_MPICXX", "1")],
-    extra_compile_args=["-std=c++17", "-O3", "-fvisibility=hidden", "-Wall"],
-    extra_link_args=["-pthread"] + MPI["extra_link_args"],
+    extra_compile_args=["-std=c++17", "-O3", "-fvisibility=hidden", "-Wall"] + SANITIZE,
+    extra_link_args=["-pthread"] + MPI["extra_link_args"] + SANITIZE,
     libraries=["rt"] + MPI["libraries"],
 )
 

@@ -1,0 +1,92 @@
+"""The core's suites on a core built with a sanitizer: the `asan` and `tsan`
+tox envs install unison with UNISON_SANITIZE=address (AddressSanitizer and
+UndefinedBehaviorSanitizer) or UNISON_SANITIZE=thread (ThreadSanitizer) and
+run this file, which pytest collects only when it is named (it is not a
+test_*.py file, so the other envs leave it alone).
+
+Each test runs the numpy suites of tests/parallel in one job: on the
+shared-memory plane at 2 and 3 ranks (4 for process sets), and across two
+simulated hosts on the TCP plane, flat and hierarchical. Every rank preloads
+the sanitizer's runtime (Python itself is not instrumented, so the runtime
+must come first). A report of any kind fails the rank (the options below
+make every sanitizer stop the process), so the job fails, and the test
+prints the report.
+"""
+import glob
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jobs import CORE_SUITES, run_job
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SANITIZER = os.environ.get("UNISON_SANITIZE", "")
+RUNTIME = {"address": "libasan.so", "thread": "libtsan.so"}
+# Leaks are left out: the interpreter does not free everything at exit.
+OPTIONS = {
+    "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=0:halt_on_error=1",
+    "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1",
+    "TSAN_OPTIONS": "halt_on_error=1:second_deadlock_stack=1",
+}
+# Every numpy suite of tests/parallel on one host, and across hosts those
+# that tests/test_tcp.py runs there; one job per layout.
+ONE_HOST = sorted(f for f in os.listdir(os.path.join(HERE, "parallel")) if f.startswith("test_core_"))
+LAYOUTS = {
+    "shm-np2": (["-np", "2"], ONE_HOST, "shm"),
+    "shm-np3": (["-np", "3"], ONE_HOST, "shm"),
+    "shm-np4": (["-np", "4"], ["test_core_process_sets.py"], "shm"),
+    "tcp-2+1": (["-np", "3", "-H", "localhost:2,127.0.0.1:1"], CORE_SUITES, "tcp"),
+    "tcp-2x2-hierarchical": (["-np", "4", "-H", "localhost:2,127.0.0.1:2"], CORE_SUITES, "hierarchical"),
+}
+MARKERS = ("ERROR: AddressSanitizer", "runtime error:", "WARNING: ThreadSanitizer", "ERROR: ThreadSanitizer")
+
+
+def sanitizer_runtime():
+    """The runtime library of the compiler that built the core."""
+    if SANITIZER not in RUNTIME:
+        pytest.fail("UNISON_SANITIZE=%r: this file runs in the asan and tsan tox envs, which set it to "
+                    "address or thread" % SANITIZER)
+    compiler = os.environ.get("CXX", "g++")
+    path = subprocess.run([compiler, "-print-file-name=" + RUNTIME[SANITIZER]], stdout=subprocess.PIPE,
+                          text=True, check=True).stdout.strip()
+    if not os.path.isabs(path):  # the compiler answers the bare name when it has no such library
+        pytest.fail("%s has no %s; it cannot have built this core" % (compiler, RUNTIME[SANITIZER]))
+    return path
+
+
+def test_the_installed_core_is_the_sanitized_one():
+    """Guards the guard: a core built without the sanitizer would pass the
+    suites below and show nothing."""
+    # Found, not imported: this process has no sanitizer runtime preloaded.
+    package = os.path.dirname(importlib.util.find_spec("unison").origin)
+    (core,) = glob.glob(os.path.join(package, "_native*.so"))
+    symbol = {"address": b"__asan_init", "thread": b"__tsan_init"}.get(SANITIZER, b"UNISON_SANITIZE unset")
+    with open(core, "rb") as f:
+        assert symbol in f.read(), "%s was not built with UNISON_SANITIZE=%s" % (core, SANITIZER)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_core_suites_sanitized(layout):
+    options, suites, backend = LAYOUTS[layout]
+    env = dict(os.environ, LD_PRELOAD=sanitizer_runtime(), UNISON_TEST_EXPECT_BACKEND=backend, **OPTIONS)
+    command = [sys.executable, "-m", "unison.run"] + options + [
+        # -s: a sanitizer stops the process as it reports, so pytest would
+        # never print the report it captured.
+        sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "--timeout=300",
+        "--timeout-method=thread"
+    ] + [os.path.join(HERE, "parallel", s) for s in suites]
+    proc = run_job(command, 880, env=env)
+    output = proc.stdout.decode(errors="replace")
+    reports = [i for i, line in enumerate(output.splitlines()) if any(m in line for m in MARKERS)]
+    if reports:
+        lines = output.splitlines()
+        first = reports[0]
+        pytest.fail("%s reported in layout %s:\n%s" % (SANITIZER, layout, "\n".join(lines[first:first + 80])))
+    summaries = [line for line in output.splitlines() if " passed" in line or " failed" in line]
+    assert proc.returncode == 0, output[-8000:]
+    ranks = int(options[1])
+    assert len([s for s in summaries if "passed" in s and "failed" not in s]) == ranks, output[-8000:]
