@@ -6,7 +6,9 @@ test_*.py file, so the other envs leave it alone).
 
 Each test runs the numpy suites of tests/parallel in one job: on the
 shared-memory plane at 2 and 3 ranks (4 for process sets), and across two
-simulated hosts on the TCP plane, flat and hierarchical. Every rank preloads
+simulated hosts on the TCP plane, flat and hierarchical. Then the failure
+paths: a rank killed at a random moment of a random stream of collectives
+(killed_at_random.py), each survivor ending on its own error. Every rank preloads
 the sanitizer's runtime (Python itself is not instrumented, so the runtime
 must come first). A report of any kind fails the rank (the options below
 make every sanitizer stop the process), so the job fails, and the test
@@ -90,3 +92,30 @@ def test_core_suites_sanitized(layout):
     assert proc.returncode == 0, output[-8000:]
     ranks = int(options[1])
     assert len([s for s in summaries if "passed" in s and "failed" not in s]) == ranks, output[-8000:]
+
+
+KILLED = {"shm-np3": ["-np", "3"], "tcp-2+1": ["-np", "3", "-H", "localhost:2,127.0.0.1:1"],
+          "tcp-2x2-hierarchical": ["-np", "4", "-H", "localhost:2,127.0.0.1:2"]}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("seed", [1, 2])
+@pytest.mark.parametrize("layout", list(KILLED))
+def test_a_rank_killed_at_a_random_moment_sanitized(layout, seed):
+    """What a survivor does when a peer dies mid-collective (stop notices,
+    half-sent frames, abandoned rounds) runs only then: each survivor must
+    end on its own unison error, with nothing reported."""
+    options = KILLED[layout]
+    n = int(options[1])
+    victim, delay = seed % n, 0.3 + 0.4 * seed
+    env = dict(os.environ, LD_PRELOAD=sanitizer_runtime(), **OPTIONS)
+    command = [sys.executable, "-m", "unison.run"] + options + ["--failure-grace-seconds", "60", sys.executable,
+                                                                os.path.join(HERE, "killed_at_random.py"), str(seed),
+                                                                str(victim), str(delay)]
+    output = run_job(command, 280, env=env).stdout.decode(errors="replace")
+    lines = output.splitlines()
+    reports = [i for i, line in enumerate(lines) if any(m in line for m in MARKERS)]
+    if reports:
+        pytest.fail("%s reported in layout %s:\n%s" % (SANITIZER, layout, "\n".join(lines[reports[0]:reports[0] + 80])))
+    survivors = {int(line.split("survivor ")[1].split()[0]) for line in lines if "]<stdout>:survivor " in line}
+    assert survivors == set(range(n)) - {victim}, output[-8000:]
