@@ -6,8 +6,9 @@ test_*.py file, so the other envs leave it alone).
 
 Each test runs the numpy suites of tests/parallel in one job: on the
 shared-memory plane at 2 and 3 ranks (4 for process sets), and across two
-simulated hosts on the TCP plane, flat and hierarchical. Then the failure
-paths: a rank killed at a random moment of a random stream of collectives
+simulated hosts on the TCP plane, flat and hierarchical; then the grid on
+the device planes over tests/fake_cuda. Then the failure paths: a rank
+killed at a random moment of a random stream of collectives
 (killed_at_random.py), each survivor ending on its own error. Every rank preloads
 the sanitizer's runtime (Python itself is not instrumented, so the runtime
 must come first). A report of any kind fails the rank (the options below
@@ -22,7 +23,9 @@ import sys
 
 import pytest
 
+import fake_cuda as fake_cuda_library
 from jobs import CORE_SUITES, run_job
+from test_parallel import FAKE_GPU_LAYOUTS, fake_cuda_env
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SANITIZER = os.environ.get("UNISON_SANITIZE", "")
@@ -70,28 +73,64 @@ def test_the_installed_core_is_the_sanitized_one():
         assert symbol in f.read(), "%s was not built with UNISON_SANITIZE=%s" % (core, SANITIZER)
 
 
-@pytest.mark.timeout(900)
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_core_suites_sanitized(layout):
-    options, suites, backend = LAYOUTS[layout]
-    env = dict(os.environ, LD_PRELOAD=sanitizer_runtime(), UNISON_TEST_EXPECT_BACKEND=backend, **OPTIONS)
-    command = [sys.executable, "-m", "unison.run"] + options + [
+def run_sanitized(command, env, what):
+    """Runs a job under the sanitizer; fails the test with the first
+    report, or with the job's end if any rank did not pass."""
+    env = dict(env, LD_PRELOAD=sanitizer_runtime(), **OPTIONS)
+    proc = run_job(command, 880, env=env)
+    output = proc.stdout.decode(errors="replace")
+    lines = output.splitlines()
+    reports = [i for i, line in enumerate(lines) if any(m in line for m in MARKERS)]
+    if reports:
+        pytest.fail("%s reported in %s:\n%s" % (SANITIZER, what, "\n".join(lines[reports[0]:reports[0] + 80])))
+    return proc, output
+
+
+def suites_command(launcher, suites):
+    return [sys.executable, "-m", "unison.run"] + launcher + [
         # -s: a sanitizer stops the process as it reports, so pytest would
         # never print the report it captured.
         sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "--timeout=300",
         "--timeout-method=thread"
     ] + [os.path.join(HERE, "parallel", s) for s in suites]
-    proc = run_job(command, 880, env=env)
-    output = proc.stdout.decode(errors="replace")
-    reports = [i for i, line in enumerate(output.splitlines()) if any(m in line for m in MARKERS)]
-    if reports:
-        lines = output.splitlines()
-        first = reports[0]
-        pytest.fail("%s reported in layout %s:\n%s" % (SANITIZER, layout, "\n".join(lines[first:first + 80])))
+
+
+def assert_every_rank_passed(proc, output, ranks):
     summaries = [line for line in output.splitlines() if " passed" in line or " failed" in line]
     assert proc.returncode == 0, output[-8000:]
-    ranks = int(options[1])
     assert len([s for s in summaries if "passed" in s and "failed" not in s]) == ranks, output[-8000:]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_core_suites_sanitized(layout):
+    options, suites, backend = LAYOUTS[layout]
+    proc, output = run_sanitized(suites_command(options, suites), dict(os.environ, UNISON_TEST_EXPECT_BACKEND=backend),
+                                 "layout " + layout)
+    assert_every_rank_passed(proc, output, int(options[1]))
+
+
+# The device planes on tests/fake_cuda (test_parallel.py's layouts): NCCL
+# at one rank and on a GPU per rank, host staging, and the hierarchical
+# plane on even and uneven hosts, with their threads (NCCL's init among
+# them) beside the engine's.
+GPU_LAYOUTS = ["np1-nccl", "np3-staging", "np3-hierarchical-nccl", "np4-nccl-4-gpus",
+               "np3-hierarchical-nccl-uneven-hosts"]
+
+
+@pytest.fixture(scope="module")
+def fake_cuda(tmp_path_factory):
+    return fake_cuda_library.build(str(tmp_path_factory.mktemp("fake_cuda")))
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("layout", GPU_LAYOUTS)
+def test_the_grid_on_a_fake_gpu_sanitized(fake_cuda, layout):
+    ranks, launcher, extra, _ = FAKE_GPU_LAYOUTS[layout]
+    env = dict(os.environ, **fake_cuda_env(fake_cuda, UNISON_TEST_DEVICE="fake-cuda", **extra))
+    proc, output = run_sanitized(suites_command(["-np", str(ranks)] + launcher, ["test_core_grid.py"]), env,
+                                 "fake-GPU layout " + layout)
+    assert_every_rank_passed(proc, output, ranks)
 
 
 KILLED = {"shm-np3": ["-np", "3"], "tcp-2+1": ["-np", "3", "-H", "localhost:2,127.0.0.1:1"],
@@ -108,14 +147,10 @@ def test_a_rank_killed_at_a_random_moment_sanitized(layout, seed):
     options = KILLED[layout]
     n = int(options[1])
     victim, delay = seed % n, 0.3 + 0.4 * seed
-    env = dict(os.environ, LD_PRELOAD=sanitizer_runtime(), **OPTIONS)
     command = [sys.executable, "-m", "unison.run"] + options + ["--failure-grace-seconds", "60", sys.executable,
                                                                 os.path.join(HERE, "killed_at_random.py"), str(seed),
                                                                 str(victim), str(delay)]
-    output = run_job(command, 280, env=env).stdout.decode(errors="replace")
-    lines = output.splitlines()
-    reports = [i for i, line in enumerate(lines) if any(m in line for m in MARKERS)]
-    if reports:
-        pytest.fail("%s reported in layout %s:\n%s" % (SANITIZER, layout, "\n".join(lines[reports[0]:reports[0] + 80])))
-    survivors = {int(line.split("survivor ")[1].split()[0]) for line in lines if "]<stdout>:survivor " in line}
+    _, output = run_sanitized(command, dict(os.environ), "a killed-rank job in layout " + layout)
+    survivors = {int(line.split("survivor ")[1].split()[0]) for line in output.splitlines()
+                 if "]<stdout>:survivor " in line}
     assert survivors == set(range(n)) - {victim}, output[-8000:]
