@@ -10,8 +10,8 @@ missing MPI an error, UNISON_WITHOUT_MPI=1 leaves MPI out even if found.
 
 UNISON_SANITIZE=address (AddressSanitizer with UndefinedBehaviorSanitizer)
 or UNISON_SANITIZE=thread (ThreadSanitizer) builds an instrumented core for
-tests/sanitized.py (the `asan` and `tsan` tox envs); the process that loads
-it needs the sanitizer's runtime preloaded.
+tests/sanitized_suites.py (the `asan` and `tsan` tox envs); the process that
+loads it needs the sanitizer's runtime preloaded.
 """
 import glob
 import os

@@ -4,16 +4,15 @@ UndefinedBehaviorSanitizer) or UNISON_SANITIZE=thread (ThreadSanitizer) and
 run this file, which pytest collects only when it is named (it is not a
 test_*.py file, so the other envs leave it alone).
 
-Each test runs the numpy suites of tests/parallel in one job: on the
-shared-memory plane at 2 and 3 ranks (4 for process sets), and across two
-simulated hosts on the TCP plane, flat and hierarchical; then the grid on
-the device planes over tests/fake_cuda. Then the failure paths: a rank
-killed at a random moment of a random stream of collectives
-(killed_at_random.py), each survivor ending on its own error. Every rank preloads
-the sanitizer's runtime (Python itself is not instrumented, so the runtime
-must come first). A report of any kind fails the rank (the options below
-make every sanitizer stop the process), so the job fails, and the test
-prints the report.
+Each test is one job: the numpy suites of tests/parallel on the
+shared-memory plane at 2 and 3 ranks (4 for process sets) and across two
+simulated hosts on the TCP plane, flat and hierarchical; the grid on the
+device planes over tests/fake_cuda; and the failure paths, a rank killed at
+a random moment of a random stream of collectives (killed_at_random.py),
+each survivor ending on its own error. Every rank preloads the sanitizer's
+runtime (Python itself is not instrumented, so the runtime must come first).
+A report of any kind stops the rank (the options below make every sanitizer
+do so), so the job fails, and the test prints the report.
 """
 import glob
 import importlib.util
@@ -74,8 +73,8 @@ def test_the_installed_core_is_the_sanitized_one():
 
 
 def run_sanitized(command, env, what):
-    """Runs a job under the sanitizer; fails the test with the first
-    report, or with the job's end if any rank did not pass."""
+    """Runs a job under the sanitizer, failing the test with the first
+    report in its output; returns the job and its output."""
     env = dict(env, LD_PRELOAD=sanitizer_runtime(), **OPTIONS)
     proc = run_job(command, 880, env=env)
     output = proc.stdout.decode(errors="replace")
