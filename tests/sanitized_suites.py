@@ -23,7 +23,7 @@ import sys
 import pytest
 
 import fake_cuda as fake_cuda_library
-from jobs import CORE_SUITES, run_job
+from jobs import CORE_SUITES, assert_every_rank_passed, run_job
 from test_parallel import FAKE_GPU_LAYOUTS, fake_cuda_env
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -94,19 +94,13 @@ def suites_command(launcher, suites):
     ] + [os.path.join(HERE, "parallel", s) for s in suites]
 
 
-def assert_every_rank_passed(proc, output, ranks):
-    summaries = [line for line in output.splitlines() if " passed" in line or " failed" in line]
-    assert proc.returncode == 0, output[-8000:]
-    assert len([s for s in summaries if "passed" in s and "failed" not in s]) == ranks, output[-8000:]
-
-
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_core_suites_sanitized(layout):
     options, suites, backend = LAYOUTS[layout]
-    proc, output = run_sanitized(suites_command(options, suites), dict(os.environ, UNISON_TEST_EXPECT_BACKEND=backend),
-                                 "layout " + layout)
-    assert_every_rank_passed(proc, output, int(options[1]))
+    proc, _ = run_sanitized(suites_command(options, suites), dict(os.environ, UNISON_TEST_EXPECT_BACKEND=backend),
+                            "layout " + layout)
+    assert_every_rank_passed(proc, int(options[1]))
 
 
 # The device planes on tests/fake_cuda (test_parallel.py's layouts): NCCL
@@ -127,9 +121,9 @@ def fake_cuda(tmp_path_factory):
 def test_the_grid_on_a_fake_gpu_sanitized(fake_cuda, layout):
     ranks, launcher, extra, _ = FAKE_GPU_LAYOUTS[layout]
     env = dict(os.environ, **fake_cuda_env(fake_cuda, UNISON_TEST_DEVICE="fake-cuda", **extra))
-    proc, output = run_sanitized(suites_command(["-np", str(ranks)] + launcher, ["test_core_grid.py"]), env,
-                                 "fake-GPU layout " + layout)
-    assert_every_rank_passed(proc, output, ranks)
+    proc, _ = run_sanitized(suites_command(["-np", str(ranks)] + launcher, ["test_core_grid.py"]), env,
+                            "fake-GPU layout " + layout)
+    assert_every_rank_passed(proc, ranks)
 
 
 KILLED = {"shm-np3": ["-np", "3"], "tcp-2+1": ["-np", "3", "-H", "localhost:2,127.0.0.1:1"],
