@@ -406,7 +406,7 @@ HALF_SENT = """
 import os, subprocess, sys, numpy as np, unison, unison.numpy as unp
 unison.init()
 pids = unp.allgather(np.array([os.getpid()]), name="pids").tolist()
-x = np.ones(32 << 20, np.float32)
+x = np.ones(64 << 20, np.float32)  # 256 MB: the ring outlasts the 0.1 s before rank 0 stops
 if unison.rank() == 2:
     # Mid-ring, rank 0 stops reading, so this rank's frame to it stays half
     # sent; then rank 1, which this rank receives from, dies; then rank 0
@@ -418,6 +418,7 @@ try:
 except unison.UnisonError as e:
     print("survivor %d: %s: %s" % (unison.rank(), type(e).__name__, e), flush=True)
     sys.exit(17)
+print("rank %d finished the allreduce" % unison.rank(), flush=True)
 """
 
 
@@ -435,6 +436,11 @@ def test_a_survivor_with_a_frame_half_sent_still_tells_the_others_which_rank_die
         proc = unisonrun(LAYOUTS["2+1"][0] + ["--failure-grace-seconds", "60"], [sys.executable, str(script)],
                          timeout=100)
         output = proc.stdout.decode(errors="replace")
+        if "rank 2 finished the allreduce" in output:
+            # Rank 2 had received everything before rank 0 stopped (a fast
+            # machine): its result is whole and right, and only its
+            # shutdown meets rank 1's death. Nothing to check: another try.
+            continue
         survivors = dict(re.findall(r"survivor (\d): (.*)", output))
         assert sorted(survivors) == ["0", "2"], output
         for rank, error in survivors.items():
@@ -447,7 +453,7 @@ def test_a_survivor_with_a_frame_half_sent_still_tells_the_others_which_rank_die
         mid_ring += "during an allreduce" in survivors["2"]
         if mid_ring:
             break
-    assert mid_ring
+    assert mid_ring, "in five tries rank 0 never stopped mid-ring: " + output
 
 
 @pytest.mark.timeout(200)
@@ -461,9 +467,9 @@ def test_a_rank_killed_at_a_random_moment_is_named_by_every_survivor_across_host
     options, n, _ = LAYOUTS[layout]
     rng = random.Random("%s/%d" % (layout, seed))
     victim, delay = rng.randrange(n), rng.uniform(0.3, 2.0)
+    script = os.path.join(HERE, "killed_at_random.py")
     proc = unisonrun(options + ["--failure-grace-seconds", "60"],
-                     [sys.executable, os.path.join(HERE, "killed_at_random.py"), str(seed), str(victim), "%.3f" % delay],
-                     timeout=150)
+                     [sys.executable, script, str(seed), str(victim), "%.3f" % delay], timeout=150)
     output = proc.stdout.decode(errors="replace")
     survivors = re.findall(r"survivor (\d) at [0-9.]+, after ([0-9.]+) s: (\w+): (.*)", output)
     assert sorted(int(r) for r, _, _, _ in survivors) == [r for r in range(n) if r != victim], output
