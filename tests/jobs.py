@@ -208,6 +208,23 @@ def assert_only_the_killed_left(proc, events, slots, added=None):
     return survivors
 
 
+def run_random_kills(tmp_path, seed, host_added, steps, look=None):
+    """One job of random_kills, on hosts fixed or with one added by the
+    discovery script midway, running tests/elastic/train_numpy.py for
+    `steps`; checked to end with the exact sum of the committed steps on
+    every survivor. look(output), if given, sees the launcher's output
+    first (sanitized_suites.py looks for reports)."""
+    options, env, slots, added = random_kills(seed, window_ms=1500 if host_added else 400,
+                                              tmp_path=tmp_path if host_added else None, steps=steps)
+    proc, events = elastic_job(tmp_path, options, "train_numpy.py", env=dict(env, ELASTIC_STEPS=str(steps)))
+    if look is not None:
+        look(proc.stdout.decode(errors="replace"))
+    assert_only_the_killed_left(proc, events, slots, added)
+    expected = sum(range(1, steps + 1))
+    for e in (e for worker in events.values() for e in worker if e["event"] == "done"):
+        assert e["step"] == steps and e["total"] == [expected] * 3, e
+
+
 def discovery_script(tmp_path, hosts):
     """A --host-discovery-script printing a file the test (or a rank) edits."""
     listing = tmp_path / "hosts.txt"

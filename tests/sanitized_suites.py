@@ -7,12 +7,13 @@ test_*.py file, so the other envs leave it alone).
 Each test is one job: the numpy suites of tests/parallel on the
 shared-memory plane at 2 and 3 ranks (4 for process sets) and across two
 simulated hosts on the TCP plane, flat and hierarchical; the grid on the
-device planes over tests/fake_cuda; and the failure paths, a rank killed at
-a random moment of a random stream of collectives (killed_at_random.py),
-each survivor ending on its own error. Every rank preloads the sanitizer's
-runtime (Python itself is not instrumented, so the runtime must come first).
-A report of any kind stops the rank (the options below make every sanitizer
-do so), so the job fails, and the test prints the report.
+device planes over tests/fake_cuda; and the failure paths: a rank killed
+at a random moment of a random stream of collectives (killed_at_random.py),
+each survivor ending on its own error, and elastic jobs whose workers are
+killed at random moments (jobs.run_random_kills). Every rank preloads the
+sanitizer's runtime (Python itself is not instrumented, so the runtime must
+come first). A report of any kind stops the rank (the options below make
+every sanitizer do so), so the job fails, and the test prints the report.
 """
 import glob
 import importlib.util
@@ -23,7 +24,7 @@ import sys
 import pytest
 
 import fake_cuda as fake_cuda_library
-from jobs import CORE_SUITES, assert_every_rank_passed, run_job
+from jobs import CORE_SUITES, assert_every_rank_passed, run_job, run_random_kills
 from test_parallel import FAKE_GPU_LAYOUTS, fake_cuda_env
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -78,11 +79,15 @@ def run_sanitized(command, env, what):
     env = dict(env, LD_PRELOAD=sanitizer_runtime(), **OPTIONS)
     proc = run_job(command, 880, env=env)
     output = proc.stdout.decode(errors="replace")
+    fail_on_reports(output, what)
+    return proc, output
+
+
+def fail_on_reports(output, what):
     lines = output.splitlines()
     reports = [i for i, line in enumerate(lines) if any(m in line for m in MARKERS)]
     if reports:
         pytest.fail("%s reported in %s:\n%s" % (SANITIZER, what, "\n".join(lines[reports[0]:reports[0] + 80])))
-    return proc, output
 
 
 def suites_command(launcher, suites):
@@ -147,3 +152,24 @@ def test_a_rank_killed_at_a_random_moment_sanitized(layout, seed):
     survivors = {int(line.split("survivor ")[1].split()[0]) for line in output.splitlines()
                  if "]<stdout>:survivor " in line}
     assert survivors == set(range(n)) - {victim}, output[-8000:]
+
+
+# A host added midway only under AddressSanitizer: the launcher runs the
+# discovery script through /bin/sh, and a shell started with ThreadSanitizer's
+# runtime preloaded crashes at once.
+ELASTIC_HOSTS = {"fixed-hosts": False, "a-host-added": True} if SANITIZER == "address" else {"fixed-hosts": False}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("seed", [0, 4])  # each kills at least one worker, most runs (seed 0 two, at fixed hosts)
+@pytest.mark.parametrize("host_added", list(ELASTIC_HOSTS.values()), ids=list(ELASTIC_HOSTS))
+def test_elastic_workers_killed_at_random_moments_sanitized(tmp_path, monkeypatch, host_added, seed):
+    """Elastic rounds: the core shut down and started again in the same
+    process, with a member killed anywhere, a host added midway
+    (test_elastic_launcher.py's jobs). A rank that reports exits, and the
+    driver would go on without it, so the output is what fails the test."""
+    monkeypatch.setenv("LD_PRELOAD", sanitizer_runtime())
+    for name, value in OPTIONS.items():
+        monkeypatch.setenv(name, value)
+    run_random_kills(tmp_path, seed, host_added, steps=60 if host_added else 20,
+                     look=lambda output: fail_on_reports(output, "an elastic job, seed %d" % seed))

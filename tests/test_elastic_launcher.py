@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from jobs import assert_only_the_killed_left, discovery_script, elastic_job, random_kills, unisonrun
+from jobs import discovery_script, elastic_job, run_random_kills, unisonrun
 from test_tcp import fake_ssh
 from unison import timeline
 
@@ -70,12 +70,7 @@ def test_workers_killed_at_random_moments_leave_the_exact_sum_of_the_committed_s
     init's error end them (now they go on to the round after), or waited
     for the dead one until the driver took them for hung (now start-up
     sees it go)."""
-    options, env, slots, _ = random_kills(seed, window_ms=400)
-    proc, events = elastic_job(tmp_path, options, "train_numpy.py", env=dict(env, ELASTIC_STEPS=str(STEPS)))
-    assert_only_the_killed_left(proc, events, slots)
-    expected = sum(range(1, STEPS + 1))
-    for e in done_events(events):
-        assert e["step"] == STEPS and e["total"] == [expected] * 3, e
+    run_random_kills(tmp_path, seed, host_added=False, steps=STEPS)
 
 
 @pytest.mark.parametrize("seed", range(16))
@@ -84,13 +79,7 @@ def test_a_host_added_while_workers_are_killed_at_random_moments_leaves_the_exac
     (jobs.random_kills). Seeds 16, 17, 21 and 30 of the first draws ended
     a newcomer whose first round lost a member as it started: its init()
     failed and its host was blacklisted. Now it joins the next round."""
-    steps = 60
-    options, env, slots, added = random_kills(seed, window_ms=1500, tmp_path=tmp_path, steps=steps)
-    proc, events = elastic_job(tmp_path, options, "train_numpy.py", env=dict(env, ELASTIC_STEPS=str(steps)))
-    assert_only_the_killed_left(proc, events, slots, added)
-    expected = sum(range(1, steps + 1))
-    for e in done_events(events):
-        assert e["step"] == steps and e["total"] == [expected] * 3, e
+    run_random_kills(tmp_path, seed, host_added=True, steps=60)
 
 
 @pytest.mark.parametrize("hosts", ["localhost:1,127.0.0.1:1", "localhost:2,127.0.0.1:1"], ids=["np2", "np3"])
