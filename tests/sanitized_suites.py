@@ -73,10 +73,16 @@ def test_the_installed_core_is_the_sanitized_one():
         assert symbol in f.read(), "%s was not built with UNISON_SANITIZE=%s" % (core, SANITIZER)
 
 
+def sanitized_environment():
+    """What every process of a sanitized job needs: the runtime first, and
+    the options that make any report stop the process."""
+    return dict(OPTIONS, LD_PRELOAD=sanitizer_runtime())
+
+
 def run_sanitized(command, env, what):
     """Runs a job under the sanitizer, failing the test with the first
     report in its output; returns the job and its output."""
-    env = dict(env, LD_PRELOAD=sanitizer_runtime(), **OPTIONS)
+    env = dict(env, **sanitized_environment())
     proc = run_job(command, 880, env=env)
     output = proc.stdout.decode(errors="replace")
     fail_on_reports(output, what)
@@ -168,8 +174,7 @@ def test_elastic_workers_killed_at_random_moments_sanitized(tmp_path, monkeypatc
     process, with a member killed anywhere, a host added midway
     (test_elastic_launcher.py's jobs). A rank that reports exits, and the
     driver would go on without it, so the output is what fails the test."""
-    monkeypatch.setenv("LD_PRELOAD", sanitizer_runtime())
-    for name, value in OPTIONS.items():
+    for name, value in sanitized_environment().items():  # the launcher's environment, which the job inherits
         monkeypatch.setenv(name, value)
     run_random_kills(tmp_path, seed, host_added, steps=60 if host_added else 20,
                      look=lambda output: fail_on_reports(output, "an elastic job, seed %d" % seed))
