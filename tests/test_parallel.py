@@ -255,9 +255,13 @@ except unison.UnisonError as e:
     print("survivor: the next op failed: %s" % e, flush=True)
     os._exit(17)
 """
+# x.add_(0) loads the add kernel before the stall: CUDA loads a kernel's
+# code at its first launch, and that waits for the running kernels, so a
+# first x.add_(1) behind the stall held rank 1's thread until the stall
+# ended (seen on an H200), and its part of the collective then ran.
 LOST_ON_CUDA = dict(
     setup='import torch\nimport unison.torch as hvd\nhvd.init()\ntorch.cuda.set_device(0)\n'
-          'x = torch.ones(1 << 20, device="cuda")',
+          'x = torch.ones(1 << 20, device="cuda")\nx.add_(0)',
     stall="torch.cuda._sleep(int(2e10)); x.add_(1)", synchronize="torch.cuda.synchronize()")
 LOST_ON_THE_FAKE_GPU = dict(  # numpy arrays in the fake's memory (tests/parallel/fake_gpu.py)
     setup="sys.path.insert(0, sys.argv[1])\nimport fake_gpu\nhvd = fake_gpu.api\nunison.init()\n"
