@@ -12,7 +12,6 @@ shared grid runs on CUDA too (test_torch_grid.py with
 UNISON_TEST_DEVICE=cuda).
 benchmarks/gpu_machine.sh runs both; CI, with no GPU, skips them with the
 reason."""
-import json
 import os
 
 import numpy as np
@@ -95,6 +94,10 @@ def test_input_produced_by_a_running_kernel_is_waited_for():
     torch.cuda.synchronize()
     torch.cuda._sleep(50_000_000)
     x.fill_(hvd.rank() + 1)
+    # The premise: a kernel's first launch in a process waits for the running
+    # ones (CUDA loads its code then), and would hide the case; fill_ ran in
+    # torch.full above.
+    assert not torch.cuda.current_stream().query(), "the busy wait ended before the allreduce was enqueued"
     result = hvd.allreduce(x, op=hvd.Sum, name="ordering.input")
     total = sum(r + 1 for r in range(hvd.size()))
     assert torch.equal(result.cpu(), torch.full((1 << 16,), float(total)))
