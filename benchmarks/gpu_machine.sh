@@ -52,7 +52,7 @@ if wants bench; then
   for n in 1 2; do step "gpu_allreduce np$n" 120 bench.log python3 -m unison.run -np $n python3 benchmarks/gpu_allreduce.py --blocks 3; done
   step "gpu_allreduce np2, a host per rank" 120 bench.log python3 -m unison.run -np 2 -H localhost:1,127.0.0.1:1 python3 benchmarks/gpu_allreduce.py --blocks 3
   for n in 1 2; do step "gpu_train np$n" 120 bench.log python3 -m unison.run -np $n python3 benchmarks/gpu_train.py; done
-  grep -E "^\[0\]<stdout>:(\||ResNet|allreduce|$)" "$OUT/bench.log" | sed 's/^\[0\]<stdout>://' | tee -a "$OUT/summary.txt"
+  grep -E "^\[0\]<stdout>:(\||ResNet|allreduce|  of which|$)" "$OUT/bench.log" | sed 's/^\[0\]<stdout>://' | tee -a "$OUT/summary.txt"
 fi
 if wants cpu; then
   # On the 2-core VM the ranks fill every core, so async ops wait for a
