@@ -132,7 +132,7 @@ def test_invalid_root_rank():
 
 def test_bad_splits():
     with pytest.raises(unison.InvalidArgumentError, match="add up to"):
-        unp.alltoall(np.ones(5), splits=[1] * unison.size(), name="splits")
+        unp.alltoall(np.ones(unison.size() + 2), splits=[1] * unison.size(), name="splits")  # 2 rows over
     with pytest.raises(unison.InvalidArgumentError, match="negative split"):
         unp.alltoall(np.ones(1), splits=[2, -1] + [0] * (unison.size() - 2), name="splits")
 
