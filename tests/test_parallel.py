@@ -34,14 +34,20 @@ def framework_of(suite):
 # every collective must still give the single-process answer; so do the GPU
 # suites, where one rank is the NCCL path (more ranks share the one GPU).
 # The reduction kernel has a path per input count up to 8 and one beyond
-# (test_core_wide.py).
+# (test_core_wide.py). The core's own suites of ops and errors run at 5
+# ranks too, where a test's constants no longer stand out from the rank
+# count: at 5 ranks a refusal test's 5 rows once added up to its splits.
 def sizes(suite):
     if "process_sets" in suite:
         return [2, 3, 4]
     if suite == "test_core_wide.py":
         return [2, 3, 5, 8, 9]
+    if suite == "test_core_grid.py":
+        return [1, 2, 3, 5]
     if suite.endswith("_grid.py") or suite.endswith("_cuda.py"):
         return [1, 2, 3]
+    if suite in ("test_core_ops.py", "test_core_errors.py"):
+        return [2, 3, 5]
     return [2, 3]
 
 
