@@ -8,13 +8,18 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <random>
+#include <thread>
 
 #include "../hierarchical.h"
 #include "../log.h"
 #include "../signals.h"
+#include "../start_abort.h"
 #include "communicator.h"
 
 namespace unison {
@@ -46,26 +51,78 @@ const char* thread_level_name(int level) {
   }
 }
 
+// MPI_Init_thread, watched. Both MPICH and Open MPI wait inside MPI_Init
+// until every rank of the job has called it (they exchange addresses there),
+// and nothing bounds that wait: a rank that never calls init() would hold
+// the others in MPI_Init for ever, whatever UNISON_START_TIMEOUT says. So MPI
+// starts on a thread of its own, and init() waits for that thread as long as
+// the start timeout allows. Past it, init() fails naming the setting, and the
+// thread stays inside MPI, where nothing can end it. The process remains
+// usable for everything but MPI: the next init() waits for the same MPI_Init
+// again (a rank that was only slow arrives then), and exiting ends the thread,
+// whereupon mpirun ends the job. The one thing this changes for the
+// application: MPI_Is_thread_main is now true on that thread, not on Python's.
+struct MpiStart {
+  std::mutex mutex;
+  std::condition_variable done_changed;
+  bool done = false;
+  int rc = MPI_SUCCESS;
+};
+std::shared_ptr<MpiStart> mpi_starting;  // the MPI_Init under way or finished; set once, by init's thread
+
+Status wait_for_mpi_init(const std::shared_ptr<MpiStart>& start, double timeout_seconds) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_seconds);
+  std::unique_lock<std::mutex> lock(start->mutex);
+  while (!start->done) {
+    // In slices, so that an aborted start-up (start_abort.h) ends the wait too.
+    Status aborted = start_up_aborted();
+    if (!aborted.ok()) return aborted;
+    if (std::chrono::steady_clock::now() >= deadline)
+      return Status::Error(UNISON_ERR_RANK_FAILED,
+                           "unison: MPI_Init did not return within " + std::to_string((int)timeout_seconds) +
+                               " s (UNISON_START_TIMEOUT): not every rank of the job called init(); this rank "
+                               "cannot use MPI until they do");
+    start->done_changed.wait_for(lock, std::chrono::milliseconds(20));
+  }
+  if (start->rc != MPI_SUCCESS) return mpi_error("MPI_Init_thread", start->rc);
+  return Status::OK();
+}
+
 // MPI_Init once per process. unison's background thread makes MPI calls,
 // so it needs at least MPI_THREAD_SERIALIZED; it asks for MULTIPLE so that
-// an application using MPI itself (mpi4py) may do so from any thread.
-Status start_mpi() {
+// an application using MPI itself (mpi4py) may do so from any thread, and
+// the thread that finalizes MPI at exit need not be the one that started it.
+Status start_mpi(const Config& config) {
   int initialized = 0, finalized = 0;
-  MPI_Initialized(&initialized);
-  MPI_Finalized(&finalized);
-  if (finalized)
-    return Status::Error(UNISON_ERR_UNSUPPORTED, "unison: MPI has been finalized in this process and cannot be "
-                                                 "started again; leave MPI_Finalize to unison (it runs at exit)");
-  if (!initialized) {
-    int provided = 0;
-    int rc;
-    {
-      AsyncSignalsBlocked blocked;  // for the threads MPI starts (signals.h)
-      rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
+  if (mpi_starting == nullptr) {  // MPI_Initialized must not run beside a MPI_Init
+    MPI_Initialized(&initialized);
+    MPI_Finalized(&finalized);
+    if (finalized)
+      return Status::Error(UNISON_ERR_UNSUPPORTED, "unison: MPI has been finalized in this process and cannot be "
+                                                   "started again; leave MPI_Finalize to unison (it runs at exit)");
+    if (!initialized) {
+      auto start = std::make_shared<MpiStart>();
+      {
+        AsyncSignalsBlocked blocked;  // for this thread and those MPI starts (signals.h)
+        std::thread([start] {
+          int provided = 0;
+          const int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
+          std::lock_guard<std::mutex> lock(start->mutex);
+          start->rc = rc;
+          start->done = true;
+          start->done_changed.notify_all();
+        }).detach();
+      }
+      mpi_starting = start;
     }
-    if (rc != MPI_SUCCESS) return mpi_error("MPI_Init_thread", rc);
-    mpi_started_in = getpid();
-    on_exit(finalize_at_exit, nullptr);  // glibc's atexit that is told the exit status
+  }
+  if (mpi_starting != nullptr) {
+    Status s = wait_for_mpi_init(mpi_starting, config.start_timeout_seconds);
+    if (!s.ok()) return s;
+    if (mpi_started_in == 0) {
+      mpi_started_in = getpid();
+      on_exit(finalize_at_exit, nullptr);  // glibc's atexit that is told the exit status
+    }
   }
   int level = 0;
   MPI_Query_thread(&level);
@@ -167,7 +224,7 @@ bool mpi_lets_every_thread_call() {
 }
 
 Status make_mpi_backend(Config* config, int generation, std::unique_ptr<Backend>* out) {
-  Status s = start_mpi();
+  Status s = start_mpi(*config);
   if (!s.ok()) return s;
   MpiWorld world;
   s = learn_world(*config, &world);
