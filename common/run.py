@@ -485,6 +485,12 @@ def base_environment(args):
     return base
 
 
+# How long a rank has to end once told to (SIGTERM, or the signal that
+# stopped the launcher) before it is killed; horovodrun gives 5 s as well,
+# and unisonrun's remote wrappers and elastic driver do the same.
+STOP_GRACE_SECONDS = 5
+
+
 class Job:
     def __init__(self, args):
         self.args = args
@@ -500,6 +506,10 @@ class Job:
         # is the one to blame: the others usually ended because it did.
         self.exits = []
         self.exited = threading.Condition()
+        # When the ranks still running are killed: set once the launcher
+        # is told to stop (stop()) or a rank's failure's grace period ends.
+        self.kill_at = None
+        self.told_to_stop = None  # the signal that told the launcher to stop
 
     def log(self, message):
         if self.args.verbose:
@@ -544,6 +554,28 @@ class Job:
                 except ProcessLookupError:
                     pass
 
+    def stop(self, signum):
+        """The launcher was told to stop (Ctrl-C, SIGTERM): every rank is
+        told the same, and a rank still running STOP_GRACE_SECONDS later is
+        killed. A rank may ignore the signal, block it in native code, or be
+        stopped (SIGSTOP, a debugger): the launcher must end anyway, as
+        horovodrun's does, rather than wait on it for ever."""
+        self.log("forwarding signal %d to every rank" % signum)
+        self.signal_all(signum)
+        if self.kill_at is None:
+            self.told_to_stop = signum
+            self.kill_at = time.monotonic() + STOP_GRACE_SECONDS
+
+    def kill_the_rest(self, why):
+        with self.exited:
+            ended = {rank for rank, _ in self.exits}
+        running = [self.describe(rank) for rank in range(len(self.procs)) if rank not in ended]
+        if running:
+            print("unisonrun: %s still running %s; killing %s" % (", ".join(running), why,
+                                                                  "it" if len(running) == 1 else "them"),
+                  file=sys.stderr, flush=True)
+        self.signal_all(signal.SIGKILL)
+
     def wait(self):
         """Returns the launcher's exit status."""
         failed = None  # (rank, code) of the first rank that ended with an error
@@ -566,11 +598,13 @@ class Job:
             if deadline is not None and time.monotonic() > deadline:
                 self.log("grace period over: terminating the remaining ranks")
                 self.signal_all(signal.SIGTERM)
-                end = time.monotonic() + 5
-                while time.monotonic() < end and len(self.exits) < len(self.procs):
-                    time.sleep(0.05)
-                self.signal_all(signal.SIGKILL)
                 deadline = None
+                if self.kill_at is None:
+                    self.kill_at = time.monotonic() + STOP_GRACE_SECONDS
+            if self.kill_at is not None and time.monotonic() > self.kill_at:
+                self.kill_the_rest("%d s after signal %d" % (STOP_GRACE_SECONDS, self.told_to_stop)
+                                   if self.told_to_stop else "%d s after SIGTERM" % STOP_GRACE_SECONDS)
+                self.kill_at = None
         for t in self.threads:
             t.join(timeout=5)
         for f in self.logs:
@@ -644,12 +678,8 @@ def main(argv=None):
     else:
         launches = local_launches(args, job.job_id, base_environment(args))
 
-    def forward(signum, _frame):
-        job.log("forwarding signal %d to every rank" % signum)
-        job.signal_all(signum)
-
-    signal.signal(signal.SIGINT, forward)
-    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, lambda signum, _frame: job.stop(signum))
+    signal.signal(signal.SIGTERM, lambda signum, _frame: job.stop(signum))
     job.start(launches)
     return job.wait()
 

@@ -324,6 +324,50 @@ def test_sigterm_is_forwarded_to_every_rank(tmp_path):
     assert "rank 0 got 15" in out and "rank 1 got 15" in out
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("rank_1", ["ignores it", "is stopped"])
+def test_a_rank_that_does_not_end_when_told_is_killed_after_the_grace_period(tmp_path, signum, rank_1):
+    """The launcher told to stop forwards the signal; a rank that ignores
+    it, or cannot see it (stopped by SIGSTOP, as under a debugger), used to
+    keep the launcher waiting for ever."""
+    script = tmp_path / "stubborn.py"
+    script.write_text(textwrap.dedent("""
+        import os, signal, sys, time, unison
+        unison.init()
+        if unison.rank() == 1:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        print("ready", flush=True)
+        if unison.rank() == 1 and sys.argv[1] == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        time.sleep(60)
+    """))
+    proc = subprocess.Popen([sys.executable, "-m", "unison.run", "-np", "2", sys.executable, str(script),
+                             "stop" if rank_1 == "is stopped" else "ignore"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 30
+    ready = 0
+    while ready < 2 and time.monotonic() < deadline:
+        ready += proc.stdout.readline().endswith(b">:ready\n")
+    assert ready == 2, "the ranks did not start within 30 s"
+    time.sleep(0.5)  # rank 1 has stopped itself, or is asleep
+    told = time.monotonic()
+    proc.send_signal(signum)
+    _, err = proc.communicate(timeout=40)
+    took = time.monotonic() - told
+    err = err.decode()
+    # Rank 0 ends by the signal, or, after Ctrl-C, may still be leaving:
+    # its shutdown at exit waits a while for a stopped peer.
+    assert re.search(r"unisonrun: (rank 0, )?rank 1 still running 5 s after signal %d; killing (it|them)\n"
+                     % signum, err), err
+    # The job's status is its first rank to end's.
+    ended = re.search(r"job failed: rank ([01]) was killed by signal (\d+)", err)
+    assert ended and proc.returncode == 128 + int(ended.group(2)), err
+    assert ended.groups() in [("0", str(int(signum))), ("1", "9"), ("0", "9")], err
+    assert 5 <= took < 15, (took, err)
+
+
 def test_check_build_lists_data_planes():
     proc = subprocess.run([sys.executable, "-m", "unison.run", "--check-build"], stdout=subprocess.PIPE, timeout=60)
     out = proc.stdout.decode()
