@@ -69,11 +69,13 @@ setup(
         "yaml": ["pyyaml"],
         "test": ["pytest", "pytest-timeout"],
         "bench": ["torch==2.13.0", "matplotlib", "ml_dtypes"],
-        "torch": ["torch==2.13.0"],
+        # cloudpickle sends what has no importable name (lambdas, closures)
+        # through broadcast_object and allgather_object, as in Horovod.
+        "torch": ["torch==2.13.0", "cloudpickle"],
         # MXNet 1.9.1 imports only with numpy up to 1.23.5.
-        "mxnet": ["mxnet==1.9.1", "numpy==1.23.5"],
+        "mxnet": ["mxnet==1.9.1", "numpy==1.23.5", "cloudpickle"],
         # Keras 3 comes with it.
-        "tensorflow": ["tensorflow-cpu==2.21.0"],
+        "tensorflow": ["tensorflow-cpu==2.21.0", "cloudpickle"],
     },
     entry_points={"console_scripts": ["unisonrun = unison.run:main"]},
     zip_safe=False,

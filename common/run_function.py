@@ -44,7 +44,9 @@ from unison.keyed_listener import KeyedListener
 ADDRESS, KEY = "UNISON_RUN_FUNCTION", "UNISON_RUN_FUNCTION_KEY"
 
 
-def _cloudpickle():
+def cloudpickle_or_none():
+    """The cloudpickle module where it is installed (what pickles by value
+    what pickle can only name), else None."""
     try:
         import cloudpickle
         return cloudpickle
@@ -147,7 +149,7 @@ def _payload(func, args, kwargs):
     where the ranks could not import it: lambdas, closures, and whatever an
     interactive session defined."""
     call = (func, args, kwargs)
-    cloudpickle = _cloudpickle()
+    cloudpickle = cloudpickle_or_none()
     interactive = not getattr(sys.modules.get("__main__"), "__file__", None)
     if interactive and cloudpickle is None and getattr(func, "__module__", None) == "__main__":
         raise ValueError("unison.run: %s was defined in an interactive session, which the ranks cannot import; "
@@ -309,7 +311,7 @@ def worker():
         raise SystemExit("unison.run_function is run by unison.run(); see help(unison.run)")
     pickler_name, preparation, call = pickle.loads(_ask(("call",)))
     # What comes back is pickled as the call was: the caller can load it.
-    pickler = _cloudpickle() if pickler_name == "cloudpickle" else pickle
+    pickler = cloudpickle_or_none() if pickler_name == "cloudpickle" else pickle
     # A call that went by value names nothing of the main script.
     _prepare(preparation, import_main=pickler is pickle)
     try:

@@ -29,9 +29,9 @@ def broadcast_parameters(params, root_rank, prefix="broadcast", process_set=glob
         synchronize(handle)
 
 
-def _dumps(obj):
+def _dumps(obj, pickle_module):
     buffer = io.BytesIO()
-    torch.save(obj, buffer, pickle_protocol=pickle.HIGHEST_PROTOCOL)
+    torch.save(obj, buffer, pickle_module=pickle_module, pickle_protocol=pickle.HIGHEST_PROTOCOL)
     return buffer.getvalue()
 
 
@@ -40,7 +40,8 @@ def _loads(data):
 
 
 def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set):
-    """root_rank's `obj` on every rank, serialised by torch.save (tensors included)."""
+    """root_rank's `obj` on every rank, serialised by torch.save (tensors included; what has
+    no importable name goes by value, through cloudpickle where it is installed)."""
     return objects.broadcast_object(obj, root_rank, name, process_set, _dumps, _loads)
 
 

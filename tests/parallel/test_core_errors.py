@@ -176,3 +176,64 @@ def test_an_in_place_op_is_released_by_the_wait_that_ends_it_and_a_failed_one_ke
         unp.synchronize(failed)
     assert lib.unison_release(failed.id) == lib.UNISON_ERR_INVALID_ARGUMENT   # released after the message
     assert lib.unison_wait_release(failed.id, 0.0) == lib.UNISON_ERR_INVALID_ARGUMENT
+
+
+# ---- objects that cannot be serialised -----------------------------------------------
+
+class Unpicklable:
+    def __reduce__(self):
+        raise TypeError("not picklable, on purpose")
+
+
+def test_a_root_whose_object_does_not_serialise_fails_every_rank_at_once_naming_it():
+    """The root used to raise alone, and the others waited in the broadcast
+    until the deadlock watch gave up on them, with no word of why."""
+    from unison import objects
+    me, root = unison.rank(), unison.size() - 1
+    if me == root:
+        with pytest.raises(TypeError, match="not picklable, on purpose"):
+            objects.broadcast_object(Unpicklable(), root_rank=root, name="obj.bad")
+    else:
+        with pytest.raises(unison.InvalidArgumentError) as error:
+            objects.broadcast_object(None, root_rank=root, name="obj.bad")
+        assert str(error.value) == (
+            "unison: broadcast_object 'obj.bad': the object of rank %d could not be serialised, so no rank "
+            "received any (rank %d: TypeError: not picklable, on purpose)" % (root, root))
+    assert objects.broadcast_object({"root": me}, root_rank=root, name="obj.bad") == {"root": root}
+
+
+def test_allgather_object_names_every_rank_whose_object_does_not_serialise():
+    from unison import objects
+    me, n = unison.rank(), unison.size()
+    bad = [r for r in range(n) if r % 2 == 1]
+    if me in bad:
+        with pytest.raises(TypeError, match="not picklable, on purpose"):
+            objects.allgather_object(Unpicklable(), name="obj.gather.bad")
+    else:
+        with pytest.raises(unison.InvalidArgumentError) as error:
+            objects.allgather_object(me, name="obj.gather.bad")
+        reasons = "; ".join("rank %d: TypeError: not picklable, on purpose" % r for r in bad)
+        assert str(error.value) == (
+            "unison: allgather_object 'obj.gather.bad': the object of rank%s %s could not be serialised, so no "
+            "rank received any (%s)" % ("s" if len(bad) > 1 else "", ", ".join(map(str, bad)), reasons))
+    assert objects.allgather_object({"rank": me}, name="obj.gather.bad") == [{"rank": r} for r in range(n)]
+
+
+def test_what_has_no_importable_name_goes_by_value_where_cloudpickle_is_installed():
+    """As Horovod, which sends every object through cloudpickle: a lambda
+    or a closure arrives working; where cloudpickle is missing, every rank
+    is told which rank's object could not be sent."""
+    from unison import objects
+    from unison.run_function import cloudpickle_or_none
+    me, n, root = unison.rank(), unison.size(), unison.size() - 1
+    offset = 10 * me
+    mine = {"scale": lambda x: x * (me + 1), "shift": (lambda: lambda x: x + offset)()}
+    if cloudpickle_or_none() is not None:
+        got = objects.broadcast_object(mine, root_rank=root, name="obj.lambda")
+        assert (got["scale"](2), got["shift"](1)) == (2 * (root + 1), 1 + 10 * root)
+        gathered = objects.allgather_object(mine, name="obj.lambdas")
+        assert [(g["scale"](2), g["shift"](1)) for g in gathered] == [(2 * (r + 1), 1 + 10 * r) for r in range(n)]
+    else:
+        expected = unison.InvalidArgumentError if me != root else Exception
+        with pytest.raises(expected, match="lambda"):
+            objects.broadcast_object(mine, root_rank=root, name="obj.lambda")

@@ -197,6 +197,32 @@ def test_mismatches_are_found_within_a_set_and_name_global_ranks(sets):
         assert ok[0] == len(s.ranks)
 
 
+def test_allgather_object_within_a_set_names_the_failing_member_by_its_rank(sets):
+    """Within a set, the failures are named by global rank, as the set's
+    members are."""
+    from unison import objects
+
+    class Unpicklable:
+        def __reduce__(self):
+            raise TypeError("not picklable, on purpose")
+
+    me = unison.rank()
+    for key in sorted(sets):
+        s = sets[key]
+        if not s.included():
+            continue
+        last = s.ranks[-1]
+        name = "ps.obj.%s" % key
+        if me == last:
+            with pytest.raises(TypeError, match="on purpose"):
+                objects.allgather_object(Unpicklable(), name=name, process_set=s)
+        else:
+            with pytest.raises(unison.InvalidArgumentError, match=r"the object of rank %d could not be serialised.*"
+                               r"\(rank %d: TypeError: not picklable, on purpose\)$" % (last, last)):
+                objects.allgather_object(me, name=name, process_set=s)
+        assert objects.allgather_object(me, name=name, process_set=s) == s.ranks
+
+
 def test_join_runs_on_the_global_set_only(sets):
     s = my_sets(sets)[0]
     with pytest.raises(unison.InvalidArgumentError, match="global process set only"):

@@ -568,6 +568,19 @@ def test_broadcast_and_allgather_object():
     assert gathered == [{"rank": k, "pad": "y" * (100 * k)} for k in range(n)]
 
 
+def test_objects_with_lambdas_and_tensors_go_by_value():
+    """torch.save through cloudpickle (a dependency of unison[torch]), as
+    Horovod sends every object: a schedule written as a lambda arrives
+    working, beside the tensors torch.save keeps compact."""
+    r, n = hvd.rank(), hvd.size()
+    mine = {"schedule": lambda epoch: 0.1 * (r + 1) * epoch, "weights": torch.full((3,), float(r))}
+    got = hvd.broadcast_object(mine, root_rank=n - 1, name="lambdas")
+    assert got["schedule"](2) == 0.1 * n * 2 and torch.equal(got["weights"], torch.full((3,), float(n - 1)))
+    gathered = hvd.allgather_object(mine, name="lambdas.all")
+    assert [(g["schedule"](2), g["weights"].tolist()) for g in gathered] == [
+        (0.1 * (k + 1) * 2, [float(k)] * 3) for k in range(n)]
+
+
 @pytest.mark.parametrize("add_backbone_at", [None, 2], ids=["unfrozen", "added"])
 def test_zero_redundancy_optimizer_fine_tunes_as_one_process(add_backbone_at):
     expected = [p.detach() for p in fine_tune(SGD, add_backbone_at=add_backbone_at).parameters()]
