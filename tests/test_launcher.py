@@ -299,6 +299,18 @@ def test_failed_rank_exit_status_is_the_launchers(tmp_path):
     assert "rank 0 exited with status 4" in proc.stderr.decode()
 
 
+def two_ranks_ready(command):
+    """unisonrun -np 2 of `command`, once both ranks have printed "ready"."""
+    proc = subprocess.Popen([sys.executable, "-m", "unison.run", "-np", "2"] + command,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 30
+    ready = 0
+    while ready < 2 and time.monotonic() < deadline:
+        ready += proc.stdout.readline().endswith(b">:ready\n")
+    assert ready == 2, "the ranks did not start within 30 s"
+    return proc
+
+
 def test_sigterm_is_forwarded_to_every_rank(tmp_path):
     script = tmp_path / "sleepy.py"
     script.write_text(textwrap.dedent("""
@@ -311,13 +323,7 @@ def test_sigterm_is_forwarded_to_every_rank(tmp_path):
         print("ready", flush=True)
         time.sleep(60)
     """))
-    proc = subprocess.Popen([sys.executable, "-m", "unison.run", "-np", "2", sys.executable, str(script)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 30
-    ready = 0
-    while ready < 2 and time.monotonic() < deadline:
-        ready += proc.stdout.readline().endswith(b">:ready\n")
-    assert ready == 2, "the ranks did not start within 30 s"
+    proc = two_ranks_ready([sys.executable, str(script)])
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=30)
     out = out.decode()
@@ -343,14 +349,7 @@ def test_a_rank_that_does_not_end_when_told_is_killed_after_the_grace_period(tmp
             os.kill(os.getpid(), signal.SIGSTOP)
         time.sleep(60)
     """))
-    proc = subprocess.Popen([sys.executable, "-m", "unison.run", "-np", "2", sys.executable, str(script),
-                             "stop" if rank_1 == "is stopped" else "ignore"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 30
-    ready = 0
-    while ready < 2 and time.monotonic() < deadline:
-        ready += proc.stdout.readline().endswith(b">:ready\n")
-    assert ready == 2, "the ranks did not start within 30 s"
+    proc = two_ranks_ready([sys.executable, str(script), "stop" if rank_1 == "is stopped" else "ignore"])
     time.sleep(0.5)  # rank 1 has stopped itself, or is asleep
     told = time.monotonic()
     proc.send_signal(signum)
