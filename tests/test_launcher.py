@@ -356,14 +356,18 @@ def test_a_rank_that_does_not_end_when_told_is_killed_after_the_grace_period(tmp
     _, err = proc.communicate(timeout=40)
     took = time.monotonic() - told
     err = err.decode()
-    # Rank 0 ends by the signal, or, after Ctrl-C, may still be leaving:
-    # its shutdown at exit waits a while for a stopped peer.
-    assert re.search(r"unisonrun: (rank 0, )?rank 1 still running 5 s after signal %d; killing (it|them)\n"
-                     % signum, err), err
-    # The job's status is its first rank to end's.
-    ended = re.search(r"job failed: rank ([01]) was killed by signal (\d+)", err)
-    assert ended and proc.returncode == 128 + int(ended.group(2)), err
-    assert ended.groups() in [("0", str(int(signum))), ("1", "9"), ("0", "9")], err
+    if signum == signal.SIGINT and rank_1 == "is stopped":
+        # Rank 0's KeyboardInterrupt leaves through its shutdown at exit,
+        # which waits up to the peer timeout for the stopped rank: both are
+        # killed together, and either may be reported as ending first.
+        assert "unisonrun: rank 0, rank 1 still running 5 s after signal 2; killing them\n" in err, err
+        ended = re.search(r"job failed: rank ([01]) was killed by signal 9 \(SIGKILL\)", err)
+        assert ended and proc.returncode == 128 + 9, err
+    else:
+        # Rank 0 ends by the signal; the job's status is that, its first rank to end's.
+        assert "unisonrun: rank 1 still running 5 s after signal %d; killing it\n" % signum in err, err
+        assert "job failed: rank 0 was killed by signal %d" % signum in err, err
+        assert proc.returncode == 128 + signum, err
     assert 5 <= took < 15, (took, err)
 
 
