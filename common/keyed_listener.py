@@ -7,6 +7,7 @@ multiprocessing.connection.Client(address, authkey=key). It runs on each
 connection's own thread rather than in accept(), as Listener(authkey=)
 would: there a peer that connects and says nothing would hold up every
 connection behind it."""
+import socket
 import threading
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Listener, answer_challenge, deliver_challenge
@@ -18,7 +19,13 @@ class KeyedListener:
         thread of its own for each connection that proves `key` (bytes);
         refused(error), if given, hears of each that does not."""
         self._key, self._serve, self._refused = key, serve, refused
-        self._listener = Listener((bind, 0))
+        # Listener's own backlog is 1. Every worker of an elastic job
+        # connects at once, at its start and at each round's, and Linux
+        # drops the handshake's last packet of a connection that finds the
+        # accept queue full: the client believes it is connected and waits
+        # for a challenge the listener never sends. 64 clients at once hung
+        # that way for good. The kernel caps this at net.core.somaxconn.
+        self._listener = Listener((bind, 0), backlog=socket.SOMAXCONN)
         self.address = self._listener.address
         threading.Thread(target=self._accept, daemon=True).start()
 

@@ -1035,3 +1035,36 @@ def test_the_keyed_listener_serves_only_the_key_and_no_silent_peer_holds_it_up()
         silent.close()
     finally:
         listener.close()
+
+
+@pytest.mark.timeout(120)
+def test_the_keyed_listener_serves_every_client_that_connects_at_the_same_moment():
+    """Every worker of an elastic job connects to the driver at once. With
+    multiprocessing's backlog of 1, 64 clients at once left some connected
+    in their own eyes only, waiting for good for a challenge that never came."""
+    import threading
+    from multiprocessing.connection import Client
+    from unison.keyed_listener import KeyedListener
+
+    def serve(connection):
+        with connection:
+            connection.send(connection.recv() * 2)
+
+    listener = KeyedListener("127.0.0.1", b"the key", serve)
+    answers = {}
+
+    def client(i):
+        with Client(listener.address, authkey=b"the key") as c:
+            c.send(i)
+            answers[i] = c.recv()
+
+    try:
+        clients = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(256)]
+        for c in clients:
+            c.start()
+        deadline = time.monotonic() + 60
+        for c in clients:
+            c.join(max(0.0, deadline - time.monotonic()))
+        assert answers == {i: 2 * i for i in range(256)}, "%d of 256 answered" % len(answers)
+    finally:
+        listener.close()
