@@ -8,6 +8,7 @@ import threading
 
 from unison import exceptions
 from unison._native import ffi, lib
+from unison.start_interrupt import interruptible_start
 
 # Reduce operations, with Horovod's names.
 Sum = lib.UNISON_SUM
@@ -87,10 +88,11 @@ def init(comm=None, process_sets=None):
     from unison import process_sets as sets  # it imports this module
     from unison.elastic import worker
     started_here = not lib.unison_is_initialized()
-    if worker.in_elastic_job() and started_here:
-        _start_in_an_elastic_round(worker)
-    else:
-        check(lib.unison_init())
+    with interruptible_start():  # Ctrl-C ends the wait for the peers
+        if worker.in_elastic_job() and started_here:
+            _start_in_an_elastic_round(worker)
+        else:
+            check(lib.unison_init())
     if comm is not None:
         problem = _communicator_problem(comm)
         if problem is not None:
@@ -137,9 +139,11 @@ def _start_in_an_elastic_round(worker):
         # A member that dies before it reached this rank leaves nothing here
         # to notice: the driver, which saw it die, ends the start-up.
         worker.watch_round(_abort_start)
-        code = lib.unison_init()
-        with _start_lock:
-            _starting_round = None
+        try:
+            code = lib.unison_init()
+        finally:  # a KeyboardInterrupt (start_interrupt.py) leaves here too
+            with _start_lock:
+                _starting_round = None
         if code != lib.UNISON_ERR_RANK_FAILED:
             check(code)
             return

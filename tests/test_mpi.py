@@ -227,7 +227,7 @@ def test_ctrl_c_stops_every_rank(tmp_path):
 
 
 LATE_RANK = """
-import os, sys, time
+import os, signal, sys, threading, time
 import numpy as np
 import unison, unison.numpy as unp
 rank = int(os.environ.get("PMI_RANK") or os.environ["OMPI_COMM_WORLD_RANK"])
@@ -237,12 +237,17 @@ if rank == 1:
         sys.exit(0)
 else:
     started = time.monotonic()
+    if sys.argv[2] == "interrupted":  # Ctrl-C a second into the wait, long before the start timeout
+        os.environ["UNISON_START_TIMEOUT"] = "60"
+        threading.Timer(1, os.kill, (os.getpid(), signal.SIGINT)).start()
     try:
         unison.init()
     except unison.HorovodInternalError as e:
         print("rank 0 gave up after %.1f s: %s" % (time.monotonic() - started, e), flush=True)
         if sys.argv[2] == "never":
             sys.exit(1)
+    except KeyboardInterrupt:
+        print("rank 0 interrupted after %.1f s" % (time.monotonic() - started), flush=True)
     os.environ["UNISON_START_TIMEOUT"] = "60"  # the next init waits for the same MPI_Init
 unison.init()
 print("rank %d sums %s" % (rank, unp.allreduce(np.full(2, rank + 1.0), op=unison.Sum, name="x").tolist()), flush=True)
@@ -251,24 +256,30 @@ print("rank %d sums %s" % (rank, unp.allreduce(np.full(2, rank + 1.0), op=unison
 
 @needs_mpi
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("rank_1", ["never calls init", "calls init late"])
+@pytest.mark.parametrize("rank_1", ["never calls init", "calls init late", "calls init late, rank 0 is interrupted"])
 def test_a_rank_that_does_not_call_init_is_given_up_at_the_start_timeout(tmp_path, rank_1):
     """MPI_Init waits for every rank inside the MPI library, where no
     timeout of unison's reached it: a rank that never called init() held
     the others there for ever. Now init() gives up after
-    UNISON_START_TIMEOUT, and a later init() still joins a late rank."""
+    UNISON_START_TIMEOUT, or at a Ctrl-C, and a later init() still joins a
+    late rank."""
     script = tmp_path / "late.py"
     script.write_text(LATE_RANK)
     never = rank_1 == "never calls init"
+    interrupted = rank_1.endswith("interrupted")
     started = time.monotonic()
     proc = unisonrun(["--mpi", "-np", "2"], [sys.executable, str(script), "60" if never else "6",
-                                             "never" if never else "late"],
+                                             "never" if never else "interrupted" if interrupted else "late"],
                      env={"UNISON_START_TIMEOUT": "3"}, timeout=100)
     took = time.monotonic() - started
     output = proc.stdout.decode(errors="replace")
-    gave_up = re.search(r"rank 0 gave up after ([0-9.]+) s: unison: MPI_Init did not return within 3 s "
-                        r"\(UNISON_START_TIMEOUT\): not every rank of the job called init\(\)", output)
-    assert gave_up and 3 <= float(gave_up.group(1)) < 6, output
+    if interrupted:
+        stopped = re.search(r"rank 0 interrupted after ([0-9.]+) s\n", output)
+        assert stopped and 1 <= float(stopped.group(1)) < 3, output
+    else:
+        gave_up = re.search(r"rank 0 gave up after ([0-9.]+) s: unison: MPI_Init did not return within 3 s "
+                            r"\(UNISON_START_TIMEOUT\): not every rank of the job called init\(\)", output)
+        assert gave_up and 3 <= float(gave_up.group(1)) < 6, output
     if never:
         assert proc.returncode == 1, output
         assert took < 40, (took, output)  # mpirun ended rank 1 when rank 0 failed, long before its 60 s

@@ -738,6 +738,63 @@ def test_a_start_up_aborted_from_another_thread_fails_with_the_reason_and_the_pr
     assert "then alone: [1.0, 1.0]" in output, output
 
 
+INTERRUPTED = """
+import os, signal, socket, sys, threading, time, numpy as np, unison, unison.numpy as unp
+handled = []
+if sys.argv[1] == "its own":
+    signal.signal(signal.SIGINT, lambda number, frame: handled.append(number))
+earlier, earlier_reader = socket.socketpair()  # a wakeup fd set before init (asyncio's, say)
+earlier.setblocking(False)
+signal.set_wakeup_fd(earlier.fileno())
+threading.Timer(1, os.kill, (os.getpid(), signal.SIGINT)).start()
+start = time.monotonic()
+try:
+    unison.init()  # one rank of 2: the other never comes
+except KeyboardInterrupt:
+    print("interrupted after %.1f s" % (time.monotonic() - start), flush=True)
+except unison.HorovodInternalError as e:
+    print("failed after %.1f s, the handler having seen %s: %s" % (time.monotonic() - start, handled, e), flush=True)
+print("the earlier wakeup fd got %s and is set again: %s" % (
+    list(earlier_reader.recv(16)), signal.set_wakeup_fd(-1) == earlier.fileno()), flush=True)
+for name in [k for k in os.environ if k.startswith(("UNISON_", "HOROVOD_"))]:
+    del os.environ[name]
+unison.init()
+print("then alone:", unp.allreduce(np.ones(2), name="x").tolist(), flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("handler", ["Python's", "its own"])
+@pytest.mark.parametrize("waiting", ["rank 0 for rank 1 on its host", "rank 0 for rank 1 on another host",
+                                     "rank 1 on a rank 0 that answers nothing"])
+def test_ctrl_c_ends_a_start_up_that_waits_for_its_peers(tmp_path, waiting, handler):
+    """init() waits for its peers in one call into the core, where Python
+    ran no signal handler: Ctrl-C there waited for UNISON_START_TIMEOUT.
+    Now it ends the wait at once with the KeyboardInterrupt. A SIGINT
+    handler of the program's own is left to decide, and whatever wakeup fd
+    was set before init still hears of the signal."""
+    script = tmp_path / "interrupted.py"
+    script.write_text(INTERRUPTED)
+    with DeafHost() as deaf:
+        rank, port = (1, deaf) if waiting.endswith("answers nothing") else (0, free_port())
+        env = lone_rank_env(rank, port, UNISON_START_TIMEOUT="100" if handler == "Python's" else "3")
+        if waiting.endswith("on its host"):
+            env.update(UNISON_LOCAL_SIZE="2", UNISON_CROSS_SIZE="1", UNISON_CROSS_RANK="0",
+                       UNISON_JOB_ID="interrupted-%d" % os.getpid())
+        proc = subprocess.run([sys.executable, str(script), handler], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, timeout=50)
+    output = proc.stdout.decode(errors="replace")
+    assert proc.returncode == 0, output
+    if handler == "Python's":
+        found = re.search(r"interrupted after ([0-9.]+) s\n", output)
+        assert found and 1 <= float(found.group(1)) < 4, output
+    else:
+        found = re.search(r"failed after ([0-9.]+) s, the handler having seen \[2\]: ", output)
+        assert found and 3 <= float(found.group(1)) < 10, output
+    assert "the earlier wakeup fd got [2] and is set again: True\n" in output, output
+    assert "then alone: [1.0, 1.0]" in output, output
+
+
 def namespace_ssh(tmp_path, namespaces):
     """An ssh stand-in that runs the command in the namespace of its host."""
     ssh = tmp_path / "ssh"
