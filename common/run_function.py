@@ -21,7 +21,8 @@ secret, never on a command line (tcp_run.SECRET_VARIABLES).
 Functions of the caller's main script pickle by reference
 (`__main__.train`). A rank therefore imports that script first, under the
 name `__mp_main__`, as multiprocessing's spawn start method does, so that
-its `if __name__ == "__main__":` block does not run again. What cannot go
+its `if __name__ == "__main__":` block does not run again. A script that
+calls unison.run() with no such block is imported up to that call. What cannot go
 by reference (lambdas, closures, functions typed into a notebook) goes by
 value through cloudpickle, Horovod's choice, where it is installed.
 """
@@ -63,6 +64,8 @@ def run(func, args=(), kwargs=None, num_proc=None, min_num_proc=None, max_num_pr
     ranks it ended with). The options are horovod.run's and mean what
     unisonrun's options of the same names mean; `executable` is the Python
     each rank runs (this one's by default)."""
+    if _importing_the_callers_script:
+        raise _TheCallIsReached()  # in a rank, importing a script whose call has no main guard (_prepare)
     num_proc = _renamed("np", np, "num_proc", num_proc)
     min_num_proc = _renamed("min_np", min_np, "min_num_proc", min_num_proc)
     max_num_proc = _renamed("max_np", max_np, "max_num_proc", max_num_proc)
@@ -291,11 +294,26 @@ def _rank():
     return None
 
 
+# A rank imports its caller's main script (_prepare). In a script that
+# calls unison.run() at its top level with no `if __name__ == "__main__":`
+# around it, that import reaches the call again, which would start a job
+# from every rank. multiprocessing's spawn refuses such a script; Horovod,
+# which sends the function by value, runs it. Here the call ends the import:
+# the script then holds what ran before the call, all that the caller had
+# defined when it pickled the function.
+_importing_the_callers_script = False
+
+
+class _TheCallIsReached(BaseException):
+    """Ends a rank's import of its caller's main script at unison.run()."""
+
+
 def _prepare(preparation, import_main):
     """Takes the caller's sys.path, sys.argv and working directory, and
     imports its main script when functions of it pickled by reference, as
     multiprocessing's spawn does; what does not exist on this host is left
     out."""
+    global _importing_the_callers_script
     if not import_main:
         preparation.pop("init_main_from_path", None)
         preparation.pop("init_main_from_name", None)
@@ -303,7 +321,27 @@ def _prepare(preparation, import_main):
         preparation.pop("dir", None)
     if not os.path.exists(preparation.get("init_main_from_path", "")):
         preparation.pop("init_main_from_path", None)
-    multiprocessing.spawn.prepare(preparation)
+    _importing_the_callers_script = True
+    try:
+        multiprocessing.spawn.prepare(preparation)  # the main script's import comes last
+    except _TheCallIsReached as reached:
+        _keep_the_script_up_to_the_call(reached.__traceback__)
+    finally:
+        _importing_the_callers_script = False
+
+
+def _keep_the_script_up_to_the_call(trace):
+    """Makes the main script's namespace, as it stood when the import
+    reached unison.run(), this rank's __main__ (and __mp_main__), as spawn
+    does with a whole one."""
+    while trace is not None and trace.tb_frame.f_globals.get("__name__") != "__mp_main__":
+        trace = trace.tb_next
+    if trace is None:  # run() raised it from somewhere other than the script
+        raise RuntimeError("unison.run: a rank's import of the caller's main script met a call of unison.run() "
+                           "outside the script")
+    module = types.ModuleType("__mp_main__")
+    module.__dict__.update(trace.tb_frame.f_globals)
+    sys.modules["__main__"] = sys.modules["__mp_main__"] = module
 
 
 def worker():
@@ -345,4 +383,8 @@ def _raised(exception, pickler):
 
 
 if __name__ == "__main__":
-    sys.exit(worker())
+    # Run as `python -m`, this file is __main__, and the script a rank
+    # imports gets unison.run_function, a second copy of it: the rank works
+    # in that copy, whose run() sees _importing_the_callers_script.
+    from unison.run_function import worker as the_importable_copys
+    sys.exit(the_importable_copys())

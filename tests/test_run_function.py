@@ -193,6 +193,48 @@ def test_functions_of_the_main_script_and_what_they_return(tmp_path, pickler):
     assert result(driver(tmp_path, ANYTHING, pickler=pickler)) == [[40, 40], [None, None], [6, 6, 6]]
 
 
+# No `if __name__ == "__main__":` around the call, as many a horovod.run
+# script has: Horovod sends the function by value and never imports the
+# script. The ranks here import it up to the call: TOP prints in the caller
+# and in every rank, AFTER in the caller alone.
+NO_MAIN_GUARD = """
+import sys
+import numpy as np
+import unison
+import unison.numpy as unp
+
+print("TOP", flush=True)
+
+class Scale:
+    def __init__(self, k):
+        self.k = k
+
+def train(scale):
+    unison.init()
+    total = unp.allreduce(np.array([unison.rank() + 1.0]), op=unison.Sum, name="total")
+    return Scale(float(total[0]) * scale.k)
+
+def main():
+    print("RESULT", [s.k for s in unison.run(train, args=(Scale(2),), num_proc=int(sys.argv[1]))], flush=True)
+
+main()
+print("AFTER", flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("pickler", PICKLERS)
+@pytest.mark.parametrize("np_", [2, 3])
+def test_a_script_that_calls_it_with_no_main_guard(tmp_path, np_, pickler):
+    proc = driver(tmp_path, NO_MAIN_GUARD, str(np_), pickler=pickler)
+    output = proc.stdout.decode(errors="replace")
+    assert result(proc) == [2.0 * np_ * (np_ + 1) / 2] * np_, output
+    lines = output.splitlines()
+    assert sorted(line for line in lines if line.endswith("TOP")) == sorted(
+        ["TOP"] + ["[%d]<stdout>:TOP" % r for r in range(np_)]), output
+    assert [line for line in lines if line.endswith("AFTER")] == ["AFTER"], output
+
+
 LAMBDAS = """
 import unison
 
@@ -296,7 +338,6 @@ if __name__ == "__main__":
     output = proc.stdout.decode(errors="replace")
     assert "STRANGER REFUSED AuthenticationError" in output, output
     assert result(proc) == [{"rank": r, "size": 2, "value": 7.0} for r in range(2)]
-
 
 
 ELASTIC = """
