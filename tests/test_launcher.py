@@ -771,7 +771,13 @@ ENGINE_THREAD_CORES = """
         # The process stays usable: with the setting put right, init works.
         os.environ["UNISON_THREAD_AFFINITY"] = ",".join(["0"] * unison_size_here)
         unison.init()
-    engine = [cores(t) for t in glob.glob("/proc/self/task/*") if open(t + "/comm").read().strip() == "unison-engine"]
+    def named(task):
+        try:
+            return open(task + "/comm").read().strip()
+        except FileNotFoundError:  # a thread that ended since the glob (init's Ctrl-C watcher, say)
+            return None
+
+    engine = [cores(t) for t in glob.glob("/proc/self/task/*") if named(t) == "unison-engine"]
     total = unp.allreduce(np.full(3, unison.rank() + 1.0), op=unison.Sum, name="x")
     print("engine", ",".join(engine), "main", cores("/proc/self/task/%d" % os.getpid()), "sum", total.tolist(),
           flush=True)

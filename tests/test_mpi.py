@@ -377,7 +377,12 @@ import glob
 import numpy as np
 import unison, unison.numpy as unp
 unison.init()
-engine = [t for t in glob.glob("/proc/self/task/*") if open(t + "/comm").read().strip() == "unison-engine"]
+def named(task):
+    try:
+        return open(task + "/comm").read().strip()
+    except FileNotFoundError:  # a thread that ended since the glob (init's Ctrl-C watcher, say)
+        return None
+engine = [t for t in glob.glob("/proc/self/task/*") if named(t) == "unison-engine"]
 cores = [line.split()[1] for line in open(engine[0] + "/status") if line.startswith("Cpus_allowed_list:")]
 total = unp.allreduce(np.full(2, unison.rank() + 1.0), op=unison.Sum, name="x")
 print("rank %d local %d engine core %s sum %s" % (unison.rank(), unison.local_rank(), cores[0], total.tolist()),
