@@ -414,9 +414,18 @@ def start_process(command, env, stdin_text=None):
     that signals reach it only through the launcher, and killed with the
     launcher. stdin_text goes first on its standard input, which stays open:
     a remote wrapper ends its rank when it closes (tcp_run.py)."""
-    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            stdin=subprocess.PIPE if stdin_text is not None else subprocess.DEVNULL,
-                            start_new_session=True, preexec_fn=_die_with_parent)
+    try:
+        proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                stdin=subprocess.PIPE if stdin_text is not None else subprocess.DEVNULL,
+                                start_new_session=True, preexec_fn=_die_with_parent)
+    except OSError as e:
+        # No such program, or not one this user may run: said as a shell
+        # says it, with a shell's status (127, 126), not as a traceback of
+        # the launcher's. The ranks started before it end with the launcher.
+        missing = isinstance(e, FileNotFoundError) and os.sep not in command[0]
+        print("unisonrun: %s: %s" % (command[0], "command not found" if missing else e.strerror),
+              file=sys.stderr, flush=True)
+        raise SystemExit(127 if isinstance(e, FileNotFoundError) else 126) from None
     if stdin_text is not None:
         try:
             proc.stdin.write(stdin_text.encode())

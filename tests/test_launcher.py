@@ -910,6 +910,20 @@ def test_a_bad_config_file_is_refused_naming_the_key(tmp_path, content, message)
     assert proc.returncode == 2 and ("--config-file %s: %s" % (tmp_path / "bad.yaml", message)) in err, err
 
 
+@pytest.mark.parametrize("job", [["-np", "2"], ["-np", "3", "--min-np", "2"]], ids=["fixed", "elastic"])
+@pytest.mark.parametrize("program,status,message", [
+    ("no-such-program-anywhere", 127, "no-such-program-anywhere: command not found"),
+    ("./no-such-file", 127, "./no-such-file: No such file or directory"),
+    ("./not-executable", 126, "./not-executable: Permission denied"),
+])
+def test_a_command_that_cannot_start_is_said_as_a_shell_says_it(tmp_path, job, program, status, message):
+    (tmp_path / "not-executable").write_text("#!/bin/sh\n")
+    proc = subprocess.run([sys.executable, "-m", "unison.run"] + job + [program], cwd=tmp_path,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=60)
+    err = proc.stderr.decode()
+    assert proc.returncode == status and err == "unisonrun: %s\n" % message, err
+
+
 def test_a_config_file_configures_the_job(tmp_path):
     # End to end: the file's timeline and stall settings reach the ranks.
     (tmp_path / "job.yaml").write_text("timeline:\n  filename: trace.json\nstall_check:\n"
