@@ -21,10 +21,10 @@ secret, never on a command line (tcp_run.SECRET_VARIABLES).
 Functions of the caller's main script pickle by reference
 (`__main__.train`). A rank therefore imports that script first, under the
 name `__mp_main__`, as multiprocessing's spawn start method does, so that
-its `if __name__ == "__main__":` block does not run again. A script that
-calls unison.run() with no such block is imported up to that call. What cannot go
-by reference (lambdas, closures, functions typed into a notebook) goes by
-value through cloudpickle, Horovod's choice, where it is installed.
+its `if __name__ == "__main__":` block does not run again (a script that
+calls unison.run() with no such block is imported up to that call). What
+cannot go by reference (lambdas, closures, functions typed into a notebook)
+goes by value through cloudpickle, Horovod's choice, where it is installed.
 """
 import multiprocessing.spawn
 import os
@@ -386,5 +386,5 @@ if __name__ == "__main__":
     # Run as `python -m`, this file is __main__, and the script a rank
     # imports gets unison.run_function, a second copy of it: the rank works
     # in that copy, whose run() sees _importing_the_callers_script.
-    from unison.run_function import worker as the_importable_copys
-    sys.exit(the_importable_copys())
+    from unison import run_function as importable
+    sys.exit(importable.worker())

@@ -55,6 +55,7 @@ def interruptible_start():
         yield
     finally:
         signal.set_wakeup_fd(previous)
+        writer.setblocking(True)  # Python writes to it no more; the watcher reads what is there
         writer.send(bytes([_DONE]))
         watcher.join()
         reader.close()
