@@ -67,6 +67,7 @@ class Worker:
         self.started = time.monotonic()
         self.connection = None
         self.pending = None  # its join request while it waits for a round
+        self.joined = False  # it asked to join a round at least once (it called init())
         self.stopping = False  # the driver stopped it: its exit is no failure
         self.code = None
         self.seen = False  # the driver has dealt with its exit
@@ -246,6 +247,7 @@ class ElasticDriver:
                         continue
                     worker.connection = connection
                     worker.pending = request
+                    worker.joined = True
                     if worker.name in self.members and self.first_rejoin is None:
                         self.first_rejoin = time.monotonic()
                     self.lock.notify_all()
@@ -336,7 +338,11 @@ class ElasticDriver:
                 continue
             member = worker.name in self.members
             if worker.code == 0:
-                if member:
+                # A member that ends with success says training is over. So
+                # does one that never asked to join: its command ran to the
+                # end without init(). Started again, it would only end again,
+                # as often as the driver could start it.
+                if member or not worker.joined:
                     self.finishing = True
                 continue
             how = run._describe(worker.code)
@@ -350,7 +356,12 @@ class ElasticDriver:
             self.blacklist_host(worker.host, "worker %s %s" % (worker.name, how))
 
         if self.finishing:
-            if not any(self.workers[n].code is None for n in self.members):
+            # Every member, and every worker still running its command
+            # without init(), ends on its own first; those waiting to join
+            # a round are ended with the job.
+            outside = [w for w in self.workers.values() if not w.joined and not w.stopping]
+            if not any(self.workers[n].code is None for n in self.members) and \
+                    not any(w.code is None for w in outside):
                 failed = [n for n in self.members if self.workers[n].code != 0]
                 if failed:
                     self.end(1, "worker %s %s" % (failed[0], run._describe(self.workers[failed[0]].code)))

@@ -133,6 +133,22 @@ def test_d_fixed_hosts_that_cannot_return_end_the_job_at_once(tmp_path):
     assert "only 1 slots are left, fewer than --min-np 2, and the hosts are fixed" in output, output[-3000:]
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("np_", [2, 3])
+def test_a_command_that_never_calls_init_ends_the_job_when_it_ends(np_):
+    """A worker that ended with success before it ever asked to join a round
+    was started again, about a hundred times a second, for good."""
+    proc = unisonrun(["-np", str(np_), "--min-np", "1", "--verbose"],
+                     ["sh", "-c", "echo ran on $UNISON_ELASTIC_WORKER"], timeout=50)
+    output = proc.stdout.decode(errors="replace")  # the launcher's lines too
+    assert proc.returncode == 0, output
+    workers = ["localhost:%d" % i for i in range(np_)]
+    assert sorted(output.splitlines()) == sorted(
+        ["[%s]<stdout>:ran on %s" % (w, w) for w in workers]
+        + ["unisonrun: starting worker %s: sh -c echo ran on $UNISON_ELASTIC_WORKER" % w for w in workers]
+        + ["unisonrun: hosts now localhost:%d" % np_]), output
+
+
 def test_a_failing_discovery_script_keeps_the_hosts_found_before(tmp_path):
     script, listing = discovery_script(tmp_path, ["localhost:2"])
     with open(script, "a") as f:
