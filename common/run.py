@@ -219,6 +219,13 @@ def _parse(argv):
                         ("--autotune-steps-per-sample", args.autotune_steps_per_sample)):
         if value is not None and value < 1:
             p.error("%s %d: at least 1" % (flag, value))
+    if args.simulate_hosts is not None and args.simulate_hosts < 1:
+        p.error("--simulate-hosts %d: at least 1" % args.simulate_hosts)
+    for flag, value in (("--ssh-port", args.ssh_port), ("--rendezvous-port", args.rendezvous_port)):
+        if value is not None and not 1 <= value <= 65535:
+            p.error("%s %d: a TCP port, 1 to 65535" % (flag, value))
+    if args.failure_grace_seconds < 0:
+        p.error("--failure-grace-seconds %g: at least 0" % args.failure_grace_seconds)
     if args.autotune_warmup_samples is not None and args.autotune_warmup_samples < 0:
         p.error("--autotune-warmup-samples %d: at least 0" % args.autotune_warmup_samples)
     if args.min_np is not None and args.max_np is not None and args.min_np > args.max_np:

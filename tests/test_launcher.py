@@ -910,6 +910,19 @@ def test_a_bad_config_file_is_refused_naming_the_key(tmp_path, content, message)
     assert proc.returncode == 2 and ("--config-file %s: %s" % (tmp_path / "bad.yaml", message)) in err, err
 
 
+@pytest.mark.parametrize("options,message", [
+    (["--failure-grace-seconds", "-1"], "--failure-grace-seconds -1: at least 0"),
+    (["--rendezvous-port", "70000"], "--rendezvous-port 70000: a TCP port, 1 to 65535"),
+    (["--ssh-port", "0"], "--ssh-port 0: a TCP port, 1 to 65535"),
+    (["--simulate-hosts", "0"], "--simulate-hosts 0: at least 1"),
+])
+def test_a_launcher_setting_out_of_range_is_refused_naming_it(options, message):
+    proc = subprocess.run([sys.executable, "-m", "unison.run", "-np", "2"] + options + ["true"],
+                          stderr=subprocess.PIPE, timeout=60)
+    err = proc.stderr.decode()
+    assert proc.returncode == 2 and err.endswith("unisonrun: error: %s\n" % message), err
+
+
 @pytest.mark.parametrize("job", [["-np", "2"], ["-np", "3", "--min-np", "2"]], ids=["fixed", "elastic"])
 @pytest.mark.parametrize("program,status,message", [
     ("no-such-program-anywhere", 127, "no-such-program-anywhere: command not found"),
