@@ -239,6 +239,7 @@ else:
     started = time.monotonic()
     if sys.argv[2] == "interrupted":  # Ctrl-C a second into the wait, long before the start timeout
         os.environ["UNISON_START_TIMEOUT"] = "60"
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a background job inherits it ignored
         threading.Timer(1, os.kill, (os.getpid(), signal.SIGINT)).start()
     try:
         unison.init()

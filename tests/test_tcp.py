@@ -743,6 +743,8 @@ import os, signal, socket, sys, threading, time, numpy as np, unison, unison.num
 handled = []
 if sys.argv[1] == "its own":
     signal.signal(signal.SIGINT, lambda number, frame: handled.append(number))
+else:  # as at a terminal: a job a shell started in the background inherits SIGINT ignored
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 earlier, earlier_reader = socket.socketpair()  # a wakeup fd set before init (asyncio's, say)
 earlier.setblocking(False)
 signal.set_wakeup_fd(earlier.fileno())
