@@ -356,10 +356,10 @@ class ElasticDriver:
             self.blacklist_host(worker.host, "worker %s %s" % (worker.name, how))
 
         if self.finishing:
-            # Every member, and every worker still running its command
-            # without init(), ends on its own first; those waiting to join
-            # a round are ended with the job.
-            outside = [w for w in self.workers.values() if not w.joined and not w.stopping]
+            # Every member ends on its own first; so does every worker of a
+            # job that never formed a round (its command does not call
+            # init()). Those waiting to join a round are ended with the job.
+            outside = [] if self.round >= 0 else [w for w in self.workers.values() if not w.joined and not w.stopping]
             if not any(self.workers[n].code is None for n in self.members) and \
                     not any(w.code is None for w in outside):
                 failed = [n for n in self.members if self.workers[n].code != 0]
