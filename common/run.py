@@ -191,6 +191,8 @@ def _parse(argv):
     args = p.parse_args(argv)
     if args.check_build:
         return args
+    if args.command[:1] == ["--"]:  # `unisonrun -np 2 -- python train.py`: the end of the options, as anywhere
+        args.command = args.command[1:]
     args.network_interface = _one_interface(p, args.network_interfaces)
     if args.jsrun:
         p.error("--jsrun: unisonrun does not start ranks through LSF's jsrun; use --mpi (LSF's mpirun) or -H/--hostfile "

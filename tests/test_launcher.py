@@ -666,6 +666,10 @@ def test_horovodrun_flags(tmp_path):
                    "--host-discovery-script", "./hosts.sh", "-cb", "python", "train.py"])
     assert (args.min_np, args.max_np, args.slots, args.check_build) == (1, 3, 2, True)
     assert _parse(["-np", "2", "-hostfile", "hosts.txt", "true"]).hostfile == "hosts.txt"
+    # `--` ends the options, and only the first is the launcher's.
+    assert _parse(["-np", "2", "--", "python", "train.py", "--", "x"]).command == ["python", "train.py", "--", "x"]
+    assert _parse(["-np", "2", "--", "--verbose"]).command == ["--verbose"]
+    assert _parse(["-np", "2", "python", "--", "x"]).command == ["python", "--", "x"]
 
 
 def test_the_rest_of_horovodruns_flags(tmp_path, monkeypatch):
