@@ -55,7 +55,11 @@ def parse_hostfile(path):
     """Lines of `host slots=N`, `host:N` or `host`; '#' starts a comment.
     Returns "host:N,..." as -H takes it."""
     hosts = []
-    with open(path) as f:
+    try:
+        f = open(path)
+    except OSError as e:
+        raise SystemExit("unisonrun: --hostfile %s: cannot read it: %s" % (path, e.strerror)) from None
+    with f:
         for line in f:
             line = line.split("#", 1)[0].strip()
             if not line:

@@ -221,6 +221,11 @@ def _parse(argv):
                         ("--autotune-steps-per-sample", args.autotune_steps_per_sample)):
         if value is not None and value < 1:
             p.error("%s %d: at least 1" % (flag, value))
+    if args.output_filename:  # made now, so that a folder that cannot be is refused before any rank starts
+        try:
+            os.makedirs(args.output_filename, exist_ok=True)
+        except OSError as e:
+            p.error("--output-filename %s: cannot make the folder: %s" % (args.output_filename, e.strerror))
     if args.simulate_hosts is not None and args.simulate_hosts < 1:
         p.error("--simulate-hosts %d: at least 1" % args.simulate_hosts)
     for flag, value in (("--ssh-port", args.ssh_port), ("--rendezvous-port", args.rendezvous_port)):

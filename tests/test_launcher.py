@@ -914,17 +914,22 @@ def test_a_bad_config_file_is_refused_naming_the_key(tmp_path, content, message)
     assert proc.returncode == 2 and ("--config-file %s: %s" % (tmp_path / "bad.yaml", message)) in err, err
 
 
-@pytest.mark.parametrize("options,message", [
-    (["--failure-grace-seconds", "-1"], "--failure-grace-seconds -1: at least 0"),
-    (["--rendezvous-port", "70000"], "--rendezvous-port 70000: a TCP port, 1 to 65535"),
-    (["--ssh-port", "0"], "--ssh-port 0: a TCP port, 1 to 65535"),
-    (["--simulate-hosts", "0"], "--simulate-hosts 0: at least 1"),
+@pytest.mark.parametrize("options,status,message", [
+    (["--failure-grace-seconds", "-1"], 2, "error: --failure-grace-seconds -1: at least 0"),
+    (["--rendezvous-port", "70000"], 2, "error: --rendezvous-port 70000: a TCP port, 1 to 65535"),
+    (["--ssh-port", "0"], 2, "error: --ssh-port 0: a TCP port, 1 to 65535"),
+    (["--simulate-hosts", "0"], 2, "error: --simulate-hosts 0: at least 1"),
+    (["--output-filename", "/proc/no-folder-here"], 2,
+     "error: --output-filename /proc/no-folder-here: cannot make the folder: No such file or directory"),
+    (["--hostfile", "/no-such-hostfile"], 1, "--hostfile /no-such-hostfile: cannot read it: No such file or directory"),
+    (["--mpi", "--hostfile", "/no-such-hostfile"], 1,
+     "--hostfile /no-such-hostfile: cannot read it: No such file or directory"),
 ])
-def test_a_launcher_setting_out_of_range_is_refused_naming_it(options, message):
+def test_a_launcher_setting_that_cannot_be_used_is_refused_naming_it(options, status, message):
     proc = subprocess.run([sys.executable, "-m", "unison.run", "-np", "2"] + options + ["true"],
                           stderr=subprocess.PIPE, timeout=60)
     err = proc.stderr.decode()
-    assert proc.returncode == 2 and err.endswith("unisonrun: error: %s\n" % message), err
+    assert proc.returncode == status and err.endswith("unisonrun: %s\n" % message), err
 
 
 @pytest.mark.parametrize("job", [["-np", "2"], ["-np", "3", "--min-np", "2"]], ids=["fixed", "elastic"])
