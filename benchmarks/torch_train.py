@@ -163,11 +163,11 @@ def main():
         # of gradients that live in each process's own memory can beat one
         # in-place pass over them (it must read every gradient byte and write
         # every result), so a target above the floor is out of reach in this
-        # run. The two pull apart as the machine changes: where DDP comes
-        # close to the ceiling, 1.5x DDP asks for more than the floor.
-        print("the floor is %.2fx the independent processes; 1.5x DDP is %.2fx%s, the 0.9x target %s"
-              % (f / c, 1.5 * d / c, " (out of reach: above the floor)" if 1.5 * d > f else "",
-                 "out of reach (above the floor)" if 0.9 * c > f else "below it"))
+        # run. Where DDP comes close to the ceiling (compute slow against
+        # memory), 1.5x DDP asks for more than the floor.
+        reach = lambda needed: "above the floor: out of reach" if needed > f else "below the floor"  # noqa: E731
+        print("the floor is %.2fx the independent processes; 1.5x DDP is %.2fx them (%s), 0.9x them (%s)"
+              % (f / c, 1.5 * d / c, reach(1.5 * d), reach(0.9 * c)))
         for what, value, target in (("DDP's samples/s", u / d, 1.5),
                                     ("the independent processes' samples/s", u / c, 0.9),
                                     ("DistributedOptimizer's samples/s (ZeRO)", z / u, 0.9)):
