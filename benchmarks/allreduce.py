@@ -313,16 +313,16 @@ def main():
     say()
     say("200 x 40 KB async: unison %.2f ms, gloo %.2f ms; one 8 MB allreduce: unison %.2f ms; "
         "200 small / one large = %.2fx" % (many * 1e3, gloo_many_t * 1e3, one * 1e3, many / one))
-    say("  of which starting them (allreduce_async_ in a Python loop): %.2f us a tensor"
-        % (statistics.median(enqueue_seconds) / count * 1e6))
+    starting = statistics.median(enqueue_seconds)
+    say("  of which starting them (allreduce_async_ in a Python loop): %.2f us a tensor" % (starting / count * 1e6))
     say("  the same 200 through the C API alone (the core's share): %.2f ms, %.2fx one large"
         % (core * 1e3, core / one))
     # The 1.5x target leaves half of one large allreduce for everything the
     # 200 cost beyond it; the Python loop that starts them is part of that.
-    starting = statistics.median(enqueue_seconds)
+    budget = 0.5 * one
     say("  starting the 200 from Python alone takes %.2f ms, %.2fx the %.2f ms that 1.5x one large leaves "
-        "for all their per-tensor work%s" % (starting * 1e3, starting / (0.5 * one), 0.5 * one * 1e3,
-                                             " (out of reach with a call per tensor)" if starting > 0.5 * one else ""))
+        "for all their per-tensor work%s" % (starting * 1e3, starting / budget, budget * 1e3,
+                                             " (out of reach with a call per tensor)" if starting > budget else ""))
 
     say()
     say("targets: 16 and 64 MiB >= 3x gloo bandwidth; 4 KiB <= 1/4 of gloo latency; 200 small within 1.5x "

@@ -19,14 +19,7 @@ import time
 
 import torch
 
-
-def make_model(width, depth):
-    torch.manual_seed(0)
-    layers = []
-    for _ in range(depth - 1):
-        layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
-    layers.append(torch.nn.Linear(width, 10))
-    return torch.nn.Sequential(*layers)
+from torch_train import make_model
 
 
 def main():
