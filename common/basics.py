@@ -31,6 +31,17 @@ _ERRORS = {
 }
 
 
+def settings_problem(variables):
+    """Why init() would refuse these environment variables (a dict of
+    names to values), naming the setting and its value; None where it
+    would take them."""
+    names = [ffi.new("char[]", os.fsencode(name)) for name in variables]
+    values = [ffi.new("char[]", os.fsencode(value)) for value in variables.values()]
+    if lib.unison_check_settings(names, values, len(names)) == lib.UNISON_OK:
+        return None
+    return ffi.string(lib.unison_last_error()).decode(errors="replace")
+
+
 def error_for(code, message):
     return _ERRORS.get(code, exceptions.UnisonError)(message)
 

@@ -18,6 +18,7 @@ import ctypes
 import glob
 import importlib.util
 import ipaddress
+import math
 import os
 import re
 import signal
@@ -58,7 +59,7 @@ def _parse(argv):
     start_timeout = p.add_mutually_exclusive_group()
     start_timeout.add_argument("--start-timeout", type=float,
                                help="seconds the ranks may take to start and meet (default 60)")
-    start_timeout.add_argument("--gloo-timeout-seconds", dest="start_timeout", type=float,
+    start_timeout.add_argument("--gloo-timeout-seconds", type=float,
                                help="horovodrun's name for --start-timeout here: what Gloo's timeout bounds in "
                                     "Horovod, the ranks meeting, is what --start-timeout bounds; a peer that stops "
                                     "answering later is --peer-timeout-seconds' and the stall check's to find")
@@ -191,6 +192,20 @@ def _parse(argv):
     args = p.parse_args(argv)
     if args.check_build:
         return args
+    # Kept apart until now, so that an error names the option that was given.
+    given_start_timeout = "--start-timeout"
+    if args.gloo_timeout_seconds is not None:
+        args.start_timeout, given_start_timeout = args.gloo_timeout_seconds, "--gloo-timeout-seconds"
+    # The core's settings given as options; each becomes a variable that init()
+    # would refuse in every rank, naming the variable rather than the option.
+    for flag, value in (("--fusion-threshold-mb", args.fusion_threshold_mb), ("--cycle-time-ms", args.cycle_time_ms),
+                        ("--cache-capacity", args.cache_capacity),
+                        ("--stall-check-warning-time-seconds", args.stall_check_warning_time_seconds),
+                        ("--stall-check-shutdown-time-seconds", args.stall_check_shutdown_time_seconds),
+                        ("--peer-timeout-seconds", args.peer_timeout_seconds),
+                        (given_start_timeout, args.start_timeout)):
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            p.error("%s %g: a number of at least 0" % (flag, value))
     if args.command[:1] == ["--"]:  # `unisonrun -np 2 -- python train.py`: the end of the options, as anywhere
         args.command = args.command[1:]
     args.network_interface = _one_interface(p, args.network_interfaces)
@@ -262,7 +277,25 @@ def _parse(argv):
         p.error("--gloo runs without MPI, and --simulate-hosts goes through mpirun: give one")
     if args.host_discovery_script and (args.hosts or args.hostfile):
         p.error("--host-discovery-script and -H/--hostfile both name the hosts: give one")
+    refused = what_init_would_refuse(args)
+    if refused:
+        p.error(refused)
     return args
+
+
+def what_init_would_refuse(args):
+    """The first setting in the environment the ranks are about to get
+    (this one's, with the options' variables over it) that their init() would
+    refuse, said as init() says it; or None. The core's own parser reads it
+    (unison_check_settings), so that a bad HOROVOD_CYCLE_TIME, say, stops
+    the job here, once, instead of failing every rank's init() after they
+    have started."""
+    from unison import basics
+    # A rank's identity comes from the launcher, never from the variables of
+    # an mpirun or srun around this one.
+    env = dict(os.environ, **_settings(args), UNISON_RANK="0", UNISON_SIZE=str(args.np))
+    problem = basics.settings_problem(env)
+    return problem and re.sub(r"^unison: ", "", problem)
 
 
 def check_build():

@@ -8,6 +8,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "caller_activity.h"
@@ -110,6 +111,17 @@ int unison_init(void) {
   config = c;
   std::atomic_store(&engine, std::make_shared<Engine>(c, std::move(backend), &handles));
   return UNISON_OK;
+}
+
+int unison_check_settings(const char* const* names, const char* const* values, int count) {
+  std::unordered_map<std::string, std::string> given;
+  for (int i = 0; i < count; ++i) given[names[i]] = values[i];
+  const Variables variables = [&given](const char* name) -> const char* {
+    const auto found = given.find(name);
+    return found == given.end() ? nullptr : found->second.c_str();
+  };
+  Config parsed;
+  return report(Config::from_variables(variables, &parsed));
 }
 
 int unison_shutdown(void) {

@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -13,6 +14,9 @@
 #include "status.h"
 
 namespace unison {
+
+// A variable's value by name, or nullptr where it is not set.
+using Variables = std::function<const char*(const char*)>;
 
 struct Config {
   // Identity, set by the launcher. A process started without it is rank 0 of 1.
@@ -168,6 +172,10 @@ struct Config {
   // Every value is either understood or rejected with an error naming the
   // variable and its value; nothing set is silently ignored.
   static Status from_environment(Config* out);
+  // The same, from variables given by name (nullptr: not set). The launcher
+  // checks what it is about to give its ranks this way, through the very
+  // parser their init() will run (unison_check_settings).
+  static Status from_variables(const Variables& variables, Config* out);
 
   // Sets engine_core from thread_affinity for this local rank, or says why
   // it cannot: too few cores for the host's ranks, or one this process may

@@ -152,6 +152,13 @@ int unison_is_initialized(void);
    calls it when its driver reports that a member of the round it is
    starting in died (that member may never have reached this rank). */
 void unison_abort_start(const char* reason);
+/* Reads `count` variables (names[i]=values[i], and nothing else) as init
+   reads the environment, and fails as init would on the first setting it
+   cannot use, naming it and its value. Starts nothing. unisonrun checks
+   the environment it is about to give its ranks with it, so that a bad
+   setting stops the job before any rank starts instead of failing every
+   rank's init. */
+int unison_check_settings(const char* const* names, const char* const* values, int count);
 
 /* The timeline (timeline.h): rank 0 writes a Chrome trace of every
    tensor's phases to `path` until stopped; on other ranks these do

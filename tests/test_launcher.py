@@ -768,6 +768,10 @@ ENGINE_THREAD_CORES = """
             if line.startswith("Cpus_allowed_list:"):
                 return line.split()[1]
 
+    # Set here, past the launcher, which refuses a setting that no rank's
+    # init() could read before any rank starts.
+    if "AFFINITY_TO_TRY" in os.environ:
+        os.environ["UNISON_THREAD_AFFINITY"] = os.environ["AFFINITY_TO_TRY"]
     try:
         unison.init()
     except unison.InvalidArgumentError as e:
@@ -819,7 +823,7 @@ def test_thread_affinity_pins_each_local_ranks_engine_thread_and_nothing_else(tm
 ])
 def test_a_thread_affinity_that_cannot_be_honoured_fails_init_naming_it(tmp_path, np_, setting, message):
     proc = run(tmp_path, ENGINE_THREAD_CORES.replace("unison_size_here", str(np_)), np_=np_,
-               env={"UNISON_THREAD_AFFINITY": setting})
+               env={"AFFINITY_TO_TRY": setting})
     out = proc.stdout.decode()
     assert proc.returncode == 0, out + proc.stderr.decode()
     usable = ",".join(map(str, sorted(os.sched_getaffinity(0))))
@@ -916,6 +920,20 @@ def test_a_bad_config_file_is_refused_naming_the_key(tmp_path, content, message)
 
 @pytest.mark.parametrize("options,status,message", [
     (["--failure-grace-seconds", "-1"], 2, "error: --failure-grace-seconds -1: at least 0"),
+    # The core's settings: each would fail every rank's init().
+    (["--cycle-time-ms", "-1"], 2, "error: --cycle-time-ms -1: a number of at least 0"),
+    (["--fusion-threshold-mb", "-64"], 2, "error: --fusion-threshold-mb -64: a number of at least 0"),
+    (["--cache-capacity", "-2"], 2, "error: --cache-capacity -2: a number of at least 0"),
+    (["--stall-check-warning-time-seconds", "inf"], 2,
+     "error: --stall-check-warning-time-seconds inf: a number of at least 0"),
+    (["--stall-check-shutdown-time-seconds", "-5"], 2,
+     "error: --stall-check-shutdown-time-seconds -5: a number of at least 0"),
+    (["--peer-timeout-seconds", "nan"], 2, "error: --peer-timeout-seconds nan: a number of at least 0"),
+    (["--start-timeout", "-5"], 2, "error: --start-timeout -5: a number of at least 0"),
+    (["--gloo-timeout-seconds", "-5"], 2, "error: --gloo-timeout-seconds -5: a number of at least 0"),
+    # Past the option's own check, the core's parser names the variable.
+    (["--thread-affinity", "0,5000"], 2, "error: UNISON_THREAD_AFFINITY='0,5000' is not a comma-separated list "
+                                         "of core numbers, one for each rank on the host"),
     (["--rendezvous-port", "70000"], 2, "error: --rendezvous-port 70000: a TCP port, 1 to 65535"),
     (["--ssh-port", "0"], 2, "error: --ssh-port 0: a TCP port, 1 to 65535"),
     (["--simulate-hosts", "0"], 2, "error: --simulate-hosts 0: at least 1"),
@@ -930,6 +948,31 @@ def test_a_launcher_setting_that_cannot_be_used_is_refused_naming_it(options, st
                           stderr=subprocess.PIPE, timeout=60)
     err = proc.stderr.decode()
     assert proc.returncode == status and err.endswith("unisonrun: %s\n" % message), err
+
+
+@pytest.mark.parametrize("job", [["-np", "2"], ["-np", "3", "--min-np", "2"], ["-np", "2", "--mpi"],
+                                 ["-np", "2", "-H", "localhost:1,127.0.0.1:1"]],
+                         ids=["fixed", "elastic", "mpi", "hosts"])
+@pytest.mark.parametrize("variable,value,message", [
+    ("HOROVOD_CYCLE_TIME", "fast", "HOROVOD_CYCLE_TIME='fast' is not a non-negative number"),
+    ("UNISON_FUSION_THRESHOLD", "64 MB please", "UNISON_FUSION_THRESHOLD='64 MB please' is not a size in bytes of at "
+                                                "least 0 (such as 67108864, 64MiB or 64MB)"),
+    ("HOROVOD_LOG_LEVEL", "loud", "HOROVOD_LOG_LEVEL='loud' is not one of trace, debug, info, warning, error, fatal"),
+    ("UNISON_OVERLAP", "sometimes", "UNISON_OVERLAP='sometimes' is not auto or a flag (1, 0, true, false, yes, no, "
+                                    "on or off)"),
+])
+def test_a_variable_no_rank_could_start_with_stops_the_job_before_any_rank_starts(tmp_path, job, variable, value,
+                                                                                 message):
+    """A setting in the environment that every rank would inherit, and every
+    rank's init() would refuse: the launcher reads it with the same parser
+    and stops once, naming it, instead of starting ranks that each fail
+    with a traceback. (init()'s own refusal is test_solo.py's.)"""
+    proc = subprocess.run([sys.executable, "-m", "unison.run"] + job + ["touch", "ran"], cwd=tmp_path,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=60,
+                          env=dict(os.environ, **{variable: value}))
+    err = proc.stderr.decode()
+    assert proc.returncode == 2 and err.endswith("unisonrun: error: %s\n" % message), err
+    assert not (tmp_path / "ran").exists()
 
 
 @pytest.mark.parametrize("job", [["-np", "2"], ["-np", "3", "--min-np", "2"]], ids=["fixed", "elastic"])
