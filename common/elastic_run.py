@@ -223,10 +223,7 @@ class ElasticDriver:
                 worker.proc.stdin.close()
             except OSError:
                 pass
-        try:
-            os.killpg(worker.proc.pid, signum)
-        except ProcessLookupError:
-            pass
+        run.signal_process_group(worker.proc.pid, signum)
 
     def running(self):
         return [w for w in self.workers.values() if w.code is None]

@@ -605,10 +605,7 @@ class Job:
                         proc.stdin.close()
                     except OSError:
                         pass
-                try:
-                    os.killpg(proc.pid, signum)
-                except ProcessLookupError:
-                    pass
+                signal_process_group(proc.pid, signum)
 
     def stop(self, signum):
         """The launcher was told to stop (Ctrl-C, SIGTERM): every rank is
@@ -685,6 +682,20 @@ class Job:
 
     def cleanup(self):
         remove_shared_memory(self.job_id)
+
+
+def signal_process_group(pid, signum):
+    """Sends a rank's process group `signum`, and SIGCONT after it unless
+    the signal kills outright: a rank stopped by SIGSTOP or SIGTSTP would
+    otherwise see a SIGTERM only when something continued it, and be killed
+    STOP_GRACE_SECONDS later without running its handlers. (A rank held by
+    a debugger stays held: ptrace's stops ignore SIGCONT.)"""
+    try:
+        os.killpg(pid, signum)
+        if signum != signal.SIGKILL:
+            os.killpg(pid, signal.SIGCONT)
+    except ProcessLookupError:
+        pass
 
 
 def new_job_id():

@@ -284,7 +284,7 @@ def _read_given_environment():
 
 def remote_rank(argv):
     """Runs one rank on a remote host: see the module's docstring."""
-    from unison.run import _describe, _die_with_parent, remove_shared_memory
+    from unison.run import _describe, _die_with_parent, remove_shared_memory, signal_process_group
 
     command = argv[1:] if argv[:1] == ["--"] else argv
     given = _read_given_environment()
@@ -297,10 +297,7 @@ def remote_rank(argv):
 
     def stop(_signum=None, _frame=None):
         if proc.poll() is None:
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                return
+            signal_process_group(proc.pid, signal.SIGTERM)
             deadline = time.monotonic() + 5
             while proc.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.05)
