@@ -440,8 +440,13 @@ except unison.UnisonError as e:
     print("rank %d: the next op failed (%s): %s" % (rank, type(e).__name__, e), flush=True)
 if rank == 1 and sys.argv[2] == "shuts-down":
     unison.shutdown()
-    time.sleep(20)
+    # Alive, until rank 0 has ended its device work and said so.
+    deadline = time.monotonic() + 60
+    while not os.path.exists("rank0.done") and time.monotonic() < deadline:
+        time.sleep(0.1)
     os._exit(0)
+if rank == 0:
+    open("rank0.done", "w").close()
 os._exit(17)
 """
 
