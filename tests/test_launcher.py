@@ -333,7 +333,7 @@ def test_sigterm_is_forwarded_to_every_rank(tmp_path):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 @pytest.mark.parametrize("rank_1", ["ignores it", "is stopped and ignores it", "is stopped"])
-def test_a_rank_that_does_not_end_when_told_is_killed_after_the_grace_period(tmp_path, signum, rank_1):
+def test_a_rank_told_to_stop_ends_at_once_or_is_killed_after_the_grace_period(tmp_path, signum, rank_1):
     """The launcher told to stop forwards the signal; a rank that ignores
     it used to keep the launcher waiting for ever, and is killed 5 s later.
     A rank stopped by SIGSTOP is continued after the signal, so that it
