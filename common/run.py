@@ -196,9 +196,12 @@ def _parse(argv):
     given_start_timeout = "--start-timeout"
     if args.gloo_timeout_seconds is not None:
         args.start_timeout, given_start_timeout = args.gloo_timeout_seconds, "--gloo-timeout-seconds"
-    # The core's settings given as options; each becomes a variable that init()
-    # would refuse in every rank, naming the variable rather than the option.
-    for flag, value in (("--fusion-threshold-mb", args.fusion_threshold_mb), ("--cycle-time-ms", args.cycle_time_ms),
+    # Times and counts that no negative, infinite or NaN value makes sense for.
+    # Most are the core's settings, whose variables init() would refuse in
+    # every rank, naming the variable rather than the option; a NaN grace
+    # period would never end.
+    for flag, value in (("--failure-grace-seconds", args.failure_grace_seconds),
+                        ("--fusion-threshold-mb", args.fusion_threshold_mb), ("--cycle-time-ms", args.cycle_time_ms),
                         ("--cache-capacity", args.cache_capacity),
                         ("--stall-check-warning-time-seconds", args.stall_check_warning_time_seconds),
                         ("--stall-check-shutdown-time-seconds", args.stall_check_shutdown_time_seconds),
@@ -246,8 +249,6 @@ def _parse(argv):
     for flag, value in (("--ssh-port", args.ssh_port), ("--rendezvous-port", args.rendezvous_port)):
         if value is not None and not 1 <= value <= 65535:
             p.error("%s %d: a TCP port, 1 to 65535" % (flag, value))
-    if args.failure_grace_seconds < 0:
-        p.error("--failure-grace-seconds %g: at least 0" % args.failure_grace_seconds)
     if args.autotune_warmup_samples is not None and args.autotune_warmup_samples < 0:
         p.error("--autotune-warmup-samples %d: at least 0" % args.autotune_warmup_samples)
     if args.min_np is not None and args.max_np is not None and args.min_np > args.max_np:

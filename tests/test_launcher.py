@@ -920,7 +920,8 @@ def test_a_bad_config_file_is_refused_naming_the_key(tmp_path, content, message)
 
 
 @pytest.mark.parametrize("options,status,message", [
-    (["--failure-grace-seconds", "-1"], 2, "error: --failure-grace-seconds -1: at least 0"),
+    (["--failure-grace-seconds", "-1"], 2, "error: --failure-grace-seconds -1: a number of at least 0"),
+    (["--failure-grace-seconds", "nan"], 2, "error: --failure-grace-seconds nan: a number of at least 0"),
     # The core's settings: each would fail every rank's init().
     (["--cycle-time-ms", "-1"], 2, "error: --cycle-time-ms -1: a number of at least 0"),
     (["--fusion-threshold-mb", "-64"], 2, "error: --fusion-threshold-mb -64: a number of at least 0"),
