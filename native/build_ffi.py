@@ -128,6 +128,10 @@ ffibuilder.set_source(
     '#include "unison.h"\n/* unison core built with MPI: %s, sanitizers: %s */'
     % (MPICC or "no", " ".join(SANITIZE) or "none"),
     sources=_sources(MPICC is not None),
+    # setuptools rebuilds when a source or one of these is newer than the
+    # built core: an edit to a header alone must rebuild it too.
+    depends=[os.path.relpath(f, ROOT) for f in sorted(glob.glob(os.path.join(HERE, "*.h")) +
+                                                      glob.glob(os.path.join(HERE, "*", "*.h")))],
     include_dirs=[os.path.relpath(HERE, ROOT)] + MPI["include_dirs"],
     library_dirs=MPI["library_dirs"],
     source_extension=".cpp",

@@ -39,13 +39,17 @@ def unisonrun(options, command, env=None, timeout=300, base=None):
     return run_job(full, timeout, env=dict(base if base is not None else os.environ, **(env or {})))
 
 
-def pytest_command(suite):
-    """pytest inside a rank. The thread method ends a rank whose test
+def pytest_command(*suites):
+    """pytest inside a rank, running the suites in one session. The thread method ends a rank whose test
     outlives --timeout even when it is blocked in native code (the signal
     method waits for Python code to run), after printing every thread's
     stack; the launcher then ends the job."""
     return [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--timeout=120",
-            "--timeout-method=thread", "-x", os.path.join(HERE, "parallel", suite)]
+            "--timeout-method=thread", "-x"] + [os.path.join(HERE, "parallel", suite) for suite in suites]
+
+
+# conftest.py's: how the running test reports the tests its ranks ran.
+record_property = None
 
 
 def assert_every_rank_passed(proc, ranks):
@@ -54,6 +58,9 @@ def assert_every_rank_passed(proc, ranks):
     print("\n".join(summaries))
     assert proc.returncode == 0, failure_digest(output)
     assert len([s for s in summaries if "passed" in s and "failed" not in s]) == ranks, failure_digest(output)
+    counts = [int(found.group(1)) for found in (re.search(r"(\d+) passed", s) for s in summaries) if found]
+    if record_property is not None and counts:
+        record_property("rank_tests", max(counts))
 
 
 # tests/parallel/conftest.py prints each failure as it happens, under this

@@ -62,12 +62,13 @@ def remove_mpi_shm_left_by_the_test():
 
 
 @needs_mpi
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("suite", CORE_SUITES)
+# Every core suite in one launch per layout (test_parallel.py says why).
+@pytest.mark.timeout(1800)
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_core_grid_under_mpi(layout, suite):
+def test_core_suites_under_mpi(layout):
     options, ranks, backend = LAYOUTS[layout]
-    proc = unisonrun(options, pytest_command(suite), env={"UNISON_TEST_EXPECT_BACKEND": backend}, timeout=580)
+    proc = unisonrun(options, pytest_command(*CORE_SUITES), env={"UNISON_TEST_EXPECT_BACKEND": backend},
+                     timeout=580 * len(CORE_SUITES))
     assert_every_rank_passed(proc, ranks)
 
 

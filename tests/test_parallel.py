@@ -12,7 +12,7 @@ import sys
 import pytest
 
 import fake_cuda as fake_cuda_library
-from jobs import assert_every_rank_passed, pytest_command, run_job
+from jobs import assert_every_rank_passed, failure_digest, pytest_command, run_job
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SUITES = sorted(f for f in os.listdir(os.path.join(HERE, "parallel")) if f.startswith("test_"))
@@ -51,13 +51,32 @@ def sizes(suite):
     return [2, 3]
 
 
-RUNS = [(suite, n) for suite in SUITES for n in sizes(suite)]
+# One launch per framework and size, running every suite of that framework
+# that runs at that size in one pytest session inside each rank: a launch
+# costs each rank its interpreter, pytest and the framework's import (3-4 s
+# a rank for torch or TensorFlow on a 2-core machine), which one launch per
+# suite paid 20 times over in each framework's env. Each test of each suite
+# still runs under its own per-test timeout inside the ranks.
+def launches(suites, sizes_of):
+    """{(framework, ranks): [suite, ...]} for the given suites."""
+    groups = {}
+    for suite in suites:
+        for n in sizes_of(suite):
+            groups.setdefault((framework_of(suite) or "core", n), []).append(suite)
+    return groups
 
 
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("suite,np_", RUNS, ids=lambda v: "np%d" % v if isinstance(v, int) else v)
-def test_suite_under_launcher(suite, np_):
-    run_suite(suite, np_)
+LAUNCHES = launches(SUITES, sizes)
+
+
+def launch_id(key):
+    return "%s-np%d" % key
+
+
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("launch", sorted(LAUNCHES), ids=launch_id)
+def test_suites_under_launcher(launch):
+    run_suites(LAUNCHES[launch], launch[1])
 
 
 # Async ops start at once on the engine's thread only where the host has a
@@ -97,11 +116,17 @@ def test_cuda_suites_with_a_host_per_rank(suite, flat, np_):
     run_suite(suite, np_, env, launcher=["-H", HOSTS[np_]], wrapper=NCCL_PER_RANK_HOST if flat else [])
 
 
+def torch_has_cuda():
+    if importlib.util.find_spec("torch") is None:
+        return False
+    import torch
+    return torch.cuda.is_available()
+
+
 def skip_without_cuda():
     if importlib.util.find_spec("torch") is None:
         pytest.skip("torch is not installed here; the tox env 'torch' runs the GPU suites")
-    import torch
-    if not torch.cuda.is_available():
+    if not torch_has_cuda():
         pytest.skip("no CUDA device here: the GPU suites run on a GPU machine (benchmarks/gpu_machine.sh)")
 
 
@@ -483,33 +508,55 @@ def test_an_asynchronous_nccl_error_ends_the_device_work_and_fails_the_next_op(f
         output[-5000:]
 
 
-OVERLAP_SUITES = ["test_core_ops.py", "test_core_grid.py", "test_core_timeline.py", "test_torch_optimizer.py",
-                  "test_torch_zero.py"]
+OVERLAP_LAUNCHES = launches(["test_core_ops.py", "test_core_grid.py", "test_core_timeline.py",
+                             "test_torch_optimizer.py", "test_torch_zero.py"], lambda suite: [2, 3])
 
 
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("suite", OVERLAP_SUITES)
-@pytest.mark.parametrize("np_", [2, 3], ids=lambda v: "np%d" % v)
-def test_suite_with_overlap_forced_on(suite, np_):
-    run_suite(suite, np_, {"UNISON_OVERLAP": "1"})
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("launch", sorted(OVERLAP_LAUNCHES), ids=launch_id)
+def test_suites_with_overlap_forced_on(launch):
+    run_suites(OVERLAP_LAUNCHES[launch], launch[1], {"UNISON_OVERLAP": "1"})
 
 
 # A spinning wait yields its core where ranks outnumber cores
 # (UNISON_SPIN_YIELD=auto, config.cc): on CI's 2 cores the 3-rank runs
 # above yield and the 2-rank runs do not; on a larger machine none would.
 # These force each way, so both waits run wherever the tests do.
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("suite", ["test_core_ops.py", "test_core_grid.py"])
+@pytest.mark.timeout(1200)
 @pytest.mark.parametrize("np_,spin_yield", [(2, "1"), (3, "0")], ids=["np2-yield", "np3-pause"])
-def test_suite_with_spin_yield_forced(suite, np_, spin_yield):
-    run_suite(suite, np_, {"UNISON_SPIN_YIELD": spin_yield})
+def test_suites_with_spin_yield_forced(np_, spin_yield):
+    run_suites(["test_core_ops.py", "test_core_grid.py"], np_, {"UNISON_SPIN_YIELD": spin_yield})
+
+
+# The shared grid's join test as a long loop (tests/join_loop.py): 20 x 210
+# joins, each rank in turn joining first, with the response cache on and
+# off. A join that ended while ranks took the next op at different cycles
+# once left them waiting for good, in a few runs in ten.
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("cache", ["cache-on", "cache-off"])
+@pytest.mark.parametrize("np_", [2, 3], ids=lambda v: "np%d" % v)
+def test_many_joins_in_a_row_never_wait_for_good(np_, cache):
+    env = dict(os.environ, UNISON_CACHE_CAPACITY="1024" if cache == "cache-on" else "0")
+    command = [sys.executable, "-m", "unison.run", "-np", str(np_), sys.executable, os.path.join(HERE, "join_loop.py"),
+               "20", "210"]
+    output = run_job(command, 580, env=env).stdout.decode(errors="replace")
+    for rank in range(np_):
+        assert "[%d]<stdout>:rank %d: 4200 joins" % (rank, rank) in output, failure_digest(output)
 
 
 def run_suite(suite, np_, env=None, launcher=(), wrapper=()):
-    if suite.endswith("_cuda.py"):
-        skip_without_cuda()
-    framework = framework_of(suite)
+    run_suites([suite], np_, env, launcher, wrapper)
+
+
+def run_suites(suites, np_, env=None, launcher=(), wrapper=()):
+    """The suites, one after another, in one job of np_ ranks."""
+    if not torch_has_cuda():  # a GPU suite among others is left out; alone, it skips saying why
+        suites = [s for s in suites if not s.endswith("_cuda.py")]
+        if not suites:
+            skip_without_cuda()
+    framework = framework_of(suites[0])
     if framework and importlib.util.find_spec(framework) is None:
-        pytest.skip("%s is not installed here; the tox env '%s' runs this suite" % (framework, framework))
-    command = [sys.executable, "-m", "unison.run", "-np", str(np_), *launcher, *wrapper, *pytest_command(suite)]
-    assert_every_rank_passed(run_job(command, 580, env=dict(os.environ, **(env or {}))), np_)
+        pytest.skip("%s is not installed here; the tox env '%s' runs these suites" % (framework, framework))
+    command = [sys.executable, "-m", "unison.run", "-np", str(np_), *launcher, *wrapper, *pytest_command(*suites)]
+    # Each suite gets what one launch of it alone had.
+    assert_every_rank_passed(run_job(command, 580 * len(suites), env=dict(os.environ, **(env or {}))), np_)

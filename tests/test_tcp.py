@@ -43,12 +43,13 @@ def unisonrun(options, command, env=None, timeout=300):
     return jobs.unisonrun(options, command, env, timeout, base=without_mpi())
 
 
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("suite", CORE_SUITES)
+# Every core suite in one launch per layout (test_parallel.py says why).
+@pytest.mark.timeout(1800)
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_core_suites_across_hosts(layout, suite):
+def test_core_suites_across_hosts(layout):
     options, ranks, backend = LAYOUTS[layout]
-    proc = unisonrun(options, pytest_command(suite), env={"UNISON_TEST_EXPECT_BACKEND": backend}, timeout=580)
+    proc = unisonrun(options, pytest_command(*CORE_SUITES), env={"UNISON_TEST_EXPECT_BACKEND": backend},
+                     timeout=580 * len(CORE_SUITES))
     assert_every_rank_passed(proc, ranks)
 
 

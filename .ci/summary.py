@@ -1,0 +1,105 @@
+"""What a CI run cost, printed at its end: each tox environment's time and
+test count, the total, and the slowest tests of the whole run, so that a
+change that makes the suite slower shows in its own CI output.
+
+Reads tox's closing lines ("core: OK ✔ in 13 minutes 19.78 seconds") from
+the run's saved output, and each environment's JUnit report, which tox.ini
+has pytest write to .tox/<env>/junit.xml.
+
+    python3 .ci/summary.py OUTPUT_LOG WALL_SECONDS
+"""
+import os
+import re
+import sys
+import time
+import xml.etree.ElementTree as ElementTree
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SLOWEST = 15
+# tox's report at the end of the run: "  core: OK (799.78=setup[66.71]+cmd[733.07] seconds)", with a
+# cmd entry per command (an env's own build, in commands_pre, comes before its pytest).
+ENV_LINE = re.compile(r"^\s*(\S+): (OK|FAIL|SKIP)\S* \(([\d.]+)=setup\[([\d.]+)\]\+cmd\[([\d.,]*)\] seconds\)")
+
+
+def memcpy_gigabytes_per_second(nbytes=64 << 20):
+    """Single-core copy speed, the figure that says how fast a VM moves
+    memory: runs on different VMs compare only beside it."""
+    source, target = bytearray(b"\1") * nbytes, bytearray(nbytes)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(10):
+            target[:] = source
+        best = min(best, (time.perf_counter() - start) / 10)
+    return nbytes / best / 1e9
+
+
+def env_times(log_path):
+    """{env: (status, seconds, seconds before its tests)} from tox's report,
+    in run order. Before the tests: making the env, installing, building."""
+    times = {}
+    with open(log_path, errors="replace") as f:
+        for line in f:
+            found = ENV_LINE.match(line.rstrip())
+            if found:
+                commands = [float(c) for c in found.group(5).split(",") if c]
+                before = float(found.group(4)) + sum(commands[:-1])
+                times[found.group(1)] = (found.group(2), float(found.group(3)), before)
+    return times
+
+
+def junit(env):
+    """(counts by outcome, [(seconds, test id)]) from the env's JUnit report."""
+    path = os.path.join(ROOT, ".tox", env, "junit.xml")
+    counts = {"passed": 0, "failed": 0, "skipped": 0, "in ranks": 0}
+    cases = []
+    if not os.path.exists(path):
+        return None, cases
+    for case in ElementTree.parse(path).getroot().iter("testcase"):
+        for prop in case.iter("property"):
+            if prop.get("name") == "rank_tests":
+                counts["in ranks"] += int(prop.get("value"))
+        outcome = "passed"
+        for child in case:
+            if child.tag in ("failure", "error"):
+                outcome = "failed"
+            elif child.tag == "skipped":
+                outcome = "skipped"
+        counts[outcome] += 1
+        name = "%s::%s" % (case.get("classname", "").replace(".", "/") + ".py", case.get("name", ""))
+        cases.append((float(case.get("time", 0) or 0), "%s %s" % (env, name)))
+    return counts, cases
+
+
+def minutes(seconds):
+    return "%d:%02d" % (seconds // 60, seconds % 60)
+
+
+def main(log_path, wall_seconds):
+    times = env_times(log_path)
+    everything = []
+    print("\n==== CI summary (single-core memcpy %.1f GB/s) ====" % memcpy_gigabytes_per_second())
+    print("%-12s %-6s %8s %8s %8s %8s %8s %9s" % ("env", "status", "time", "set-up", "passed", "failed", "skipped",
+                                                 "in ranks"))
+    totals = {"passed": 0, "failed": 0, "skipped": 0, "in ranks": 0}
+    for env, (status, seconds, before) in times.items():
+        counts, cases = junit(env)
+        everything += cases
+        if counts is None:
+            print("%-12s %-6s %8s %8s %8s" % (env, status, minutes(seconds), minutes(before), "(no report)"))
+            continue
+        for k in totals:
+            totals[k] += counts[k]
+        print("%-12s %-6s %8s %8s %8d %8d %8d %9d" % (env, status, minutes(seconds), minutes(before),
+                                                       counts["passed"], counts["failed"], counts["skipped"],
+                                                       counts["in ranks"]))
+    print("%-12s %-6s %8s %8s %8d %8d %8d %9d" % ("total", "", minutes(wall_seconds), "", totals["passed"],
+                                                   totals["failed"], totals["skipped"], totals["in ranks"]))
+    print("(in ranks: the tests that rank 0 of each job ran inside it, each job counting once above)")
+    print("\nthe %d slowest tests of the run:" % SLOWEST)
+    for seconds, name in sorted(everything, reverse=True)[:SLOWEST]:
+        print("%8.1f s  %s" % (seconds, name))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], float(sys.argv[2]))
