@@ -13,7 +13,6 @@ import mxnet as mx
 
 from unison.arguments import split_into_groups
 from unison.compression import check_compressor
-from unison import process_sets
 from unison.process_sets import global_process_set
 from unison.mxnet.compression import Compression
 from unison.mxnet.ops import Sum, _all_waited, _allreduce_async
@@ -43,6 +42,15 @@ def _allreduce_gradients(named_grads, gradient_predivide_factor, num_groups, pro
             grad[:] = compression.decompress(wire, ctx)
 
 
+def _averages_on_this_rank(process_set):
+    """A rank outside the wrapper's process set is a plain local optimizer,
+    as in Horovod: a script builds one on every rank and steps it
+    everywhere. (Horovod's DistributedTrainer still divides such a rank's
+    gradients by the set's size; here they are left as one process would
+    have them.)"""
+    return process_set.included()
+
+
 class DistributedOptimizer(mx.optimizer.Optimizer):
     """Wraps an mx.optimizer.Optimizer: update() and update_multi_precision()
     first sum the gradients across ranks; the wrapped optimizer's
@@ -52,12 +60,12 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
                  process_set=global_process_set):
         # Not calling Optimizer.__init__: every setting lives on the wrapped
         # optimizer, and __getattr__ forwards to it.
-        process_sets.check_member(process_set, "DistributedOptimizer")
         self._optimizer = optimizer
         self._gradient_predivide_factor = gradient_predivide_factor
         self._num_groups = num_groups
         self._process_set = process_set
-        self._optimizer.rescale_grad *= gradient_predivide_factor / process_set.size()
+        if _averages_on_this_rank(process_set):
+            self._optimizer.rescale_grad *= gradient_predivide_factor / process_set.size()
 
     def __getattr__(self, item):
         return getattr(self.__dict__["_optimizer"], item)
@@ -77,7 +85,7 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
         return self._optimizer.create_state_multi_precision(index, weight)
 
     def _reduce(self, index, grad):
-        if self._process_set.size() == 1:
+        if self._process_set.size() == 1 or not _averages_on_this_rank(self._process_set):
             return
         if isinstance(index, (tuple, list)):
             named = [("optimizer.%s" % i, g, -n) for n, (i, g) in enumerate(zip(index, grad))]
@@ -112,14 +120,14 @@ class DistributedTrainer(mx.gluon.Trainer):
 
     def __init__(self, params, optimizer, optimizer_params=None, compression=Compression.none,
                  gradient_predivide_factor=1.0, prefix=None, num_groups=0, process_set=global_process_set):
-        process_sets.check_member(process_set, "DistributedTrainer")
         check_compressor(compression, "DistributedTrainer")
         if isinstance(optimizer, DistributedOptimizer):
             warnings.warn("DistributedTrainer reduces gradients itself; it was given a DistributedOptimizer "
                           "and uses the optimizer inside it instead")
             wrapper, optimizer = optimizer, optimizer._optimizer
             # Undo the wrapper's share of the averaging: this trainer applies its own.
-            optimizer.rescale_grad /= wrapper._gradient_predivide_factor / wrapper._process_set.size()
+            if _averages_on_this_rank(wrapper._process_set):
+                optimizer.rescale_grad /= wrapper._gradient_predivide_factor / wrapper._process_set.size()
         # Gradients are matched across ranks by their place in this list. A
         # ParameterDict (or dict) keeps the network's registration order,
         # the same on every rank even where Gluon's per-process name counter
@@ -139,6 +147,8 @@ class DistributedTrainer(mx.gluon.Trainer):
     # each step, so that it follows the size of an elastic job.
     @property
     def _scale(self):
+        if not _averages_on_this_rank(self._process_set):
+            return self._unscaled
         return self._unscaled * self._gradient_predivide_factor / self._process_set.size()
 
     @_scale.setter
@@ -146,7 +156,7 @@ class DistributedTrainer(mx.gluon.Trainer):
         self._unscaled = value
 
     def _allreduce_grads(self):
-        if self._process_set.size() == 1:
+        if self._process_set.size() == 1 or not _averages_on_this_rank(self._process_set):
             return
         trainable = [(i, p) for i, p in enumerate(self._params) if p.grad_req != "null"]
         if self._num_groups > 0:

@@ -161,7 +161,15 @@ void Engine::take_new_requests() {
     int position = -1;
     ResponseCache::Lookup found = ResponseCache::Lookup::kMiss;
     if (e.request.op == UNISON_JOIN) joined_ = true;
-    if (!set.anyone_joined && tuned_.cache && set.cache.capacity() > 0 && e.request.op <= UNISON_REDUCESCATTER)
+    // Whether a tensor goes by cache bit or in full must not depend on when
+    // this rank took it: ranks take it at different cycles, and a full
+    // request never pairs with a peer's bit. So the choice depends only on
+    // the cache, identical everywhere. (Skipping the lookup while someone
+    // had joined sent a tensor in full on a rank that took it the cycle
+    // after a join ended, and by bit on one that took it a cycle later:
+    // both then waited for good.) While a rank waits in join, negotiate()
+    // turns every bit back into a full request, for the coordinator.
+    if (tuned_.cache && set.cache.capacity() > 0 && e.request.op <= UNISON_REDUCESCATTER)
       found = set.cache.lookup(e.request, set.size(), &position);
     if (found == ResponseCache::Lookup::kHit) {
       e.cache_position = position;
@@ -328,7 +336,6 @@ Status Engine::negotiate(ProcessSetState& set, const std::vector<CycleMessage>& 
       if (w < (int)m.invalid_bits.size()) invalid[w] |= m.invalid_bits[w];
     }
   }
-  set.anyone_joined = any_joined;
   if (timeline_.active()) note_arrivals(set, all, anywhere);
   bool resend = false;
   for (auto& [name, e] : set.pending) {

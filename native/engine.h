@@ -275,7 +275,6 @@ struct ProcessSetState {
   // cycle: another_cycle also counts the others' asking, and echoing that
   // back kept every rank cycling for good once anyone had asked.
   bool responses_held_back = false;
-  bool anyone_joined = false;  // as of its last cycle (global set only)
   bool stall_check = false;    // set rank 0: this cycle inspects stalled tensors
 };
 

@@ -4,7 +4,6 @@ import tensorflow as tf
 
 from unison.arguments import gradient_scaling, split_into_groups
 from unison.exceptions import InvalidArgumentError
-from unison import process_sets
 from unison.process_sets import global_process_set
 from unison.compression import check_compressor
 from unison.tensorflow.compression import Compression
@@ -45,7 +44,6 @@ class GradientReducer:
             raise InvalidArgumentError("unison: gradient_predivide_factor needs op=Average")
         if isinstance(groups, int):
             num_groups, groups = groups, None
-        process_sets.check_member(process_set, prefix)
         check_compressor(compression, prefix)
         self.prefix = prefix
         self.compression = compression
@@ -70,7 +68,7 @@ class GradientReducer:
 
     def _local_gradient(self, grad):
         size = self.process_set.size()
-        if not self.scale_local_gradients or size == 1:
+        if not self.scale_local_gradients or size == 1 or self.outside():
             return grad
         if isinstance(grad, tf.IndexedSlices):
             return tf.IndexedSlices(grad.values / tf.cast(size, grad.values.dtype), grad.indices, grad.dense_shape)
@@ -94,9 +92,16 @@ class GradientReducer:
             return split_into_groups(dense, self.num_groups)
         return [dense] if dense else []
 
+    def outside(self):
+        """Whether this rank is outside the reducer's process set: there it
+        keeps its own gradients, a plain optimizer's, as in Horovod (a
+        script builds one optimizer or tape on every rank and steps it
+        everywhere)."""
+        return not self.process_set.included()
+
     def reduce(self, grads, variables):
         """The averaged gradients, in order; None stays None."""
-        if _alone(self.process_set):
+        if _alone(self.process_set) or self.outside():
             return list(grads)
         grads = list(grads)
         # Named by position alone. Keras names layers from a per-process

@@ -77,7 +77,12 @@ def _initialize_state(optimizer):
 def broadcast_optimizer_state(optimizer, root_rank, model=None, process_set=global_process_set):
     """Makes every rank's optimizer state (hyperparameters of every param
     group, and per-parameter state) equal to root_rank's. Works for every
-    torch.optim optimizer, LBFGS included, initialised or not."""
+    torch.optim optimizer, LBFGS included, initialised or not. On a rank
+    outside process_set the optimizer keeps its own state: there a
+    DistributedOptimizer of that set is a plain local optimizer, and a
+    script calls this on every rank, as it builds the optimizer."""
+    if not process_set.included():
+        return
     if isinstance(optimizer, torch.optim.LBFGS):
         # LBFGS keeps lists of past directions and scalars under its one
         # parameter: its whole state goes as one object.

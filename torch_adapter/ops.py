@@ -208,15 +208,18 @@ class _GroupedAllgather(torch.autograd.Function):
     @staticmethod
     @remembers_its_caller
     def forward(ctx, name, process_set, *tensors):
+        # The backward reads only the inputs' shapes. Kept as shapes, not
+        # saved tensors, which the first backward frees: each output's own
+        # backward (g.backward() for each g returned) must work, as in Horovod.
         ctx.process_set = process_set
-        ctx.save_for_backward(*tensors)
+        ctx.shapes = [t.shape for t in tensors]
         return tuple(synchronize(_front.grouped_allgather_async(tensors, name, process_set)))
 
     @staticmethod
     @runs_for_its_caller
     def backward(ctx, *grad_outputs):
-        return (None, None) + tuple(gradients.allgather(_grads, list(grad_outputs), ctx.saved_tensors,
-                                                        ctx.process_set))
+        inputs = [torch.empty(shape, device="meta") for shape in ctx.shapes]
+        return (None, None) + tuple(gradients.allgather(_grads, list(grad_outputs), inputs, ctx.process_set))
 
 
 class _Broadcast(torch.autograd.Function):

@@ -20,7 +20,6 @@ from unison.arguments import gradient_scaling, split_into_groups
 from unison.compression import check_compressor
 from unison.exceptions import InvalidArgumentError, UnisonError
 from unison.handles import GraphNode, synchronize as _wait
-from unison import process_sets
 from unison.process_sets import global_process_set
 from unison.torch.compression import Compression
 from unison.torch.ops import (Adasum, Average, allreduce_, allreduce_async_, grouped_gradient_allreduce_async_,
@@ -140,6 +139,13 @@ class _DistributedOptimizer(_TrackedParameters):
         for p in self._ordered:
             self._hook_if_trained(p)
 
+    def _averages(self):
+        """Whether this rank's gradients are averaged at all. A rank outside
+        the optimizer's process set steps on its own gradients, as a plain
+        optimizer, as in Horovod: a script builds one optimizer on every
+        rank and steps it everywhere."""
+        return self.process_set.size() > 1 and self.process_set.included()
+
     def _takes_part(self, p):
         # A parameter that requires a gradient takes part even when this
         # rank did not use it: every rank must allreduce the same names, or
@@ -157,7 +163,7 @@ class _DistributedOptimizer(_TrackedParameters):
         # torch refuses a hook on a tensor that requires no gradient: a
         # frozen parameter gets its hook when synchronize() first finds it
         # unfrozen (that step's allreduce starts there, after backward).
-        if p.requires_grad and p not in self._hooked and self.process_set.size() > 1:
+        if p.requires_grad and p not in self._hooked and self._averages():
             p.register_post_accumulate_grad_hook(self._make_hook(p))
             self._hooked.add(p)
 
@@ -240,10 +246,11 @@ class _DistributedOptimizer(_TrackedParameters):
         """Waits for every gradient's allreduce (starting those whose hook did
         not fire) and writes the results into the .grad fields."""
         self._stepping_thread = threading.get_native_id()
-        if self.process_set.size() == 1 and not self._handles:
-            # Nothing to average. (Hooks made when the job was larger, before
-            # an elastic job shrank to one rank, still start allreduces: the
-            # loop below finishes those.)
+        if not self._averages() and not self._handles:
+            # Nothing to average: one rank, or a rank outside the process
+            # set. (Hooks made when the job was larger, before an elastic
+            # job shrank to one rank, still start allreduces: the loop below
+            # finishes those.)
             self._synchronized = True
             return
         for p in self._ordered:
@@ -351,8 +358,8 @@ class _DistributedOptimizer(_TrackedParameters):
             loss = closure()
             self.synchronize()
             self._synchronized = False
-            if loss is None:
-                return None
+            if loss is None or not self.process_set.included():
+                return loss
             local = loss.detach() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss), dtype=torch.float64)
             total = allreduce_(local.clone(), name="DistributedOptimizer.closure_loss", op=self.op,
                                process_set=self.process_set)
@@ -499,9 +506,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         raise ValueError("gradient_predivide_factor not supported with op != Average")
     if backward_passes_per_step < 1:
         raise ValueError("backward_passes_per_step must be at least 1")
-    process_sets.check_member(process_set, "DistributedOptimizer")
     base = optimizer.__class__
-    if op == Adasum and process_set.size() > 1:
+    if op == Adasum and process_set.size() > 1 and process_set.included():
         cls = type(base.__name__, (_DistributedAdasumOptimizer, base), {})
         wrapped = cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step,
                       process_set)

@@ -14,6 +14,7 @@ tests/test_parallel.py runs each such file at 1, 2 and 3 ranks, and
 tests/test_mpi.py runs the numpy one on every MPI layout.
 """
 import inspect
+import itertools
 import re
 import time
 
@@ -21,6 +22,7 @@ import numpy as np
 import pytest
 
 import unison
+from unison import objects
 
 try:
     import ml_dtypes  # numpy's bfloat16
@@ -282,6 +284,42 @@ def test_complex_tensors_refuse_min_max_product_and_adasum_on_every_rank_naming_
     assert_exact(fw, sync(fw.tensor(x), fw.api.Sum, "cx.after", 1.0, 1.0, None),
                  reduced("Sum", [rank_values((3,), complex_dtype, r) for r in range(unison.size())], complex_dtype,
                          unison.size()))
+
+
+def test_join_in_a_loop_then_allgather_object(fw):
+    """Horovod's join test as a loop: in each pass one rank joins at once,
+    the others allreduce two names (started together where the front end
+    has async ops), then join, and every rank gathers what join() returned.
+    Each pass is a join that ends while the next op is being taken: ranks
+    once took that op at different cycles, one sending it in full and one
+    by cache bit, and both waited for good (2 runs in 8 of Horovod's test)."""
+    n, me = unison.size(), unison.rank()
+    gather = getattr(fw.api, "allgather_object", None) or objects.allgather_object
+    allreduce = next(iter(fw.allreduce_forms().values()))
+    dtypes = [d for d in ["int32", "int64", "float32", "float64"] if d in fw.reduce_dtypes]
+    for dtype, dims, first, warm in itertools.product(dtypes, [1, 2, 3], range(n), [False, True]):
+        inputs = {"join.a": [np.full((5,) * dims, r + 1, np_dtype(dtype)) for r in range(n)],
+                  "join.b": [np.full((17,) * dims, r + 1, np_dtype(dtype)) for r in range(n)]}
+        if warm:  # every rank, before anyone joins: the names are then in the response cache
+            for name, values in inputs.items():
+                assert_exact(fw, allreduce(fw.tensor(values[me]), fw.api.Sum, name, 1.0, 1.0, None),
+                             reduced("Sum", values, dtype, n))
+        if me != first:
+            # The rank that joined adds zeros.
+            expected = {name: reduced("Sum", [v if r != first else 0 * v for r, v in enumerate(values)], dtype, n)
+                        for name, values in inputs.items()}
+            if hasattr(fw.api, "allreduce_async"):
+                handles = {name: fw.api.allreduce_async(fw.tensor(values[me]), op=fw.api.Sum, name=name)
+                           for name, values in inputs.items()}
+                outs = {name: fw.api.synchronize(handle) for name, handle in handles.items()}
+            else:
+                outs = {name: allreduce(fw.tensor(values[me]), fw.api.Sum, name, 1.0, 1.0, None)
+                        for name, values in inputs.items()}
+            for name, out in outs.items():
+                assert_exact(fw, out, expected[name])
+        last = int(fw.api.join())
+        assert 0 <= last < n and (last != first or n == 1), (last, first)
+        assert gather(last) == [last] * n, (dtype, dims, first, warm)
 
 
 def test_allreduce_every_form(fw, reduce_dtype):

@@ -57,14 +57,35 @@ def test_trainer_and_optimizer_average_over_the_set(half):
         np.testing.assert_allclose(weight, [[1.0 - 0.5 * mean, 1.0 - 0.5]], rtol=0, atol=1e-6)
 
 
+def test_a_trainer_and_an_optimizer_of_a_set_step_locally_outside_it(half):
+    """As in Horovod, a script builds one trainer or optimizer of a set on
+    every rank and steps it everywhere: the set's ranks average over it, a
+    rank outside it steps on its own gradient, as a plain trainer."""
+    me = hvd.rank()
+    for chosen in [s for s in unison.process_sets._registered.values() if s.ranks is not None]:
+        gradient = np.mean(chosen.ranks) if chosen.included() else float(me)
+        for kind in ["trainer", "optimizer"]:
+            net = mx.gluon.nn.Dense(1, in_units=2, use_bias=False)
+            net.initialize(mx.init.Constant(1.0))
+            params = net.collect_params()
+            prefix = "mps.local.%d.%s." % (chosen.process_set_id, kind)
+            if kind == "trainer":
+                trainer = hvd.DistributedTrainer(params, "sgd", {"learning_rate": 0.5}, prefix=prefix,
+                                                 process_set=chosen)
+            else:
+                optimizer = hvd.DistributedOptimizer(mx.optimizer.SGD(learning_rate=0.5), process_set=chosen)
+                trainer = mx.gluon.Trainer(params, optimizer, kvstore=None)
+            with mx.autograd.record():
+                loss = net(mx.nd.array([[float(me), 1.0]])).sum()
+            loss.backward()
+            trainer.step(1)
+            weight = list(params.values())[0].data().asnumpy()
+            np.testing.assert_allclose(weight, [[1.0 - 0.5 * gradient, 1.0 - 0.5]], rtol=0, atol=1e-6)
+
+
 def test_ranks_outside_a_set_are_refused(half):
     for other in [s for s in unison.process_sets._registered.values() if s.ranks is not None and not s.included()]:
         message = "rank %d is not in process set %d" % (hvd.rank(), other.process_set_id)
         with pytest.raises(ValueError, match=message):
             hvd.allreduce(mx.nd.ones((2,)), name="mps.outsider", process_set=other)
-        with pytest.raises(ValueError, match=message):
-            hvd.DistributedOptimizer(mx.optimizer.SGD(), process_set=other)
-        with pytest.raises(ValueError, match=message):
-            net = mx.gluon.nn.Dense(1, in_units=2)
-            net.initialize()
-            hvd.DistributedTrainer(net.collect_params(), "sgd", process_set=other)
+

@@ -111,6 +111,30 @@ def test_gradients_of_each_differentiable_op():
     exact(xs[1].grad, n * torch.arange(1, n + 1, dtype=torch.float32).reshape(n, 1))
 
 
+def test_backward_through_each_output_of_a_grouped_op_one_after_another():
+    """Horovod keeps shapes, not tensors, for a grouped op's backward: each
+    output's own backward() works, not only the first."""
+    r, n = hvd.rank(), hvd.size()
+    x = torch.ones(r + 1, 2, requires_grad=True)
+    y = torch.ones(2, 3, requires_grad=True)
+    for g, weight in zip(hvd.grouped_allgather([x, y], name="g.each.gag"), [1.0, 2.0]):
+        g.backward(torch.full(g.shape, weight * (r + 1)))
+    exact(x.grad, torch.full((r + 1, 2), (n + 1) / 2))
+    exact(y.grad, torch.full((2, 3), 2.0 * (n + 1) / 2))
+    x = torch.ones(3, requires_grad=True)
+    y = torch.ones(2, requires_grad=True)
+    for g, weight in zip(hvd.grouped_allreduce([x, y], op=hvd.Sum, name="g.each.gar"), [1.0, 2.0]):
+        g.backward(torch.full(g.shape, weight * (r + 1)))
+    exact(x.grad, torch.full((3,), n * (n + 1) / 2))
+    exact(y.grad, torch.full((2,), float(n * (n + 1))))
+    x = torch.ones(n, 1, requires_grad=True)
+    y = torch.ones(2 * n, requires_grad=True)
+    for g, weight in zip(hvd.grouped_reducescatter([x, y], op=hvd.Sum, name="g.each.grs"), [1.0, 2.0]):
+        g.backward(torch.full(g.shape, weight * (r + 1)))
+    exact(x.grad, n * torch.arange(1, n + 1, dtype=torch.float32).reshape(n, 1))
+    exact(y.grad, 2.0 * n * torch.arange(1, n + 1, dtype=torch.float32).repeat_interleave(2))
+
+
 def test_collectives_called_from_compiled_code_run_between_graphs_with_exact_values_and_gradients():
     r, n = hvd.rank(), hvd.size()
 

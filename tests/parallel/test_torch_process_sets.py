@@ -94,12 +94,39 @@ def test_sync_batch_norm_uses_the_set_statistics(half):
     torch.testing.assert_close(synced.running_var, reference.running_var, rtol=1e-10, atol=1e-12)
 
 
-def test_an_optimizer_outside_its_set_is_refused(half):
-    others = [s for s in unison.process_sets._registered.values() if s.ranks is not None and not s.included()]
-    for other in others:
-        model = model_for(half)
+def test_an_optimizer_of_a_set_steps_locally_on_the_ranks_outside_it(half):
+    """As in Horovod, a script builds one DistributedOptimizer of a set on
+    every rank and steps it everywhere: the set's ranks average over it and
+    match one process on the set's whole batch; a rank outside it is a
+    plain optimizer on its own shard, and broadcast_optimizer_state leaves
+    its state alone."""
+    sets = sorted((s for s in unison.process_sets._registered.values() if s.ranks is not None),
+                  key=lambda s: s.process_set_id)
+    for chosen in sets:
+        model, reference = model_for(chosen), model_for(chosen)
+        optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5),
+                                             named_parameters=model.named_parameters(), process_set=chosen)
+        hvd.broadcast_optimizer_state(optimizer, root_rank=chosen.ranks[0], process_set=chosen)
+        reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.5)
+        me = chosen.rank()
+        for step in range(3):
+            x, y = half_batch(chosen, step)
+            if me < 0:   # outside: its own rows, stepped alone, as the reference is
+                x, y = x[hvd.rank() % 2::2], y[hvd.rank() % 2::2]
+                shard = slice(None)
+            else:
+                shard = slice(me * ROWS, (me + 1) * ROWS)
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(model(x[shard]), y[shard]).backward()
+            optimizer.step()
+            reference_optimizer.zero_grad()
+            torch.nn.functional.mse_loss(reference(x), y).backward()
+            reference_optimizer.step()
+        for p, q in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12)
+
+
+def test_a_sync_batch_norm_outside_its_set_is_refused(half):
+    for other in [s for s in unison.process_sets._registered.values() if s.ranks is not None and not s.included()]:
         with pytest.raises(ValueError, match="rank %d is not in process set %d" % (hvd.rank(), other.process_set_id)):
-            hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                     named_parameters=model.named_parameters(), process_set=other)
-        with pytest.raises(ValueError, match="not in process set %d" % other.process_set_id):
             hvd.SyncBatchNorm(3, process_set=other)

@@ -103,7 +103,10 @@ def agree_on_skipped_steps(optimizer):
             getattr(optimizer, "_unison_agrees", False):
         return
     check_locally = optimizer.check_finite
-    process_set = optimizer.inner_optimizer._unison_reducer.process_set
+    reducer = optimizer.inner_optimizer._unison_reducer
+    if reducer.outside():
+        return  # this rank's gradients are its own: so is its check
+    process_set = reducer.process_set
 
     def check_finite(grads):
         finite = tf.cast(check_locally(grads), tf.int32)
