@@ -2,6 +2,8 @@
 its tensors into (pointer, dtype code, shape) and calls enqueue(); barrier
 and join, which carry no tensor, are here whole."""
 import contextlib
+import math
+import numbers
 import threading
 
 from unison import basics
@@ -39,11 +41,25 @@ _scratch = _Scratch()
 _enqueue = lib.unison_enqueue
 _MAX_DIMS = lib.UNISON_MAX_DIMS
 _KEPT = 4096  # prepared ops kept per thread; beyond, built per call
+_INT32_MIN, _INT32_MAX = -2 ** 31, 2 ** 31 - 1   # the C struct's root_rank
 
 
 def prepare(op, name, dtype, shape, reduce_op, prescale_factor, postscale_factor, root_rank, splits,
             process_set, device):
-    """A filled options struct, with the C memory it points to."""
+    """A filled options struct, with the C memory it points to. Built once
+    per distinct op (enqueue keeps it), so its checks cost a repeat nothing."""
+    if name is not None and not isinstance(name, str):
+        raise TypeError("unison: name must be a string, got %r (%s)" % (name, type(name).__name__))
+    if name and "\0" in name:
+        # C would cut the name there: two ops would meet under one name.
+        raise InvalidArgumentError("unison: name %r contains a NUL character" % (name,))
+    if isinstance(root_rank, bool) or not isinstance(root_rank, numbers.Integral):
+        raise TypeError("unison: %s: root_rank must be an integer, got %r" % (name or "a tensor", root_rank))
+    if not _INT32_MIN <= root_rank <= _INT32_MAX:
+        raise InvalidArgumentError("unison: %s: root_rank %d is not a rank" % (name or "a tensor", root_rank))
+    for factor, value in (("prescale_factor", prescale_factor), ("postscale_factor", postscale_factor)):
+        if not math.isfinite(value):
+            raise InvalidArgumentError("unison: %s: %s=%r is not a finite number" % (name or "a tensor", factor, value))
     ndim = len(shape)
     if ndim > _MAX_DIMS:
         raise InvalidArgumentError("unison: %s has %d dimensions; at most %d are supported"

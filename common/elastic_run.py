@@ -439,7 +439,16 @@ class ElasticDriver:
             return 1
         self.discovered = hosts
         self.update_available()
-        bind = "127.0.0.1" if all(self.is_local(h) for h in hosts) else "0.0.0.0"
+        # Bound where the workers reach it: loopback for a job on this host,
+        # --network-interface's address when one is given (not every
+        # interface of the machine), and every address only where hosts
+        # reach this one over routes no flag names.
+        if self.args.network_interface and self.args.network_interface != "0.0.0.0":
+            bind = tcp_run.interface_address(self.args.network_interface)
+        elif all(self.is_local(h) for h in hosts):
+            bind = "127.0.0.1"
+        else:
+            bind = "0.0.0.0"
         self.listener = KeyedListener(bind, self.secret.encode(), self.serve,
                                       lambda e: self.say("refused a connection to the elastic driver: %s" % e))
         threading.Thread(target=self.discovery_loop, daemon=True).start()

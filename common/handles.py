@@ -46,11 +46,20 @@ class HandleGroup:
         return "<unison.HandleGroup of %d>" % len(self.handles)
 
 
+def _done(handle, caller):
+    """handle._done, or a TypeError naming what `caller` was given where it
+    is not a handle (an AttributeError from deep inside said nothing)."""
+    try:
+        return handle._done
+    except AttributeError:
+        raise TypeError("unison: %s takes the handle an *_async op returned, got %r" % (caller, handle)) from None
+
+
 def poll(handle):
     """True once the op has completed; synchronize() will then not block."""
     if isinstance(handle, HandleGroup):
         return all(poll(h) for h in handle.handles)
-    if handle._done:
+    if _done(handle, "poll"):
         return True
     done = ffi.new("int*")
     basics.check(lib.unison_poll(handle.id, done))
@@ -71,7 +80,7 @@ def synchronize(handle):
         if failure is not None:
             raise failure
         return handle._finish(results) if handle._finish else results
-    if handle._done:
+    if _done(handle, "synchronize"):
         return handle._result
     handle_id = handle.id
     finish = handle._finish

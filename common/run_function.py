@@ -38,8 +38,8 @@ import threading
 import traceback
 import types
 import warnings
-from multiprocessing.connection import Client
 
+from unison import keyed_listener
 from unison.keyed_listener import KeyedListener
 
 ADDRESS, KEY = "UNISON_RUN_FUNCTION", "UNISON_RUN_FUNCTION_KEY"
@@ -277,7 +277,7 @@ def _outcome(service, status, said, named, num_proc, elastic):
 
 def _ask(request):
     host, _, port = os.environ[ADDRESS].rpartition(":")
-    with Client((host, int(port)), authkey=os.environ[KEY].encode()) as connection:
+    with keyed_listener.connect((host, int(port)), os.environ[KEY].encode()) as connection:
         connection.send(request)
         return connection.recv_bytes() if request[0] == "call" else connection.recv()
 

@@ -36,14 +36,19 @@ Status given_splits(const unison_op_options& o, int size, int64_t rows, const Wh
   if (o.nsplits != size)
     return invalid(what() + ": got " + std::to_string(o.nsplits) + " splits for " + std::to_string(size) + " ranks");
   out->assign(o.splits, o.splits + o.nsplits);
+  // Added without wrapping: splits whose sum wraps around to the row count
+  // ([2^63 - 1, 2^63 - 1, 6] for 4 rows) would pass, and the collective
+  // would then write far past its buffers.
   int64_t total = 0;
+  bool past_int64 = false;
   for (int64_t s : *out) {
     if (s < 0) return invalid(what() + ": negative split in " + shape_string(*out));
-    total += s;
+    past_int64 |= __builtin_add_overflow(total, s, &total);
   }
-  if (total != rows)
-    return invalid(what() + ": splits " + shape_string(*out) + " add up to " + std::to_string(total) +
-                   " rows, the tensor has " + std::to_string(rows));
+  if (past_int64 || total != rows)
+    return invalid(what() + ": splits " + shape_string(*out) + " add up to " +
+                   (past_int64 ? std::string("more than 2^63 - 1") : std::to_string(total)) + " rows, the tensor has " +
+                   std::to_string(rows));
   return Status::OK();
 }
 

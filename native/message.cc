@@ -1,5 +1,6 @@
 #include "message.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "dtype.h"
@@ -219,8 +220,12 @@ Response error_response(const std::string& name, int code, const std::string& me
 }
 
 int64_t element_count(const std::vector<int64_t>& shape) {
+  // A count past int64_t saturates, rather than wrapping to a small one
+  // that every size check downstream would let through.
+  if (std::find(shape.begin(), shape.end(), 0) != shape.end()) return 0;
   int64_t n = 1;
-  for (int64_t d : shape) n *= d;
+  for (int64_t d : shape)
+    if (__builtin_mul_overflow(n, d, &n)) return INT64_MAX;
   return n;
 }
 

@@ -1089,14 +1089,16 @@ def test_data_that_never_comes_is_a_stall_naming_the_rank_and_fails_at_shutdown(
     assert "at shutdown:" in out, out
 
 
-def test_the_keyed_listener_serves_only_the_key_and_no_silent_peer_holds_it_up():
-    """The elastic driver's and unison.run()'s listener (keyed_listener.py)."""
+def test_the_keyed_listener_serves_only_the_key_and_no_silent_peer_holds_it_up(monkeypatch):
+    """The elastic driver's and unison.run()'s listener (keyed_listener.py):
+    a wrong key is refused on both sides, and a stranger that connects and
+    says nothing holds up no one and is dropped after the handshake's time."""
     import socket
     import threading
     from multiprocessing import AuthenticationError
-    from multiprocessing.connection import Client
-    from unison.keyed_listener import KeyedListener
+    from unison import keyed_listener
 
+    monkeypatch.setattr(keyed_listener, "HANDSHAKE_SECONDS", 1.0)
     served, refused = [], []
     done = threading.Event()
 
@@ -1106,12 +1108,12 @@ def test_the_keyed_listener_serves_only_the_key_and_no_silent_peer_holds_it_up()
             connection.send("ok")
         done.set()
 
-    listener = KeyedListener("127.0.0.1", b"the key", serve, refused.append)
+    listener = keyed_listener.KeyedListener("127.0.0.1", b"the key", serve, refused.append)
     try:
         silent = socket.create_connection(listener.address)   # connects, and never says a word
-        with pytest.raises(AuthenticationError):
-            Client(listener.address, authkey=b"another key")
-        with Client(listener.address, authkey=b"the key") as client:
+        with pytest.raises(AuthenticationError, match="refused this key"):
+            keyed_listener.connect(listener.address, b"another key")
+        with keyed_listener.connect(listener.address, b"the key") as client:
             client.send("hello")
             assert client.recv() == "ok"
         assert done.wait(10) and served == ["hello"]
@@ -1119,9 +1121,88 @@ def test_the_keyed_listener_serves_only_the_key_and_no_silent_peer_holds_it_up()
         while not refused and time.monotonic() < deadline:
             time.sleep(0.01)
         assert len(refused) == 1 and isinstance(refused[0], AuthenticationError)
+        # The silent stranger is dropped once its handshake time is up.
+        silent.settimeout(5)
+        start = time.monotonic()
+        assert len(silent.recv(64)) == 32 and silent.recv(64) == b""   # the challenge, then the hang-up
+        assert time.monotonic() - start < 3
         silent.close()
     finally:
         listener.close()
+
+
+def test_a_client_is_refused_by_a_listener_that_does_not_prove_the_key():
+    """The proof goes both ways: a listener that answers the challenge
+    without the key (an impostor on the driver's port) is refused."""
+    import socket
+    import threading
+    from multiprocessing import AuthenticationError
+    from unison import keyed_listener
+
+    impostor = socket.create_server(("127.0.0.1", 0))
+
+    def pretend():
+        peer, _ = impostor.accept()
+        with peer:
+            peer.sendall(b"n" * 32)
+            peer.recv(64)
+            peer.sendall(b"p" * 32)   # a proof made without the key
+    threading.Thread(target=pretend, daemon=True).start()
+    try:
+        with pytest.raises(AuthenticationError, match="did not prove the job's key"):
+            keyed_listener.connect(impostor.getsockname(), b"the key")
+    finally:
+        impostor.close()
+
+
+STRANGERS = """
+import resource, socket, sys, time
+from unison import keyed_listener
+keyed_listener.HANDSHAKE_SECONDS = float(sys.argv[1])
+listener = keyed_listener.KeyedListener("127.0.0.1", b"the key", lambda c: (c.send(c.recv() * 2), c.close()))
+strangers = []
+if sys.argv[2] == "exhaust":
+    # Descriptors run out: the listener cannot accept, and must wait, not spin.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))
+    try:
+        while True:
+            strangers.append(socket.create_connection(listener.address))
+    except OSError:
+        pass
+    start = time.process_time()
+    time.sleep(1.0)
+    print("cpu %.3f with %d strangers" % (time.process_time() - start, len(strangers)), flush=True)
+    for s in strangers[:8]:
+        s.close()
+    strangers = strangers[8:]
+else:
+    for _ in range(int(sys.argv[2])):   # silent strangers, more than are ever proven at once
+        strangers.append(socket.create_connection(listener.address))
+start = time.monotonic()
+with keyed_listener.connect(listener.address, b"the key", timeout=30) as c:
+    c.send(21)
+    print("served %s after %.1f s" % (c.recv(), time.monotonic() - start), flush=True)
+"""
+
+
+@pytest.mark.parametrize("strangers", ["200", "exhaust"])
+def test_the_keyed_listener_serves_a_client_behind_a_crowd_of_silent_strangers(tmp_path, strangers):
+    """Strangers that connect and say nothing: more than MAX_PENDING are
+    each dropped after the handshake time, and a client behind them is
+    served; strangers that take every file descriptor leave the accept loop
+    waiting, not spinning, and a client is served once some have gone."""
+    script = tmp_path / "strangers.py"
+    script.write_text(STRANGERS)
+    proc = subprocess.run([sys.executable, str(script), "1.0", strangers], stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, timeout=100)
+    output = proc.stdout.decode(errors="replace")
+    assert proc.returncode == 0, output
+    served = re.search(r"served 42 after ([0-9.]+) s", output)
+    assert served and float(served.group(1)) < 10, output
+    if strangers == "exhaust":
+        cpu = re.search(r"cpu ([0-9.]+) with (\d+) strangers", output)
+        assert cpu and float(cpu.group(1)) < 0.3 and int(cpu.group(2)) > 10, output
 
 
 @pytest.mark.timeout(120)
@@ -1130,18 +1211,17 @@ def test_the_keyed_listener_serves_every_client_that_connects_at_the_same_moment
     multiprocessing's backlog of 1, 64 clients at once left some connected
     in their own eyes only, waiting for good for a challenge that never came."""
     import threading
-    from multiprocessing.connection import Client
-    from unison.keyed_listener import KeyedListener
+    from unison import keyed_listener
 
     def serve(connection):
         with connection:
             connection.send(connection.recv() * 2)
 
-    listener = KeyedListener("127.0.0.1", b"the key", serve)
+    listener = keyed_listener.KeyedListener("127.0.0.1", b"the key", serve)
     answers = {}
 
     def client(i):
-        with Client(listener.address, authkey=b"the key") as c:
+        with keyed_listener.connect(listener.address, b"the key") as c:
             c.send(i)
             answers[i] = c.recv()
 

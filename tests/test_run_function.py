@@ -320,7 +320,8 @@ def test_a_connection_without_the_key_gets_nothing(tmp_path):
     call still completes."""
     code = TRAIN.replace('if __name__ == "__main__":', '''
 if __name__ == "__main__":
-    import multiprocessing.connection, unison.run_function as rf, threading
+    import unison.run_function as rf, threading
+    from unison import keyed_listener
     real = rf._Service.__init__
     def spy(self, *a):
         real(self, *a)
@@ -328,7 +329,7 @@ if __name__ == "__main__":
         self.silent = socket.create_connection(self.address)   # connects, and never says a word
         def knock():
             try:
-                multiprocessing.connection.Client(self.address, authkey=b"wrong").send(("call",))
+                keyed_listener.connect(self.address, b"wrong").send(("call",))
                 print("STRANGER SERVED")
             except Exception as e:
                 print("STRANGER REFUSED", type(e).__name__)

@@ -12,13 +12,14 @@ lasts for the worker's life, so the driver also learns at once when a
 worker's process is gone. While a worker starts in a round, a second one
 waits to hear that a member of that round died (watch_round).
 
-The connection is multiprocessing's: it proves the job's secret with an
-HMAC challenge both ways before anything is unpickled.
+The connection (keyed_listener.connect) proves the job's secret with an
+HMAC-SHA256 challenge both ways before anything is unpickled.
 """
 import os
 import sys
 import threading
-from multiprocessing.connection import Client
+
+from unison import keyed_listener
 
 DRIVER = "UNISON_ELASTIC_DRIVER"
 WORKER = "UNISON_ELASTIC_WORKER"
@@ -33,7 +34,7 @@ def in_elastic_job():
 
 def _connect():
     host, _, port = os.environ[DRIVER].rpartition(":")
-    return Client((host, int(port)), authkey=os.environ.get("UNISON_SECRET_KEY", "").encode())
+    return keyed_listener.connect((host, int(port)), os.environ.get("UNISON_SECRET_KEY", "").encode())
 
 
 def _driver():

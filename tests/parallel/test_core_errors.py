@@ -139,6 +139,52 @@ def test_bad_splits():
         unp.alltoall(np.ones(1), splits=[2, -1] + [0] * (unison.size() - 2), name="splits")
 
 
+def test_splits_whose_sum_wraps_around_int64_are_refused_and_the_job_goes_on():
+    """[2^63 - 1, 2^63 - 1, 6] adds up to 4 once it wraps: a check that
+    wrapped let it through for a 4-row tensor, and the collective then
+    crashed the rank (reducescatter with SIGSEGV, alltoall in malloc).
+    This file runs at 2, 3 and 5 ranks."""
+    n, me, top, rows = unison.size(), unison.rank(), 2 ** 63 - 1, 4
+    splits = ([top, top, rows + 2] + [0] * (n - 3)) if n >= 3 else [top, rows + 2]
+    message = r"splits \[.*\] add up to more than 2\^63 - 1 rows, the tensor has 4"
+    with pytest.raises(unison.InvalidArgumentError, match=r"alltoall 'wrap\.a2a': " + message):
+        unp.alltoall(np.ones(rows), splits=splits, name="wrap.a2a")
+    with pytest.raises(unison.InvalidArgumentError, match=r"reducescatter 'wrap\.rs': " + message):
+        unp.reducescatter(np.ones(rows), op=unison.Sum, splits=splits, name="wrap.rs")
+    # Still usable: every rank sends rows [start_d, start_d + even[d]) to rank d.
+    even = [rows // n + (1 if d < rows % n else 0) for d in range(n)]
+    start = sum(even[:me])
+    out, received = unp.alltoall(np.arange(rows, dtype=np.float64), splits=even, name="wrap.after")
+    np.testing.assert_array_equal(out, np.tile(np.arange(start, start + even[me], dtype=np.float64), n))
+    assert received.tolist() == [even[me]] * n
+
+
+@pytest.mark.parametrize("call,error,message", [
+    (lambda: unp.allreduce(np.ones(2), name=123), TypeError, r"name must be a string, got 123 \(int\)"),
+    (lambda: unp.allreduce(np.ones(2), name=b"bytes"), TypeError, r"name must be a string, got b'bytes'"),
+    (lambda: unp.allreduce(np.ones(2), name="cut\0here"), unison.InvalidArgumentError,
+     r"name 'cut\\x00here' contains a NUL character"),
+    (lambda: unp.synchronize(42), TypeError, r"synchronize takes the handle an \*_async op returned, got 42"),
+    (lambda: unp.poll("h"), TypeError, r"poll takes the handle an \*_async op returned, got 'h'"),
+    (lambda: unp.broadcast(np.ones(2), 2 ** 31, name="root.big"), unison.InvalidArgumentError,
+     r"root\.big: root_rank 2147483648 is not a rank"),
+    (lambda: unp.broadcast(np.ones(2), 0.5, name="root.float"), TypeError,
+     r"root\.float: root_rank must be an integer, got 0\.5"),
+    (lambda: unp.allreduce(np.ones(2), name="pre.nan", prescale_factor=float("nan")), unison.InvalidArgumentError,
+     r"pre\.nan: prescale_factor=nan is not a finite number"),
+    (lambda: unp.allreduce(np.ones(2), name="post.inf", postscale_factor=float("inf")), unison.InvalidArgumentError,
+     r"post\.inf: postscale_factor=inf is not a finite number"),
+], ids=["name-int", "name-bytes", "name-nul", "synchronize-int", "poll-str", "root-past-int32", "root-float",
+        "prescale-nan", "postscale-inf"])
+def test_a_bad_argument_is_refused_on_its_rank_naming_it_and_the_job_goes_on(call, error, message):
+    """Each is refused at the call, on the rank that made it, before
+    anything is sent (every rank makes it here)."""
+    with pytest.raises(error, match=message):
+        call()
+    np.testing.assert_array_equal(unp.allreduce(np.ones(2), op=unison.Sum, name="bad.arg.after"),
+                                  np.full(2, unison.size()))
+
+
 def test_average_of_bool_is_refused():
     with pytest.raises(unison.InvalidArgumentError, match="bool"):
         unp.allreduce(np.ones(2, dtype=bool), op=unison.Average, name="boolavg")
