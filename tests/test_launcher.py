@@ -407,6 +407,48 @@ def test_shared_memory_is_private_and_gone_after_init(tmp_path):
     assert proc.stdout.decode().count("segments 0") == 2
 
 
+MADE_FIRST = """
+import sys, unison
+try:
+    unison.init()
+    print("rank %s: init() returned" % sys.argv[1], flush=True)
+except unison.UnisonError as e:
+    print("rank %s: %s" % (sys.argv[1], e), flush=True)
+"""
+
+
+@pytest.mark.parametrize("mode", ["0600", "0666"])
+def test_shared_memory_another_user_made_first_is_refused_naming_its_owner(tmp_path, mode):
+    """Another local user (nobody, here) makes the job's segment first, as
+    someone who read the job id off a command line could: private to them
+    (0600) or open to all (0666), of the size the job would make. Neither
+    rank may use it (rank 0 would create, rank 1 attach), each names the
+    owner, and it is left where it is, for its owner to remove."""
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("making a file as another user needs root and util-linux's setpriv")
+    job = "owner-test-%d-%s" % (os.getpid(), mode)
+    path = "/dev/shm/unison-%s-2-g0" % job
+    make = ("import os\nfd = os.open(%r, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)\n"
+            "os.fchmod(fd, 0o%s)\nos.ftruncate(fd, 8 << 20)\n" % (path, mode))
+    subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", make],
+                   check=True)
+    script = tmp_path / "made_first.py"
+    script.write_text(MADE_FIRST)
+    try:
+        procs = [subprocess.Popen([sys.executable, str(script), str(r)], stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT,
+                                  env=dict(os.environ, UNISON_RANK=str(r), UNISON_SIZE="2", UNISON_LOCAL_RANK=str(r),
+                                           UNISON_LOCAL_SIZE="2", UNISON_JOB_ID=job, UNISON_START_TIMEOUT="20"))
+                 for r in range(2)]
+        outputs = [p.communicate(timeout=60)[0].decode(errors="replace") for p in procs]
+        for r, output in enumerate(outputs):
+            assert ("rank %d: unison: shared memory /unison-%s-2-g0 exists already and belongs to uid 65534 with "
+                    "mode %s, not to this user (uid 0) alone" % (r, job, mode)) in output, output
+        assert os.stat(path).st_uid == 65534
+    finally:
+        os.unlink(path)
+
+
 def test_stall_inspector_warns_then_fails_naming_the_missing_rank(tmp_path):
     # Rank 1 never submits 'fresh' (a full request) nor 'w' (a cached one).
     proc = run(tmp_path, """

@@ -102,9 +102,33 @@ Status ShmSegment::open_watched(const Config& config, int generation, const Hear
   return wait_for_everyone(config, deadline);
 }
 
+namespace {
+
+// Why a segment of this name that someone else made must not be used, or ""
+// when it is this user's own and private. Another local user who knows the
+// name could otherwise make it first, with a valid-looking header, and read
+// or write every collective that goes through it.
+std::string not_ours(const std::string& name, const struct stat& st) {
+  if (st.st_uid == geteuid() && (st.st_mode & 077) == 0) return "";
+  char mode[8];
+  std::snprintf(mode, sizeof mode, "%04o", (unsigned)(st.st_mode & 07777));
+  return "unison: shared memory " + name + " exists already and belongs to uid " + std::to_string(st.st_uid) +
+         " with mode " + mode + ", not to this user (uid " + std::to_string(geteuid()) +
+         ") alone: another user made it; the job will not use it, nor remove it";
+}
+
+}  // namespace
+
 Status ShmSegment::create(size_t total, double deadline) {
   int fd = shm_open(name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-  if (fd < 0 && errno == EEXIST) {  // left by a crashed earlier attempt of this job
+  if (fd < 0 && errno == EEXIST) {
+    // Left by a crashed earlier attempt of this job, which is ours to
+    // remove; anyone else's is refused, and left where it is.
+    struct stat st;
+    if (stat(("/dev/shm" + name_).c_str(), &st) == 0) {
+      std::string why = not_ours(name_, st);
+      if (!why.empty()) return Status::Error(UNISON_ERR_INTERNAL, why);
+    }
     shm_unlink(name_.c_str());
     fd = shm_open(name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
   }
@@ -159,8 +183,19 @@ std::string ShmSegment::no_room_message(size_t total, int error) const {
 Status ShmSegment::attach(size_t total, double deadline) {
   for (;;) {
     int fd = shm_open(name_.c_str(), O_RDWR, 0600);
+    if (fd < 0 && errno == EACCES) {  // there, and not readable by this user: someone else's
+      struct stat st;
+      if (stat(("/dev/shm" + name_).c_str(), &st) == 0) return Status::Error(UNISON_ERR_INTERNAL, not_ours(name_, st));
+    }
     if (fd >= 0) {
       struct stat st;
+      if (fstat(fd, &st) == 0) {
+        std::string why = not_ours(name_, st);
+        if (!why.empty()) {
+          close(fd);
+          return Status::Error(UNISON_ERR_INTERNAL, why);
+        }
+      }
       if (fstat(fd, &st) == 0 && (size_t)st.st_size == total) {
         void* p = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
         close(fd);
