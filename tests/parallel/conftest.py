@@ -3,6 +3,7 @@
 of view and checks exact values: what every rank computes from what every
 other rank sent."""
 import os
+import sys
 
 import pytest
 
@@ -20,6 +21,21 @@ def initialized():
     assert expected is None or unison.basics.backend_name() == expected, unison.basics.backend_name()
     yield
     unison.shutdown()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fresh_keras_names():
+    """Each suite starts from Keras's first layer names, as it would in a
+    process of its own: tests/test_parallel.py runs every suite of a
+    framework in one job, and Keras numbers layers per process, so a suite
+    that built models on some ranks only (a reference on rank 0) leaves the
+    next suite's layers named apart across ranks. SyncBatchNormalization
+    names its collectives after its layer's path (tf_adapter/sync_batch_norm.py),
+    and those would then never pair."""
+    keras = sys.modules.get("keras")
+    if keras is not None:
+        keras.backend.clear_session()
+    yield
 
 
 @pytest.fixture(scope="module")
