@@ -80,6 +80,11 @@ def test_a_tape_and_an_optimizer_of_a_set_keep_their_own_gradients_outside_it(ha
         optimizer.apply_gradients([(tf.constant(own, dtype=tf.float64), v)])
         np.testing.assert_allclose(np.asarray(v.numpy()), [1.0 - 0.5 * expected[0], -1.0 - 0.5 * expected[1]],
                                    rtol=0, atol=1e-12)
+        # A tf.compat.v1 optimizer, wrapped by unison.tensorflow's own DistributedOptimizer.
+        u = tf.Variable([1.0, 2.0], dtype=tf.float64)
+        legacy = hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.5), process_set=chosen)
+        pairs = legacy.compute_gradients(lambda: tf.reduce_sum(u * tf.constant(own, dtype=tf.float64)), [u])
+        np.testing.assert_allclose(pairs[0][0].numpy(), expected, rtol=0, atol=1e-12)
 
 
 def test_sync_batch_norm_uses_the_set_statistics(half):
