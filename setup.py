@@ -53,13 +53,18 @@ class ObjectCache:
 
     def _key(self, command):
         """The key of a compile command (without its -o), or None where the
-        source cannot be preprocessed (the compile itself then says why)."""
+        source cannot be preprocessed (the compile itself then says why).
+        The include folders are left out of the command's part: what they
+        gave is in the preprocessed source, and each env's own include
+        folder (every virtual environment adds one) would otherwise make
+        every key differ between envs."""
         preprocess = [("-E" if arg == "-c" else arg) for arg in command]
         done = subprocess.run(preprocess, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         if done.returncode != 0:
             return None
+        flags = [arg for arg in command if not arg.startswith("-I")]
         digest = hashlib.sha256()
-        for part in ("\0".join(command).encode(), os.getcwd().encode(), self._version(command[0]), done.stdout):
+        for part in ("\0".join(flags).encode(), os.getcwd().encode(), self._version(command[0]), done.stdout):
             digest.update(hashlib.sha256(part).digest())
         return digest.hexdigest()
 
