@@ -2,9 +2,9 @@
 test count, the total, and the slowest tests of the whole run, so that a
 change that makes the suite slower shows in its own CI output.
 
-Reads tox's closing lines ("core: OK ✔ in 13 minutes 19.78 seconds") from
-the run's saved output, and each environment's JUnit report, which tox.ini
-has pytest write to .tox/<env>/junit.xml.
+Reads tox's report at the end of the run's saved output (ENV_LINE), and
+each environment's JUnit report, which tox.ini has pytest write to
+.tox/<env>/junit.xml.
 
     python3 .ci/summary.py OUTPUT_LOG WALL_SECONDS
 """

@@ -185,18 +185,19 @@ Status ShmSegment::attach(size_t total, double deadline) {
     int fd = shm_open(name_.c_str(), O_RDWR, 0600);
     if (fd < 0 && errno == EACCES) {  // there, and not readable by this user: someone else's
       struct stat st;
-      if (stat(("/dev/shm" + name_).c_str(), &st) == 0) return Status::Error(UNISON_ERR_INTERNAL, not_ours(name_, st));
+      std::string why;
+      if (stat(("/dev/shm" + name_).c_str(), &st) == 0) why = not_ours(name_, st);
+      if (!why.empty()) return Status::Error(UNISON_ERR_INTERNAL, why);
     }
     if (fd >= 0) {
       struct stat st;
-      if (fstat(fd, &st) == 0) {
-        std::string why = not_ours(name_, st);
-        if (!why.empty()) {
-          close(fd);
-          return Status::Error(UNISON_ERR_INTERNAL, why);
-        }
+      const bool stated = fstat(fd, &st) == 0;
+      std::string why = stated ? not_ours(name_, st) : "";
+      if (!why.empty()) {
+        close(fd);
+        return Status::Error(UNISON_ERR_INTERNAL, why);
       }
-      if (fstat(fd, &st) == 0 && (size_t)st.st_size == total) {
+      if (stated && (size_t)st.st_size == total) {
         void* p = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
         close(fd);
         if (p == MAP_FAILED)
