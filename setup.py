@@ -3,6 +3,7 @@
 The core needs only a C++17 compiler and the Python headers; every framework
 adapter is an optional extra.
 """
+import atexit
 import hashlib
 import os
 import shutil
@@ -11,6 +12,7 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
 from setuptools import setup
+from setuptools.command.build import build
 from setuptools.command.build_ext import build_ext
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -21,12 +23,16 @@ class ObjectCache:
     """Compiled objects kept by what went into them, so that a build whose
     source, flags and compiler match an earlier one's copies the object
     instead of compiling it. The key is the compile command (less the
-    object's path), the working folder, the compiler's version, and the
-    source as the preprocessor sees it, every header included: an edited
-    header, another MPI's mpi.h or a sanitizer's flags each make a new key,
-    as with ccache. The test suite builds the core six times (its package,
-    each MPI env, the MPI rebuild test, twice) and all but the MPI files are
-    the same each time: on a 2-core machine each full build took 80 s.
+    object's path), the compiler's version, and the source as the
+    preprocessor sees it, every header included: an edited header, another
+    MPI's mpi.h or a sanitizer's flags each make a new key, as with ccache.
+    The folder a build runs in is left out (the sources are named relative
+    to it), so a copy of the checkout elsewhere, as the MPI rebuild test
+    makes, finds the same objects; they differ only in the compile folder
+    their debug information records. The test suite builds the core six
+    times (its package, each MPI env, the MPI rebuild test, twice) and all
+    but the MPI files are the same each time: on a 2-core machine each full
+    build took 80 s.
 
     The folder is $UNISON_BUILD_CACHE, or ~/.cache/unison/core-objects;
     UNISON_BUILD_CACHE="" turns the cache off."""
@@ -64,7 +70,7 @@ class ObjectCache:
             return None
         flags = [arg for arg in command if not arg.startswith("-I")]
         digest = hashlib.sha256()
-        for part in ("\0".join(flags).encode(), os.getcwd().encode(), self._version(command[0]), done.stdout):
+        for part in ("\0".join(flags).encode(), self._version(command[0]), done.stdout):
             digest.update(hashlib.sha256(part).digest())
         return digest.hexdigest()
 
@@ -80,10 +86,13 @@ class ObjectCache:
             program = cxx if cxx and compiler.detect_language(src) == "c++" else compiler.compiler_so
             key = self._key(list(program) + list(cc_args) + [src] + list(extra_postargs))
             cached = key and os.path.join(self.folder, key + ".o")
-            if cached and os.path.exists(cached):
-                shutil.copyfile(cached, obj)
-                os.utime(cached)
-                return
+            if cached:
+                try:
+                    shutil.copyfile(cached, obj)
+                    os.utime(cached)
+                    return
+                except FileNotFoundError:  # not there, or trimmed by a build beside this one
+                    pass
             compile_one(obj, src, ext, cc_args, extra_postargs, pp_opts)
             if cached:
                 os.makedirs(self.folder, exist_ok=True)
@@ -99,10 +108,34 @@ class ObjectCache:
     def trim(self):
         if not os.path.isdir(self.folder):
             return
-        objects = sorted((e for e in os.scandir(self.folder) if e.name.endswith(".o")),
-                         key=lambda e: e.stat().st_mtime, reverse=True)
-        for entry in objects[self.KEPT:]:
-            os.unlink(entry.path)
+        ages = []
+        for entry in os.scandir(self.folder):
+            try:
+                if entry.name.endswith(".o"):
+                    ages.append((entry.stat().st_mtime, entry.path))
+            except FileNotFoundError:  # a build beside this one trimmed it first
+                pass
+        for _, path in sorted(ages, reverse=True)[self.KEPT:]:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+
+class BuildInAFolderOfItsOwn(build):
+    """Builds in a fresh temporary folder, removed when the build ends,
+    unless --build-base names one. Two builds in one checkout then never
+    share objects: the test suite's environments run side by side
+    (tox run-parallel), and the MPI and sanitizer envs each build the core
+    while others test. A shared build/ would also let a build with other
+    settings (another MPI, a sanitizer) pick up the last one's objects.
+    What a rebuild would have reused comes from ObjectCache instead."""
+
+    def finalize_options(self):
+        if self.build_base == "build":  # the default, not one the caller chose
+            self.build_base = tempfile.mkdtemp(prefix="unison-build-")
+            atexit.register(shutil.rmtree, self.build_base, True)
+        super().finalize_options()
 
 
 class BuildExtInParallel(build_ext):
@@ -157,14 +190,14 @@ setup(
     packages=["unison", "unison.common", "unison.elastic", "unison.keras", "unison.torch", "unison.tensorflow",
               "unison.tensorflow.keras", "unison.mxnet"],
     cffi_modules=["native/build_ffi.py:ffibuilder"],
-    cmdclass={"build_ext": BuildExtInParallel},
+    cmdclass={"build": BuildInAFolderOfItsOwn, "build_ext": BuildExtInParallel},
     setup_requires=["cffi>=1.15"],
     install_requires=["cffi>=1.15", "numpy"],
     extras_require={
         "examples": ["scikit-learn"],
         # unisonrun --config-file in YAML, as horovodrun's (JSON needs nothing).
         "yaml": ["pyyaml"],
-        "test": ["pytest", "pytest-timeout"],
+        "test": ["pytest", "pytest-timeout", "hypothesis"],
         "bench": ["torch==2.13.0", "matplotlib", "ml_dtypes"],
         # cloudpickle sends what has no importable name (lambdas, closures)
         # through broadcast_object and allgather_object, as in Horovod.

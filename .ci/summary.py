@@ -49,12 +49,14 @@ def env_times(log_path):
 
 
 def junit(env):
-    """(counts by outcome, [(seconds, test id)]) from the env's JUnit report."""
+    """(counts by outcome, [(seconds, test id)], {skip reason: count}) from
+    the env's JUnit report."""
     path = os.path.join(ROOT, ".tox", env, "junit.xml")
     counts = {"passed": 0, "failed": 0, "skipped": 0, "in ranks": 0}
     cases = []
+    skips = {}
     if not os.path.exists(path):
-        return None, cases
+        return None, cases, skips
     for case in ElementTree.parse(path).getroot().iter("testcase"):
         for prop in case.iter("property"):
             if prop.get("name") == "rank_tests":
@@ -65,10 +67,12 @@ def junit(env):
                 outcome = "failed"
             elif child.tag == "skipped":
                 outcome = "skipped"
+                reason = child.get("message", "")
+                skips[reason] = skips.get(reason, 0) + 1
         counts[outcome] += 1
         name = "%s::%s" % (case.get("classname", "").replace(".", "/") + ".py", case.get("name", ""))
         cases.append((float(case.get("time", 0) or 0), "%s %s" % (env, name)))
-    return counts, cases
+    return counts, cases, skips
 
 
 def minutes(seconds):
@@ -78,13 +82,15 @@ def minutes(seconds):
 def main(log_path, wall_seconds):
     times = env_times(log_path)
     everything = []
+    skipped = []
     print("\n==== CI summary (single-core memcpy %.1f GB/s) ====" % memcpy_gigabytes_per_second())
     print("%-12s %-6s %8s %8s %8s %8s %8s %9s" % ("env", "status", "time", "set-up", "passed", "failed", "skipped",
                                                  "in ranks"))
     totals = {"passed": 0, "failed": 0, "skipped": 0, "in ranks": 0}
     for env, (status, seconds, before) in times.items():
-        counts, cases = junit(env)
+        counts, cases, skips = junit(env)
         everything += cases
+        skipped += [(env, reason, n) for reason, n in skips.items()]
         if counts is None:
             print("%-12s %-6s %8s %8s %8s" % (env, status, minutes(seconds), minutes(before), "(no report)"))
             continue
@@ -96,6 +102,11 @@ def main(log_path, wall_seconds):
     print("%-12s %-6s %8s %8s %8d %8d %8d %9d" % ("total", "", minutes(wall_seconds), "", totals["passed"],
                                                    totals["failed"], totals["skipped"], totals["in ranks"]))
     print("(in ranks: the tests that rank 0 of each job ran inside it, each job counting once above)")
+    # The environments run side by side, and tox shows an env's own output
+    # only when it fails: what each skipped, and why, is said here instead.
+    print("\nskipped, and why:")
+    for env, reason, n in sorted(skipped):
+        print("  %-10s %3d x %s" % (env, n, reason))
     print("\nthe %d slowest tests of the run:" % SLOWEST)
     for seconds, name in sorted(everything, reverse=True)[:SLOWEST]:
         print("%8.1f s  %s" % (seconds, name))

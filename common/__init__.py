@@ -10,7 +10,7 @@ from unison.basics import (  # noqa: F401
     is_homogeneous, is_initialized, local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported,
     nccl_built, rank, rocm_built, shutdown, size, start_timeline, stop_timeline, tuned_settings)
 from unison.exceptions import (  # noqa: F401
-    HorovodInternalError, InvalidArgumentError, MismatchError, NotInitializedError,
+    HorovodInternalError, InvalidArgumentError, MismatchError, NotInitializedError, OutOfMemoryError,
     RankFailedError, ShutDownError, StalledError, DeadlockError, UnisonError, UnisonInternalError,
     UnsupportedError)
 from unison.process_sets import (  # noqa: F401

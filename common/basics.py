@@ -28,6 +28,7 @@ _ERRORS = {
     lib.UNISON_ERR_DEADLOCK: exceptions.DeadlockError,
     lib.UNISON_ERR_UNSUPPORTED: exceptions.UnsupportedError,
     lib.UNISON_ERR_INTERNAL: exceptions.UnisonInternalError,
+    lib.UNISON_ERR_OUT_OF_MEMORY: exceptions.OutOfMemoryError,
 }
 
 
@@ -40,6 +41,29 @@ def settings_problem(variables):
     if lib.unison_check_settings(names, values, len(names)) == lib.UNISON_OK:
         return None
     return ffi.string(lib.unison_last_error()).decode(errors="replace")
+
+
+def setting_table():
+    """Every setting init() reads, as the core's table has it (config.cc):
+    a list of dicts with name, horovod_name (or None), kind, minimum,
+    maximum, choices (a list, or None), default and description. minimum
+    and maximum bound the numeric kinds, and minimum is a secret's least
+    length; both are None where they do not apply."""
+    def text(pointer):
+        return None if pointer == ffi.NULL else ffi.string(pointer).decode()
+
+    numeric = ("integer", "bytes", "number", "core-list")
+    rows = []
+    while True:
+        row = lib.unison_setting_at(len(rows))
+        if row == ffi.NULL:
+            return rows
+        kind = text(row.kind)
+        rows.append({"name": text(row.name), "horovod_name": text(row.horovod_name), "kind": kind,
+                     "minimum": row.minimum if kind in numeric + ("secret",) else None,
+                     "maximum": row.maximum if kind in numeric else None,
+                     "choices": text(row.choices).split("|") if row.choices != ffi.NULL else None,
+                     "default": text(row.default_value), "description": text(row.description)})
 
 
 def error_for(code, message):

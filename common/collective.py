@@ -58,8 +58,19 @@ def prepare(op, name, dtype, shape, reduce_op, prescale_factor, postscale_factor
     if not _INT32_MIN <= root_rank <= _INT32_MAX:
         raise InvalidArgumentError("unison: %s: root_rank %d is not a rank" % (name or "a tensor", root_rank))
     for factor, value in (("prescale_factor", prescale_factor), ("postscale_factor", postscale_factor)):
-        if not math.isfinite(value):
+        # Anything float() takes but text: a numpy or 0-d framework scalar too.
+        try:
+            number = float(value) if not isinstance(value, (str, bytes)) else None
+        except (TypeError, ValueError):
+            number = None
+        if number is None:
+            raise TypeError("unison: %s: %s must be a number, got %r (%s)"
+                            % (name or "a tensor", factor, value, type(value).__name__))
+        if not math.isfinite(number):
             raise InvalidArgumentError("unison: %s: %s=%r is not a finite number" % (name or "a tensor", factor, value))
+    if splits is not None and (isinstance(splits, (str, bytes)) or not all(
+            isinstance(split, numbers.Integral) and not isinstance(split, bool) for split in splits)):
+        raise TypeError("unison: %s: splits must be integers, got %r" % (name or "a tensor", splits))
     ndim = len(shape)
     if ndim > _MAX_DIMS:
         raise InvalidArgumentError("unison: %s has %d dimensions; at most %d are supported"
@@ -74,8 +85,8 @@ def prepare(op, name, dtype, shape, reduce_op, prescale_factor, postscale_factor
     options.ndim = ndim
     options.shape = c_shape
     options.reduce_op = reduce_op
-    options.prescale_factor = prescale_factor
-    options.postscale_factor = postscale_factor
+    options.prescale_factor = float(prescale_factor)
+    options.postscale_factor = float(postscale_factor)
     options.root_rank = root_rank
     options.splits = c_splits
     options.nsplits = len(splits) if splits is not None else 0
@@ -107,13 +118,14 @@ def enqueue(op, name, dtype=0, shape=(), input=NULL, output=NULL, reduce_op=0,
         name = name_of_unnamed()
     # Ops with no name (numbered by the core) never repeat, so they are
     # built per call.
-    key = None
+    key = prepared = None
     if name:
         key = (op, name, dtype, shape, reduce_op, prescale_factor, postscale_factor, root_rank, process_set,
                device, None if splits is None else tuple(splits))
-        prepared = scratch.prepared.get(key)
-    else:
-        prepared = None
+        try:
+            prepared = scratch.prepared.get(key)
+        except TypeError:  # an argument of a wrong type: prepare() says which
+            key = None
     if prepared is None:
         prepared = prepare(op, name, dtype, shape, reduce_op, prescale_factor, postscale_factor, root_rank,
                            splits, process_set, device)
@@ -150,11 +162,17 @@ def start_in_place(key, pointer, stream, prepared=None):
     and the core's enqueue."""
     scratch = _scratch
     if prepared is None:
-        prepared = scratch.in_place.get(key)
+        try:
+            prepared = scratch.in_place.get(key)
+        except TypeError:  # an argument of a wrong type: the caller's prepare() says which
+            return None
         if prepared is None:
             return None
     elif len(scratch.in_place) < _KEPT:
-        scratch.in_place[key] = prepared
+        try:
+            scratch.in_place[key] = prepared
+        except TypeError:  # not kept: an unhashable argument, which prepare() took (a list as splits)
+            pass
     options = prepared[0]
     options.input = options.output = pointer
     options.stream = stream

@@ -4,7 +4,8 @@ Everything unison raises is a UnisonError. Failures of a collective after it
 was accepted (ranks disagreeing, a rank dying, a peer shutting down) are
 UnisonInternalError, which is also importable as HorovodInternalError so
 that code catching Horovod's error keeps working. Bad input caught before
-anything is sent is InvalidArgumentError, also a ValueError. An elastic
+anything is sent is InvalidArgumentError, also a ValueError; memory the core
+could not allocate is OutOfMemoryError, also a MemoryError. An elastic
 job's HostsUpdatedInterrupt is a signal, not an error: a RuntimeError, as
 in Horovod, importable from here as from horovod.common.exceptions.
 """
@@ -25,6 +26,13 @@ class NotInitializedError(InvalidArgumentError):
 class UnsupportedError(InvalidArgumentError):
     """A valid request that this build or version cannot serve, or that a
     process forked from a rank makes for it (only the rank runs its ops)."""
+
+
+class OutOfMemoryError(UnisonError, MemoryError):
+    """The core could not allocate what a call needed (a result as large as
+    the ranks' tensors add up to); nothing was written, and the process
+    goes on. Also a MemoryError, so code that handles Python's own runs out
+    of memory handles this too."""
 
 
 class UnisonInternalError(UnisonError):

@@ -21,13 +21,13 @@ import ipaddress
 import math
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
 import threading
 import time
 import types
-import uuid
 
 from unison import rank_environment
 
@@ -700,7 +700,10 @@ def signal_process_group(pid, signum):
 
 
 def new_job_id():
-    return "%d-%s" % (os.getpid(), uuid.uuid4().hex[:8])
+    """The launcher's pid (which says whose a leftover segment was) and 128
+    random bits: the job's shared memory is named after it, and a name
+    nobody can guess is one nobody can take first."""
+    return "%d-%s" % (os.getpid(), secrets.token_hex(16))
 
 
 def remove_shared_memory(job_id):

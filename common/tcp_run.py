@@ -38,10 +38,13 @@ import time
 
 from unison import mpi_run, rank_environment
 
-# Variables that hold secrets: the job's, and the key of unison.run()'s
-# service (run_function.py). A remote rank gets them on ssh's standard
-# input, with the rest of the launcher's environment (remote_launch).
-SECRET_VARIABLES = ("UNISON_SECRET_KEY", "UNISON_RUN_FUNCTION_KEY")
+# Variables that hold secrets: the job's, the key of unison.run()'s service
+# (run_function.py), and the job id, which names the job's shared memory
+# (a name known to another user of the host is one they can take first).
+# A remote rank gets them on ssh's standard input, with the rest of the
+# launcher's environment (remote_launch), never on a command line that ps
+# shows to every user.
+SECRET_VARIABLES = ("UNISON_SECRET_KEY", "UNISON_RUN_FUNCTION_KEY", "UNISON_JOB_ID")
 SIOCGIFADDR = 0x8915
 
 

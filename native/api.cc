@@ -36,6 +36,22 @@ int report(const Status& s) {
   return s.code;
 }
 
+// A C caller cannot catch a C++ exception: one that crossed this boundary
+// would end the process through std::terminate. Allocation failure (a
+// tensor larger than memory, a name of gigabytes) is the one the calls
+// below can meet, and it becomes UNISON_ERR_OUT_OF_MEMORY, the process
+// staying usable.
+template <typename Call>
+int guarded(const char* what, Call&& call) noexcept {
+  try {
+    return call();
+  } catch (const std::bad_alloc&) {
+    return report(Status::Error(UNISON_ERR_OUT_OF_MEMORY, std::string("unison: out of memory in ") + what));
+  } catch (const std::exception& e) {
+    return report(Status::Error(UNISON_ERR_INTERNAL, std::string("unison: ") + what + ": " + e.what()));
+  }
+}
+
 int not_initialized() {
   return report(Status::Error(UNISON_ERR_NOT_INITIALIZED,
                               "unison: not initialized; call init() first (or again after shutdown())"));
@@ -84,44 +100,77 @@ using namespace unison;
 extern "C" {
 
 int unison_init(void) {
-  if (forked_from != 0) return UNISON_OK;  // the rank's state, copied: the queries answer
-  std::lock_guard<std::mutex> lock(lifecycle_mutex);
-  if (engine != nullptr) return UNISON_OK;  // as Horovod: a second init is harmless
-  static const int fork_watch = pthread_atfork(nullptr, nullptr, note_fork_in_child);
-  (void)fork_watch;
-  Config c;
-  Status read = Config::from_environment(&c);
-  if (!read.ok()) return report(read);
-  set_log_level(c.log_level);
-  if (c.size < 1 || c.rank < 0 || c.rank >= c.size)
-    return report(Status::Error(UNISON_ERR_INVALID_ARGUMENT, "unison: rank " + std::to_string(c.rank) +
-                                                                 " of size " + std::to_string(c.size) +
-                                                                 " from the environment is impossible"));
-  std::unique_ptr<Backend> backend;
-  start_up_begins();
-  Status made = make_backend(&c, c.elastic_round >= 0 ? c.elastic_round : generation, &backend);
-  start_up_ends();
-  if (!made.ok()) return report(made);
-  // Counted once the backend exists, so that an init retried after the
-  // failure below meets its peers under new names.
-  ++generation;
-  // After the backend: under mpirun the local rank is MPI's answer.
-  Status pinned = c.choose_engine_core();
-  if (!pinned.ok()) return report(pinned);
-  config = c;
-  std::atomic_store(&engine, std::make_shared<Engine>(c, std::move(backend), &handles));
-  return UNISON_OK;
+  return guarded("unison_init", [&]() -> int {
+    if (forked_from != 0) return UNISON_OK;  // the rank's state, copied: the queries answer
+    std::lock_guard<std::mutex> lock(lifecycle_mutex);
+    if (engine != nullptr) return UNISON_OK;  // as Horovod: a second init is harmless
+    static const int fork_watch = pthread_atfork(nullptr, nullptr, note_fork_in_child);
+    (void)fork_watch;
+    Config c;
+    Status read = Config::from_environment(&c);
+    if (!read.ok()) return report(read);
+    set_log_level(c.log_level);
+    if (c.size < 1 || c.rank < 0 || c.rank >= c.size)
+      return report(Status::Error(UNISON_ERR_INVALID_ARGUMENT, "unison: rank " + std::to_string(c.rank) +
+                                                                   " of size " + std::to_string(c.size) +
+                                                                   " from the environment is impossible"));
+    std::unique_ptr<Backend> backend;
+    start_up_begins();
+    Status made = make_backend(&c, c.elastic_round >= 0 ? c.elastic_round : generation, &backend);
+    start_up_ends();
+    if (!made.ok()) return report(made);
+    // Counted once the backend exists, so that an init retried after the
+    // failure below meets its peers under new names.
+    ++generation;
+    // Every control message carries the response cache's two bit vectors;
+    // they may take at most half of it, the rest being for requests. Every
+    // rank has the same settings and sizes, so all refuse alike.
+    const size_t room = backend->max_message_bytes(), cache_bits = 64 + (size_t)c.cache_capacity / 4;
+    if (cache_bits > room / 2)
+      return report(Status::Error(
+          UNISON_ERR_INVALID_ARGUMENT,
+          "unison: UNISON_CACHE_CAPACITY=" + std::to_string(c.cache_capacity) + " needs " +
+              std::to_string(cache_bits) + " bytes of every control message, but with UNISON_CONTROL_MESSAGE_BYTES=" +
+              std::to_string(c.control_message_bytes) + " on " + std::to_string(c.size) +
+              " ranks a message holds " + std::to_string(room) +
+              ": lower the first or raise the second (at most half a message goes to the cache)"));
+    // After the backend: under mpirun the local rank is MPI's answer.
+    Status pinned = c.choose_engine_core();
+    if (!pinned.ok()) return report(pinned);
+    config = c;
+    std::atomic_store(&engine, std::make_shared<Engine>(c, std::move(backend), &handles));
+    return UNISON_OK;
+  });
 }
 
 int unison_check_settings(const char* const* names, const char* const* values, int count) {
-  std::unordered_map<std::string, std::string> given;
-  for (int i = 0; i < count; ++i) given[names[i]] = values[i];
-  const Variables variables = [&given](const char* name) -> const char* {
-    const auto found = given.find(name);
-    return found == given.end() ? nullptr : found->second.c_str();
-  };
-  Config parsed;
-  return report(Config::from_variables(variables, &parsed));
+  return guarded("unison_check_settings", [&]() -> int {
+    if (count < 0 || (count > 0 && (names == nullptr || values == nullptr)))
+      return report(Status::Error(UNISON_ERR_INVALID_ARGUMENT, "unison: check_settings needs count names and values"));
+    std::unordered_map<std::string, std::string> given;
+    for (int i = 0; i < count; ++i) {
+      if (names[i] == nullptr || values[i] == nullptr)
+        return report(Status::Error(UNISON_ERR_INVALID_ARGUMENT, "unison: check_settings: a NULL name or value"));
+      given[names[i]] = values[i];
+    }
+    const Variables variables = [&given](const char* name) -> const char* {
+      const auto found = given.find(name);
+      return found == given.end() ? nullptr : found->second.c_str();
+    };
+    Config parsed;
+    return report(Config::from_variables(variables, &parsed));
+  });
+}
+
+const unison_setting* unison_setting_at(int index) {
+  static const std::vector<unison_setting> rows = [] {
+    std::vector<unison_setting> out;
+    for (const SettingInfo& s : setting_table())
+      out.push_back({s.name, s.horovod_name, s.kind, s.minimum, s.maximum, s.choices, s.default_value.c_str(),
+                     s.description});
+    return out;
+  }();
+  return index >= 0 && (size_t)index < rows.size() ? &rows[index] : nullptr;
 }
 
 int unison_shutdown(void) {
@@ -137,12 +186,14 @@ int unison_is_initialized(void) { return engine != nullptr ? 1 : 0; }
 void unison_abort_start(const char* reason) { abort_start_up(reason != nullptr ? reason : "aborted"); }
 
 int unison_start_timeline(const char* path, int mark_cycles) {
-  if (forked_from != 0) return refuse_in_forked_child();
-  std::lock_guard<std::mutex> lock(lifecycle_mutex);
-  if (engine == nullptr) return not_initialized();
-  if (path == nullptr || *path == '\0')
-    return report(Status::Error(UNISON_ERR_INVALID_ARGUMENT, "unison: start_timeline needs a file name"));
-  return report(engine->start_timeline(path, mark_cycles != 0));
+  return guarded("unison_start_timeline", [&]() -> int {
+    if (forked_from != 0) return refuse_in_forked_child();
+    std::lock_guard<std::mutex> lock(lifecycle_mutex);
+    if (engine == nullptr) return not_initialized();
+    if (path == nullptr || *path == '\0')
+      return report(Status::Error(UNISON_ERR_INVALID_ARGUMENT, "unison: start_timeline needs a file name"));
+    return report(engine->start_timeline(path, mark_cycles != 0));
+  });
 }
 
 int unison_tuned_settings(int64_t* fusion_threshold_bytes, double* cycle_time_ms, int* cache, int* hierarchical,
@@ -194,15 +245,17 @@ const char* unison_device_support(void) {
 }
 
 int unison_enqueue(const unison_op_options* options, unison_handle* out) {
-  if (forked_from != 0) return refuse_in_forked_child();
-  if (engine == nullptr) return not_initialized();
-  if (options == nullptr || out == nullptr)
-    return report(Status::Error(UNISON_ERR_INVALID_ARGUMENT, "unison: NULL options or handle pointer"));
-  if (options->op == UNISON_ADD_PROCESS_SET || options->op == UNISON_REMOVE_PROCESS_SET)
-    return report(Status::Error(UNISON_ERR_INVALID_ARGUMENT,
-                                "unison: process sets are added and removed with unison_add_process_set and "
-                                "unison_remove_process_set"));
-  return report(engine->enqueue(*options, out));
+  return guarded("unison_enqueue", [&]() -> int {
+    if (forked_from != 0) return refuse_in_forked_child();
+    if (engine == nullptr) return not_initialized();
+    if (options == nullptr || out == nullptr)
+      return report(Status::Error(UNISON_ERR_INVALID_ARGUMENT, "unison: NULL options or handle pointer"));
+    if (options->op == UNISON_ADD_PROCESS_SET || options->op == UNISON_REMOVE_PROCESS_SET)
+      return report(Status::Error(UNISON_ERR_INVALID_ARGUMENT,
+                                  "unison: process sets are added and removed with unison_add_process_set and "
+                                  "unison_remove_process_set"));
+    return report(engine->enqueue(*options, out));
+  });
 }
 
 int unison_group_begin(void) {
@@ -246,80 +299,96 @@ int run_process_set_op(unison_op_options* options, int* process_set_id) {
 }  // namespace
 
 int unison_add_process_set(const int* ranks, int nranks, int* process_set_id) {
-  if (ranks == nullptr || nranks < 1 || process_set_id == nullptr)
-    return report(Status::Error(UNISON_ERR_INVALID_ARGUMENT, "unison: add_process_set needs at least one rank"));
-  std::vector<int64_t> members(ranks, ranks + nranks);
-  unison_op_options options = {};
-  options.name = "process_set.add";
-  options.op = UNISON_ADD_PROCESS_SET;
-  options.splits = members.data();
-  options.nsplits = nranks;
-  options.device = UNISON_CPU_DEVICE;
-  return run_process_set_op(&options, process_set_id);
+  return guarded("unison_add_process_set", [&]() -> int {
+    if (ranks == nullptr || nranks < 1 || process_set_id == nullptr)
+      return report(Status::Error(UNISON_ERR_INVALID_ARGUMENT, "unison: add_process_set needs at least one rank"));
+    std::vector<int64_t> members(ranks, ranks + nranks);
+    unison_op_options options = {};
+    options.name = "process_set.add";
+    options.op = UNISON_ADD_PROCESS_SET;
+    options.splits = members.data();
+    options.nsplits = nranks;
+    options.device = UNISON_CPU_DEVICE;
+    return run_process_set_op(&options, process_set_id);
+  });
 }
 
 int unison_remove_process_set(int process_set_id) {
-  unison_op_options options = {};
-  options.name = "process_set.remove";
-  options.op = UNISON_REMOVE_PROCESS_SET;
-  options.root_rank = process_set_id;
-  options.device = UNISON_CPU_DEVICE;
-  return run_process_set_op(&options, nullptr);
+  return guarded("unison_remove_process_set", [&]() -> int {
+    unison_op_options options = {};
+    options.name = "process_set.remove";
+    options.op = UNISON_REMOVE_PROCESS_SET;
+    options.root_rank = process_set_id;
+    options.device = UNISON_CPU_DEVICE;
+    return run_process_set_op(&options, nullptr);
+  });
 }
 
 int unison_poll(unison_handle handle, int* done) {
-  if (forked_from != 0) return refuse_in_forked_child();
-  bool d = false;
-  Status s = handles.poll(handle, &d);
-  if (s.ok() && done != nullptr) *done = d ? 1 : 0;
-  if (s.ok() && !d)
-    if (std::shared_ptr<Engine> current = std::atomic_load(&engine)) current->claim_for_poll();
-  return report(s);
+  return guarded("unison_poll", [&]() -> int {
+    if (forked_from != 0) return refuse_in_forked_child();
+    bool d = false;
+    Status s = handles.poll(handle, &d);
+    if (s.ok() && done != nullptr) *done = d ? 1 : 0;
+    if (s.ok() && !d)
+      if (std::shared_ptr<Engine> current = std::atomic_load(&engine)) current->claim_for_poll();
+    return report(s);
+  });
 }
 
 int unison_wait(unison_handle handle, double timeout_seconds) {
-  if (forked_from != 0) return refuse_in_forked_child();
-  std::shared_ptr<Engine> current = std::atomic_load(&engine);
-  if (current == nullptr) return report(handles.wait(handle, timeout_seconds));
-  return report(current->wait(handle, timeout_seconds));
+  return guarded("unison_wait", [&]() -> int {
+    if (forked_from != 0) return refuse_in_forked_child();
+    std::shared_ptr<Engine> current = std::atomic_load(&engine);
+    if (current == nullptr) return report(handles.wait(handle, timeout_seconds));
+    return report(current->wait(handle, timeout_seconds));
+  });
 }
 
 int unison_wait_release(unison_handle handle, double timeout_seconds) {
-  if (forked_from != 0) return refuse_in_forked_child();
-  std::shared_ptr<Engine> current = std::atomic_load(&engine);
-  if (current == nullptr) return report(handles.wait(handle, timeout_seconds, true));
-  return report(current->wait(handle, timeout_seconds, true));
+  return guarded("unison_wait_release", [&]() -> int {
+    if (forked_from != 0) return refuse_in_forked_child();
+    std::shared_ptr<Engine> current = std::atomic_load(&engine);
+    if (current == nullptr) return report(handles.wait(handle, timeout_seconds, true));
+    return report(current->wait(handle, timeout_seconds, true));
+  });
 }
 
 int unison_handle_error(unison_handle handle, char* buffer, int64_t capacity) {
-  if (forked_from != 0) return refuse_in_forked_child();
-  if (buffer == nullptr || capacity <= 0)
-    return report(Status::Error(UNISON_ERR_INVALID_ARGUMENT, "unison: no buffer for the error message"));
-  return report(handles.with_result(handle, [&](const Status& status, const OpResult&) {
-    std::strncpy(buffer, status.message.c_str(), (size_t)capacity - 1);
-    buffer[capacity - 1] = '\0';
-  }));
+  return guarded("unison_handle_error", [&]() -> int {
+    if (forked_from != 0) return refuse_in_forked_child();
+    if (buffer == nullptr || capacity <= 0)
+      return report(Status::Error(UNISON_ERR_INVALID_ARGUMENT, "unison: no buffer for the error message"));
+    return report(handles.with_result(handle, [&](const Status& status, const OpResult&) {
+      std::strncpy(buffer, status.message.c_str(), (size_t)capacity - 1);
+      buffer[capacity - 1] = '\0';
+    }));
+  });
 }
 
 int unison_handle_result(unison_handle handle, int take_ownership, void** data, int64_t* nbytes,
                          int* ndim, int64_t* shape) {
-  if (forked_from != 0) return refuse_in_forked_child();
-  return report(handles.with_result(handle, [&](const Status&, const OpResult& const_result) {
-    OpResult& result = const_cast<OpResult&>(const_result);
-    if (data) *data = result.data;
-    if (nbytes) *nbytes = result.bytes;
-    if (ndim) *ndim = (int)result.shape.size();
-    if (shape)
-      for (size_t i = 0; i < result.shape.size() && i < UNISON_MAX_DIMS; ++i) shape[i] = result.shape[i];
-    if (take_ownership && result.core_allocated) result.core_allocated = false;
-  }));
+  return guarded("unison_handle_result", [&]() -> int {
+    if (forked_from != 0) return refuse_in_forked_child();
+    return report(handles.with_result(handle, [&](const Status&, const OpResult& const_result) {
+      OpResult& result = const_cast<OpResult&>(const_result);
+      if (data) *data = result.data;
+      if (nbytes) *nbytes = result.bytes;
+      if (ndim) *ndim = (int)result.shape.size();
+      if (shape)
+        for (size_t i = 0; i < result.shape.size() && i < UNISON_MAX_DIMS; ++i) shape[i] = result.shape[i];
+      if (take_ownership && result.core_allocated) result.core_allocated = false;
+    }));
+  });
 }
 
 int unison_handle_received_splits(unison_handle handle, int64_t* splits, int n) {
-  if (forked_from != 0) return refuse_in_forked_child();
-  return report(handles.with_result(handle, [&](const Status&, const OpResult& result) {
-    for (int i = 0; i < n && i < (int)result.received_splits.size(); ++i) splits[i] = result.received_splits[i];
-  }));
+  return guarded("unison_handle_received_splits", [&]() -> int {
+    if (forked_from != 0) return refuse_in_forked_child();
+    return report(handles.with_result(handle, [&](const Status&, const OpResult& result) {
+      for (int i = 0; i < n && i < (int)result.received_splits.size(); ++i) splits[i] = result.received_splits[i];
+    }));
+  });
 }
 
 int unison_handle_join_rank(unison_handle handle, int* last_rank) {

@@ -4,6 +4,7 @@
 #include <numeric>
 
 #include "log.h"
+#include "private_file.h"
 
 namespace unison {
 namespace {
@@ -62,11 +63,12 @@ Autotuner::Autotuner(const Config& config, const TunedSettings& start, bool can_
   add("cache", kCache, config.cache_fixed || !config.autotune_cache, {1, 0}, /*now_last=*/true);
   add("hierarchical", kHierarchical, config.hierarchical_fixed || !can_tune_hierarchical, {1, 0});
   if (!config.autotune_log.empty()) {
-    log_ = std::fopen(config.autotune_log.c_str(), "w");
+    std::string why;
+    log_ = create_private_file(config.autotune_log, &why);
     if (log_ == nullptr)
       log_message(LogLevel::warning,
-                  "unison: cannot write the autotune log to '%s' (UNISON_AUTOTUNE_LOG); tuning without it\n",
-                  config.autotune_log.c_str());
+                  "unison: cannot write the autotune log to '%s' (UNISON_AUTOTUNE_LOG): %s; tuning without it\n",
+                  config.autotune_log.c_str(), why.c_str());
     else
       std::fputs("sample,fusion_threshold_bytes,cycle_time_ms,cache,hierarchical,bytes_per_second,note\n", log_);
   }

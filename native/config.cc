@@ -7,9 +7,13 @@
 #include <cerrno>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <string>
+#include <type_traits>
 #include <utility>
+#include <variant>
 
 namespace unison {
 namespace {
@@ -50,8 +54,15 @@ std::string trimmed_lower(const char* value) {
   return s;
 }
 
+// A number in [minimum, maximum], said the same way in every refusal.
+std::string range_text(double minimum, double maximum, const char* what) {
+  char text[160];
+  std::snprintf(text, sizeof(text), "%s from %.15g to %.15g", what, minimum, maximum);
+  return text;
+}
+
 Status read_int(const Variables& env, int* field, const char* unison_name, const char* horovod_name = nullptr,
-                int minimum = 0) {
+                double minimum = 0, double maximum = INT32_MAX) {
   const char* name = nullptr;
   const char* v = lookup(env, unison_name, horovod_name, &name);
   if (v == nullptr) return Status::OK();
@@ -59,8 +70,8 @@ Status read_int(const Variables& env, int* field, const char* unison_name, const
   char* end = nullptr;
   errno = 0;
   const long long parsed = std::strtoll(text.c_str(), &end, 10);
-  if (text.empty() || *end != '\0' || errno == ERANGE || parsed < minimum || parsed > INT32_MAX)
-    return bad_setting(name, v, "an integer of at least " + std::to_string(minimum));
+  if (text.empty() || *end != '\0' || errno == ERANGE || parsed < minimum || parsed > maximum)
+    return bad_setting(name, v, range_text(minimum, maximum, "an integer"));
   *field = (int)parsed;
   return Status::OK();
 }
@@ -68,13 +79,13 @@ Status read_int(const Variables& env, int* field, const char* unison_name, const
 // A byte count: digits, then optionally a unit. KB, MB and GB are powers of
 // 1000 and KiB, MiB and GiB powers of 1024, as the units say; a bare K, M or
 // G means the binary one, as ulimit and dd read it. Case does not matter.
-Status read_size(const Variables& env, size_t* field, const char* unison_name, const char* horovod_name = nullptr,
-                 size_t minimum = 0) {
+Status read_size(const Variables& env, size_t* field, const char* unison_name, const char* horovod_name,
+                 double minimum, double maximum) {
   const char* name = nullptr;
   const char* v = lookup(env, unison_name, horovod_name, &name);
   if (v == nullptr) return Status::OK();
-  const std::string expected = "a size in bytes of at least " + std::to_string(minimum) +
-                               " (such as 67108864, 64MiB or 64MB)";
+  const std::string expected =
+      range_text(minimum, maximum, "a size in bytes") + " (such as 67108864, 64MiB or 64MB)";
   const std::string text = trimmed(v);
   size_t digits = 0;
   while (digits < text.size() && std::isdigit((unsigned char)text[digits])) ++digits;
@@ -91,39 +102,26 @@ Status read_size(const Variables& env, size_t* field, const char* unison_name, c
     if (unit == spelling) multiplier = factor;
   if (multiplier == 0) return bad_setting(name, v, expected);
   const unsigned long long count = std::stoull(text.substr(0, digits));
-  if (count > (unsigned long long)SIZE_MAX / multiplier || count * multiplier < minimum)
+  // Both bounds are far below 2^64, so the product is compared only when it
+  // cannot have wrapped.
+  if (count > (unsigned long long)maximum / multiplier || (double)(count * multiplier) < minimum)
     return bad_setting(name, v, expected);
   *field = (size_t)(count * multiplier);
   return Status::OK();
 }
 
-Status read_double(const Variables& env, double* field, const char* unison_name, const char* horovod_name = nullptr) {
+Status read_double(const Variables& env, double* field, const char* unison_name, const char* horovod_name,
+                   double minimum, double maximum) {
   const char* name = nullptr;
   const char* v = lookup(env, unison_name, horovod_name, &name);
   if (v == nullptr) return Status::OK();
   const std::string text = trimmed(v);
   char* end = nullptr;
   const double parsed = std::strtod(text.c_str(), &end);
-  if (text.empty() || *end != '\0' || !std::isfinite(parsed) || parsed < 0)
-    return bad_setting(name, v, "a non-negative number");
+  if (text.empty() || *end != '\0' || !std::isfinite(parsed) || parsed < minimum || parsed > maximum)
+    return bad_setting(name, v, range_text(minimum, maximum, "a number"));
   *field = parsed;
   return Status::OK();
-}
-
-// Horovod's level names, in any case (HOROVOD_LOG_LEVEL=debug is common in
-// Horovod jobs' environments).
-Status read_log_level(const Variables& env, LogLevel* field) {
-  const char* name = nullptr;
-  const char* v = lookup(env, "UNISON_LOG_LEVEL", "HOROVOD_LOG_LEVEL", &name);
-  if (v == nullptr) return Status::OK();
-  const std::string text = trimmed_lower(v);
-  const char* names[] = {"trace", "debug", "info", "warning", "error", "fatal"};
-  for (int level = 0; level < 6; ++level)
-    if (text == names[level]) {
-      *field = (LogLevel)level;
-      return Status::OK();
-    }
-  return bad_setting(name, v, "one of trace, debug, info, warning, error, fatal");
 }
 
 Status read_flag(const Variables& env, bool* field, const char* unison_name, const char* horovod_name = nullptr) {
@@ -263,83 +261,264 @@ Status Config::from_environment(Config* out) {
   return from_variables([](const char* name) -> const char* { return std::getenv(name); }, out);
 }
 
+namespace {
+
+// Every setting the core reads, in the order init reads them (the first bad
+// one is the one reported). This table is the only place a setting's name,
+// Horovod alias, kind and bounds are written; its default is Config's
+// member initializer (config.h). The launcher's checks and the docs'
+// settings page read it through unison_setting_at().
+//
+// Why each range: rank counts stop at a million, more than any job runs,
+// so that every per-rank table stays allocatable and every product of a
+// count and a small size fits in 64 bits. Times stop where a longer one can
+// only be a typo (a cycle of 10 s, a week of stalling) and would otherwise
+// hang a job that could have failed. Shared memory per rank stops at 1 GiB
+// a slot and 64 MiB of control messages (each is mapped several times, so
+// 5G once asked for 20 GiB of /dev/shm). A peer timeout of 0 would declare
+// every peer dead at once. Secrets are at least 16 bytes, 128 bits, which
+// no one guesses by trying.
+constexpr double kMaxRanks = 1 << 20;
+constexpr double kDay = 86400;
+constexpr double kGiB = 1024.0 * 1024 * 1024;
+
+using Target = std::variant<int Config::*, size_t Config::*, double Config::*, bool Config::*, std::string Config::*,
+                            LogLevel Config::*, std::vector<int> Config::*>;
+
+struct Setting {
+  const char* name;
+  const char* horovod_name;
+  const char* kind;
+  double minimum, maximum;
+  const char* choices;
+  Target target;
+  const char* description;
+};
+
+constexpr const char* kNone = nullptr;
+
+const Setting kSettings[] = {
+    {"UNISON_RANK", "HOROVOD_RANK", "integer", 0, kMaxRanks - 1, kNone, &Config::rank,
+     "This process's rank in the job (set by the launcher)."},
+    {"UNISON_SIZE", "HOROVOD_SIZE", "integer", 1, kMaxRanks, kNone, &Config::size,
+     "How many ranks the job has (set by the launcher)."},
+    {"UNISON_LOCAL_RANK", "HOROVOD_LOCAL_RANK", "integer", 0, kMaxRanks - 1, kNone, &Config::local_rank,
+     "This process's rank among the ranks of its host (set by the launcher)."},
+    {"UNISON_LOCAL_SIZE", "HOROVOD_LOCAL_SIZE", "integer", 1, kMaxRanks, kNone, &Config::local_size,
+     "How many ranks run on this host (set by the launcher)."},
+    {"UNISON_CROSS_RANK", "HOROVOD_CROSS_RANK", "integer", 0, kMaxRanks - 1, kNone, &Config::cross_rank,
+     "This host's place among the hosts (set by the launcher)."},
+    {"UNISON_CROSS_SIZE", "HOROVOD_CROSS_SIZE", "integer", 1, kMaxRanks, kNone, &Config::cross_size,
+     "How many hosts run a rank with this local rank (set by the launcher)."},
+    {"UNISON_JOB_ID", kNone, "text", 0, 0, kNone, &Config::job_id,
+     "Names the job's shared memory (set by the launcher)."},
+    {"UNISON_ELASTIC_ROUND", kNone, "integer", 0, 1 << 30, kNone, &Config::elastic_round,
+     "The round of an elastic job (set by the elastic driver)."},
+    {"UNISON_HOSTNAME", "HOROVOD_HOSTNAME", "text", 0, 0, kNone, &Config::hostname,
+     "This rank's host, for deciding which ranks share memory; gethostname() where unset."},
+    {"UNISON_RENDEZVOUS_ADDR", "HOROVOD_GLOO_RENDEZVOUS_ADDR", "text", 0, 0, kNone, &Config::rendezvous_host,
+     "Across hosts without MPI: the address rank 0 listens on (set by the launcher)."},
+    {"UNISON_RENDEZVOUS_PORT", "HOROVOD_GLOO_RENDEZVOUS_PORT", "integer", 1, 65535, kNone, &Config::rendezvous_port,
+     "Across hosts without MPI: the port rank 0 listens on (set by the launcher)."},
+    {"UNISON_SECRET_KEY", kNone, "secret", 16, 0, kNone, &Config::secret_key,
+     "The job's secret, which every connection between ranks must prove (set by the launcher)."},
+    {"UNISON_NETWORK_INTERFACE", "HOROVOD_GLOO_IFACE", "text", 0, 0, kNone, &Config::network_interface,
+     "The interface (name or IPv4 address) the ranks listen on; the one that reaches rank 0 where unset."},
+    {"UNISON_HIERARCHICAL_ALLREDUCE", "HOROVOD_HIERARCHICAL_ALLREDUCE", "flag", 0, 0, kNone, &Config::hierarchical,
+     "Across hosts: shared memory within each host and MPI or TCP between hosts, or MPI or TCP between every "
+     "pair of ranks."},
+    {"UNISON_FUSION_THRESHOLD", "HOROVOD_FUSION_THRESHOLD", "bytes", 0, 16 * kGiB, kNone,
+     &Config::fusion_threshold_bytes, "Tensors ready in one cycle are packed together up to this many bytes."},
+    {"UNISON_CYCLE_TIME", "HOROVOD_CYCLE_TIME", "number", 0, 10000, kNone, &Config::cycle_time_ms,
+     "Milliseconds between negotiation cycles; 0 starts one as soon as a request arrives."},
+    {"UNISON_CACHE_CAPACITY", "HOROVOD_CACHE_CAPACITY", "integer", 0, 1 << 20, kNone, &Config::cache_capacity,
+     "Negotiated responses remembered, so that a repeated tensor agrees by one bit; 0 turns the cache off."},
+    {"UNISON_STALL_CHECK_DISABLE", "HOROVOD_STALL_CHECK_DISABLE", "flag", 0, 0, kNone,
+     &Config::stall_check_disabled, "Turns the stall inspector off."},
+    {"UNISON_STALL_CHECK_TIME_SECONDS", "HOROVOD_STALL_CHECK_TIME_SECONDS", "number", 0, 7 * kDay, kNone,
+     &Config::stall_warning_seconds, "Seconds a tensor may wait for other ranks before a warning names them."},
+    {"UNISON_STALL_SHUTDOWN_TIME_SECONDS", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "number", 0, 7 * kDay, kNone,
+     &Config::stall_shutdown_seconds, "Seconds after which a stalled tensor fails; 0 never fails it."},
+    {"UNISON_PEER_TIMEOUT_SECONDS", kNone, "number", 0.1, kDay, kNone, &Config::peer_timeout_seconds,
+     "Seconds a peer may show no sign of life before it is declared failed."},
+    {"UNISON_START_TIMEOUT", "HOROVOD_START_TIMEOUT", "number", 0.1, kDay, kNone, &Config::start_timeout_seconds,
+     "Seconds init waits for every rank to arrive."},
+    {"UNISON_SHM_SLOT_BYTES", kNone, "bytes", 4096, kGiB, kNone, &Config::shm_slot_bytes,
+     "Shared-memory staging area per rank; larger collectives move in rounds."},
+    {"UNISON_CONTROL_MESSAGE_BYTES", kNone, "bytes", 4096, 64 * 1024 * 1024, kNone, &Config::control_message_bytes,
+     "Room for one rank's control messages (requests, responses) per cycle."},
+    {"UNISON_SMALL_ALLREDUCE_BYTES", kNone, "bytes", 0, kGiB, kNone, &Config::small_allreduce_bytes,
+     "Reductions up to this size are done whole by every rank instead of split across them."},
+    {"UNISON_SPIN_MICROSECONDS", kNone, "number", 0, 1e6, kNone, &Config::spin_microseconds,
+     "How long a waiting thread spins before it sleeps."},
+    {"UNISON_SPIN_YIELD", kNone, "auto-or-flag", 0, 0, kNone, &Config::spin_yield,
+     "Whether spinning yields the core; auto does where a host's ranks outnumber its cores."},
+    {"UNISON_OVERLAP", kNone, "auto-or-flag", 0, 0, kNone, &Config::overlap,
+     "Whether an async op starts at once on the engine's thread; auto does where a core is free for it."},
+    {"UNISON_GPU_DATA_PLANE", kNone, "choice", 0, 0, "auto|nccl|staging", &Config::gpu_data_plane,
+     "How GPU tensors move: NCCL where it can (auto), NCCL or an error (nccl), or through host memory "
+     "(staging)."},
+    {"UNISON_LOG_LEVEL", "HOROVOD_LOG_LEVEL", "choice", 0, 0, "trace|debug|info|warning|error|fatal",
+     &Config::log_level, "The least severe message the core prints."},
+    {"UNISON_THREAD_AFFINITY", "HOROVOD_THREAD_AFFINITY", "core-list", 0, CPU_SETSIZE - 1, kNone,
+     &Config::thread_affinity, "Comma-separated cores, one per local rank, to pin each rank's engine thread to."},
+    {"UNISON_TIMELINE", "HOROVOD_TIMELINE", "text", 0, 0, kNone, &Config::timeline_path,
+     "Rank 0 writes a Chrome trace of every tensor's phases to this file."},
+    {"UNISON_TIMELINE_MARK_CYCLES", "HOROVOD_TIMELINE_MARK_CYCLES", "flag", 0, 0, kNone,
+     &Config::timeline_mark_cycles, "Marks each negotiation cycle on the timeline."},
+    {"UNISON_AUTOTUNE", "HOROVOD_AUTOTUNE", "flag", 0, 0, kNone, &Config::autotune,
+     "Rank 0 searches the fusion threshold, cycle time, cache and hierarchy for the fastest."},
+    {"UNISON_AUTOTUNE_LOG", "HOROVOD_AUTOTUNE_LOG", "text", 0, 0, kNone, &Config::autotune_log,
+     "A CSV file of every setting the autotuner tried and its score."},
+    {"UNISON_AUTOTUNE_WARMUP_SAMPLES", "HOROVOD_AUTOTUNE_WARMUP_SAMPLES", "integer", 0, 1000, kNone,
+     &Config::autotune_warmup_samples, "Samples the autotuner discards before scoring."},
+    {"UNISON_AUTOTUNE_SAMPLES", kNone, "integer", 1, 1000, kNone, &Config::autotune_samples,
+     "Samples the autotuner scores each setting by."},
+    {"UNISON_AUTOTUNE_STEPS_PER_SAMPLE", "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE", "integer", 1, 1e6, kNone,
+     &Config::autotune_steps_per_sample, "Steps in one autotuner sample."},
+    {"UNISON_AUTOTUNE_CACHE", kNone, "flag", 0, 0, kNone, &Config::autotune_cache,
+     "Whether the autotuner tries the response cache on and off."},
+};
+
+Status read_choice(const Variables& env, const Setting& s, std::string* word) {
+  const char* name = nullptr;
+  const char* v = lookup(env, s.name, s.horovod_name, &name);
+  if (v == nullptr) return Status::OK();
+  // Horovod's level names come in any case (HOROVOD_LOG_LEVEL=debug is common).
+  const std::string text = trimmed_lower(v);
+  const std::string choices = s.choices;
+  for (size_t at = 0; at <= choices.size();) {
+    const size_t bar = std::min(choices.find('|', at), choices.size());
+    if (text == choices.substr(at, bar - at)) {
+      *word = text;
+      return Status::OK();
+    }
+    at = bar + 1;
+  }
+  std::string listed = choices;
+  for (size_t bar = listed.find('|'); bar != std::string::npos; bar = listed.find('|', bar))
+    listed.replace(bar, 1, ", ");
+  return bad_setting(name, v, "one of " + listed);
+}
+
+Status read_secret(const Variables& env, const Setting& s, std::string* field) {
+  const char* v = lookup(env, s.name, s.horovod_name);
+  if (v == nullptr) return Status::OK();
+  // The value itself is never repeated in an error: it is a secret.
+  if (std::strlen(v) < (size_t)s.minimum)
+    return Status::Error(UNISON_ERR_INVALID_ARGUMENT,
+                         std::string("unison: ") + s.name + " is " + std::to_string(std::strlen(v)) +
+                             " bytes long; a secret must have at least " + std::to_string((int)s.minimum) +
+                             " (unisonrun makes one of 32 random bytes, in 64 hex digits)");
+  *field = v;
+  return Status::OK();
+}
+
+Status read_setting(const Variables& env, const Setting& s, Config* c) {
+  const std::string kind = s.kind;
+  if (kind == "integer") return read_int(env, &(c->*std::get<int Config::*>(s.target)), s.name, s.horovod_name,
+                                         s.minimum, s.maximum);
+  if (kind == "bytes") return read_size(env, &(c->*std::get<size_t Config::*>(s.target)), s.name, s.horovod_name,
+                                        s.minimum, s.maximum);
+  if (kind == "number") return read_double(env, &(c->*std::get<double Config::*>(s.target)), s.name,
+                                           s.horovod_name, s.minimum, s.maximum);
+  if (kind == "flag") return read_flag(env, &(c->*std::get<bool Config::*>(s.target)), s.name, s.horovod_name);
+  if (kind == "auto-or-flag") return read_auto_or_flag(env, &(c->*std::get<int Config::*>(s.target)), s.name);
+  if (kind == "secret") return read_secret(env, s, &(c->*std::get<std::string Config::*>(s.target)));
+  if (kind == "core-list")
+    return read_core_list(env, &(c->*std::get<std::vector<int> Config::*>(s.target)), &c->thread_affinity_setting,
+                          s.name, s.horovod_name);
+  if (kind == "choice") {
+    std::string word;
+    Status read = read_choice(env, s, &word);
+    if (!read.ok() || word.empty()) return read;
+    if (std::holds_alternative<LogLevel Config::*>(s.target)) {
+      static const char* const kLevels[] = {"trace", "debug", "info", "warning", "error", "fatal"};
+      for (int level = 0; level < 6; ++level)
+        if (word == kLevels[level]) c->*std::get<LogLevel Config::*>(s.target) = (LogLevel)level;
+    } else {
+      c->*std::get<std::string Config::*>(s.target) = word;
+    }
+    return Status::OK();
+  }
+  // text
+  if (const char* v = lookup(env, s.name, s.horovod_name)) c->*std::get<std::string Config::*>(s.target) = trimmed(v);
+  return Status::OK();
+}
+
+std::string default_text(const Setting& s) {
+  const Config defaults;
+  char text[64];
+  return std::visit(
+      [&](auto member) -> std::string {
+        using Value = std::decay_t<decltype(defaults.*member)>;
+        const Value& value = defaults.*member;
+        if constexpr (std::is_same_v<Value, bool>) {
+          return value ? "1" : "0";
+        } else if constexpr (std::is_same_v<Value, int>) {
+          if (std::string(s.kind) == "auto-or-flag" && value < 0) return "auto";
+          // Outside its range, the member's initial value means "not set"
+          // (no elastic round, no rendezvous port).
+          return value < s.minimum || value > s.maximum ? "" : std::to_string(value);
+        } else if constexpr (std::is_same_v<Value, size_t>) {
+          return std::to_string(value);
+        } else if constexpr (std::is_same_v<Value, double>) {
+          std::snprintf(text, sizeof(text), "%g", value);
+          return text;
+        } else if constexpr (std::is_same_v<Value, std::string>) {
+          return value;
+        } else if constexpr (std::is_same_v<Value, LogLevel>) {
+          static const char* const kLevels[] = {"trace", "debug", "info", "warning", "error", "fatal"};
+          return kLevels[(int)value];
+        } else {
+          return "";
+        }
+      },
+      s.target);
+}
+
+}  // namespace
+
+const std::vector<SettingInfo>& setting_table() {
+  static const std::vector<SettingInfo> table = [] {
+    std::vector<SettingInfo> rows;
+    for (const Setting& s : kSettings)
+      rows.push_back({s.name, s.horovod_name, s.kind, s.minimum, s.maximum, s.choices, default_text(s),
+                      s.description});
+    return rows;
+  }();
+  return table;
+}
+
 Status Config::from_variables(const Variables& env, Config* out) {
   Config c;
   Settings read;
+  // An MPI launcher's or srun's identity, where unisonrun gave none; the
+  // table's UNISON_* variables win over it.
   if (lookup(env, "UNISON_RANK", "HOROVOD_RANK") == nullptr) read(read_launcher_identity(env, &c));
-  read(read_int(env, &c.rank, "UNISON_RANK", "HOROVOD_RANK"));
-  read(read_int(env, &c.size, "UNISON_SIZE", "HOROVOD_SIZE", 1));
+  for (const Setting& s : kSettings) read(read_setting(env, s, &c));
+  // Without a launcher's word for it, a job is one host.
   if (c.mpi_launcher.empty()) {
-    c.local_rank = c.rank;
-    c.local_size = c.size;
+    if (lookup(env, "UNISON_LOCAL_RANK", "HOROVOD_LOCAL_RANK") == nullptr) c.local_rank = c.rank;
+    if (lookup(env, "UNISON_LOCAL_SIZE", "HOROVOD_LOCAL_SIZE") == nullptr) c.local_size = c.size;
   }
-  read(read_int(env, &c.local_rank, "UNISON_LOCAL_RANK", "HOROVOD_LOCAL_RANK"));
-  read(read_int(env, &c.local_size, "UNISON_LOCAL_SIZE", "HOROVOD_LOCAL_SIZE", 1));
-  read(read_int(env, &c.cross_rank, "UNISON_CROSS_RANK", "HOROVOD_CROSS_RANK"));
-  read(read_int(env, &c.cross_size, "UNISON_CROSS_SIZE", "HOROVOD_CROSS_SIZE", 1));
-  if (const char* v = lookup(env, "UNISON_JOB_ID", nullptr)) c.job_id = v;
-  read(read_int(env, &c.elastic_round, "UNISON_ELASTIC_ROUND"));
-  if (const char* v = lookup(env, "UNISON_HOSTNAME", "HOROVOD_HOSTNAME")) c.hostname = v;
-  const char* rendezvous_host = lookup(env, "UNISON_RENDEZVOUS_ADDR", "HOROVOD_GLOO_RENDEZVOUS_ADDR");
-  const char* rendezvous_port = lookup(env, "UNISON_RENDEZVOUS_PORT", "HOROVOD_GLOO_RENDEZVOUS_PORT");
-  if ((rendezvous_host == nullptr) != (rendezvous_port == nullptr))
+  const bool has_host = !c.rendezvous_host.empty(), has_port = c.rendezvous_port != 0;
+  if (has_host != has_port)
     read(Status::Error(UNISON_ERR_INVALID_ARGUMENT,
                        std::string("unison: UNISON_RENDEZVOUS_ADDR and UNISON_RENDEZVOUS_PORT go together, and only ") +
-                           (rendezvous_host ? "UNISON_RENDEZVOUS_ADDR" : "UNISON_RENDEZVOUS_PORT") + " is set"));
-  else if (rendezvous_host != nullptr)
-    c.rendezvous_address = trimmed(rendezvous_host) + ":" + trimmed(rendezvous_port);
-  if (const char* v = lookup(env, "UNISON_SECRET_KEY", nullptr)) c.secret_key = v;
+                           (has_host ? "UNISON_RENDEZVOUS_ADDR" : "UNISON_RENDEZVOUS_PORT") + " is set"));
+  else if (has_host)
+    c.rendezvous_address = c.rendezvous_host + ":" + std::to_string(c.rendezvous_port);
   if (!c.rendezvous_address.empty() && c.secret_key.empty())
     read(Status::Error(UNISON_ERR_INVALID_ARGUMENT,
                        "unison: UNISON_RENDEZVOUS_ADDR is set but UNISON_SECRET_KEY is not: ranks across hosts only "
                        "accept connections that prove the job's secret (unisonrun -H sets both)"));
-  if (const char* v = lookup(env, "UNISON_NETWORK_INTERFACE", "HOROVOD_GLOO_IFACE")) c.network_interface = trimmed(v);
-  read(read_flag(env, &c.hierarchical, "UNISON_HIERARCHICAL_ALLREDUCE", "HOROVOD_HIERARCHICAL_ALLREDUCE"));
-
-  read(read_size(env, &c.fusion_threshold_bytes, "UNISON_FUSION_THRESHOLD", "HOROVOD_FUSION_THRESHOLD"));
-  read(read_double(env, &c.cycle_time_ms, "UNISON_CYCLE_TIME", "HOROVOD_CYCLE_TIME"));
-  read(read_int(env, &c.cache_capacity, "UNISON_CACHE_CAPACITY", "HOROVOD_CACHE_CAPACITY"));
-  bool stall_check_disabled = false;
-  read(read_flag(env, &stall_check_disabled, "UNISON_STALL_CHECK_DISABLE", "HOROVOD_STALL_CHECK_DISABLE"));
-  c.stall_check_enabled = !stall_check_disabled;
-  read(read_double(env, &c.stall_warning_seconds, "UNISON_STALL_CHECK_TIME_SECONDS",
-                   "HOROVOD_STALL_CHECK_TIME_SECONDS"));
-  read(read_double(env, &c.stall_shutdown_seconds, "UNISON_STALL_SHUTDOWN_TIME_SECONDS",
-                   "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"));
-  read(read_double(env, &c.peer_timeout_seconds, "UNISON_PEER_TIMEOUT_SECONDS"));
-  read(read_double(env, &c.start_timeout_seconds, "UNISON_START_TIMEOUT", "HOROVOD_START_TIMEOUT"));
-  // The shared-memory areas must hold at least a page each.
-  read(read_size(env, &c.shm_slot_bytes, "UNISON_SHM_SLOT_BYTES", nullptr, 4096));
-  read(read_size(env, &c.control_message_bytes, "UNISON_CONTROL_MESSAGE_BYTES", nullptr, 4096));
-  read(read_size(env, &c.small_allreduce_bytes, "UNISON_SMALL_ALLREDUCE_BYTES"));
-  read(read_double(env, &c.spin_microseconds, "UNISON_SPIN_MICROSECONDS"));
-  int spin_yield = -1;
-  read(read_auto_or_flag(env, &spin_yield, "UNISON_SPIN_YIELD"));
-  c.spin_yields_core = spin_yield < 0 ? c.local_size > usable_cores() : spin_yield == 1;
-  read(read_auto_or_flag(env, &c.overlap, "UNISON_OVERLAP"));
-  if (const char* v = lookup(env, "UNISON_GPU_DATA_PLANE", nullptr)) {
-    const std::string plane = trimmed(v);
-    if (plane == "auto" || plane == "nccl" || plane == "staging")
-      c.gpu_data_plane = plane;
-    else
-      read(bad_setting("UNISON_GPU_DATA_PLANE", v, "auto, nccl or staging"));
-  }
-  read(read_log_level(env, &c.log_level));
-  read(read_core_list(env, &c.thread_affinity, &c.thread_affinity_setting, "UNISON_THREAD_AFFINITY",
-                      "HOROVOD_THREAD_AFFINITY"));
-  if (const char* v = lookup(env, "UNISON_TIMELINE", "HOROVOD_TIMELINE")) c.timeline_path = trimmed(v);
-  read(read_flag(env, &c.autotune, "UNISON_AUTOTUNE", "HOROVOD_AUTOTUNE"));
-  if (const char* v = lookup(env, "UNISON_AUTOTUNE_LOG", "HOROVOD_AUTOTUNE_LOG")) c.autotune_log = trimmed(v);
-  read(read_int(env, &c.autotune_warmup_samples, "UNISON_AUTOTUNE_WARMUP_SAMPLES", "HOROVOD_AUTOTUNE_WARMUP_SAMPLES"));
-  read(read_int(env, &c.autotune_samples, "UNISON_AUTOTUNE_SAMPLES", nullptr, 1));
-  read(read_int(env, &c.autotune_steps_per_sample, "UNISON_AUTOTUNE_STEPS_PER_SAMPLE",
-                "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE", 1));
-  read(read_flag(env, &c.autotune_cache, "UNISON_AUTOTUNE_CACHE"));
+  c.stall_check_enabled = !c.stall_check_disabled;
+  c.spin_yields_core = c.spin_yield < 0 ? c.local_size > usable_cores() : c.spin_yield == 1;
   c.fusion_threshold_fixed = lookup(env, "UNISON_FUSION_THRESHOLD", "HOROVOD_FUSION_THRESHOLD") != nullptr;
   c.cycle_time_fixed = lookup(env, "UNISON_CYCLE_TIME", "HOROVOD_CYCLE_TIME") != nullptr;
   c.cache_fixed = lookup(env, "UNISON_CACHE_CAPACITY", "HOROVOD_CACHE_CAPACITY") != nullptr;
   c.hierarchical_fixed = lookup(env, "UNISON_HIERARCHICAL_ALLREDUCE", "HOROVOD_HIERARCHICAL_ALLREDUCE") != nullptr;
-  read(read_flag(env, &c.timeline_mark_cycles, "UNISON_TIMELINE_MARK_CYCLES", "HOROVOD_TIMELINE_MARK_CYCLES"));
   if (read.status.ok()) *out = c;
   return read.status;
 }

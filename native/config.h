@@ -57,6 +57,8 @@ struct Config {
   // secret every connection must prove, and the interface (name or IPv4
   // address) to listen on; empty means the one that reaches rank 0.
   std::string rendezvous_address;
+  std::string rendezvous_host;  // the two variables rendezvous_address is made of
+  int rendezvous_port = 0;
   std::string secret_key;
   std::string network_interface;
 
@@ -86,6 +88,7 @@ struct Config {
   // tensor that others never submitted, and fails those ops after the
   // shutdown time when that is positive.
   bool stall_check_enabled = true;
+  bool stall_check_disabled = false;  // UNISON_STALL_CHECK_DISABLE, as written; stall_check_enabled is its negation
   double stall_warning_seconds = 60.0;
   double stall_shutdown_seconds = 0.0;
 
@@ -129,6 +132,7 @@ struct Config {
   // host outnumber the cores this process may run on, as `unisonrun -np 3`
   // on two cores does; a flag forces it either way.
   bool spin_yields_core = false;
+  int spin_yield = -1;  // UNISON_SPIN_YIELD as written: -1 auto, else 0 or 1
 
   // UNISON_OVERLAP: whether an async op starts at once, on the engine's
   // thread, overlapping the caller's compute (1), or waits for a caller to
@@ -185,5 +189,19 @@ struct Config {
 
 // The CPUs this process may run on (its affinity mask).
 int usable_cores();
+
+// The table every setting is read through (config.cc): its names, kind,
+// accepted range and meaning, which unison_setting_at() hands to Python for
+// the launcher's checks and the docs' settings page.
+struct SettingInfo {
+  const char* name;
+  const char* horovod_name;  // nullptr where Horovod has no such knob
+  const char* kind;          // integer, bytes, number, flag, auto-or-flag, choice, text, secret, core-list
+  double minimum, maximum;   // integer, bytes, number: the range accepted; secret: the least length in bytes
+  const char* choices;       // choice: the words accepted, separated by '|'
+  std::string default_value;
+  const char* description;
+};
+const std::vector<SettingInfo>& setting_table();
 
 }  // namespace unison

@@ -1,6 +1,7 @@
 #include "coordinator.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdio>
 #include <functional>
 #include <limits>
@@ -90,6 +91,28 @@ void Coordinator::finish(const std::string& name) {
   arrival_order_.erase(std::find(arrival_order_.begin(), arrival_order_.end(), name));
 }
 
+Status well_formed(const Request& r, int size) {
+  auto refuse = [&](const std::string& why) {
+    return Status::Error(UNISON_ERR_INTERNAL, std::string(op_name(r.op)) + " '" + r.name + "': " + why);
+  };
+  if (r.op < UNISON_ALLREDUCE || r.op > UNISON_REMOVE_PROCESS_SET) return refuse("operation " + std::to_string(r.op));
+  if (r.op != UNISON_BARRIER && r.op != UNISON_JOIN && r.op != UNISON_ADD_PROCESS_SET &&
+      r.op != UNISON_REMOVE_PROCESS_SET && dtype_size(r.dtype) == 0)
+    return refuse("dtype " + std::to_string(r.dtype));
+  for (int64_t d : r.shape)
+    if (d < 0) return refuse("shape " + shape_string(r.shape));
+  if (r.op == UNISON_BROADCAST && (r.root < 0 || r.root >= size)) return refuse("root " + std::to_string(r.root));
+  const int64_t rows = r.shape.empty() ? 0 : r.shape[0];
+  const bool splits_rows = r.op == UNISON_ALLTOALL || (r.op == UNISON_REDUCESCATTER && !r.splits.empty());
+  if (splits_rows) {
+    int64_t sum = 0;
+    bool wraps = r.splits.size() != (size_t)size;
+    for (int64_t split : r.splits) wraps |= split < 0 || __builtin_add_overflow(sum, split, &sum);
+    if (wraps || sum != rows) return refuse("splits " + shape_string(r.splits) + " for shape " + shape_string(r.shape));
+  }
+  return Status::OK();
+}
+
 Response Coordinator::build(const Pending& p) const {
   std::vector<const Request*> present;
   for (int r = 0; r < size_; ++r)
@@ -175,6 +198,27 @@ Response Coordinator::build(const Pending& p) const {
       return fail("shape (all but the first dimension must match)", shape_text);
     plan.first_dims.assign(size_, 0);
     for (const Request* r : present) plan.first_dims[r->rank] = r->shape.empty() ? 0 : r->shape[0];
+    // What any rank will receive must be a byte count that does not wrap:
+    // every rank's rows (allgather), or every sender's rows to one rank
+    // (alltoall), times the bytes of a row.
+    const size_t row = row_bytes(first.shape, first.dtype);
+    bool wraps = row == SIZE_MAX;
+    for (int receiver = 0; receiver < size_ && !wraps; ++receiver) {
+      size_t bytes = 0, part = 0;
+      for (const Request* r : present) {
+        const int64_t rows = first.op == UNISON_ALLGATHER ? (r->shape.empty() ? 0 : r->shape[0]) : r->splits[receiver];
+        wraps |= __builtin_mul_overflow((size_t)rows, row, &part) || __builtin_add_overflow(bytes, part, &bytes);
+      }
+      if (first.op == UNISON_ALLGATHER) break;  // every rank receives the same
+    }
+    if (wraps) {
+      response.error_code = UNISON_ERR_INVALID_ARGUMENT;
+      response.error = std::string("unison: ") + op_name(first.op) + " '" + first.name + "'" + set_label_ +
+                       ": what a rank would receive is more bytes than memory can address: " +
+                       per_rank(present, rank_names_, shape_text);
+      response.tensors.assign(1, plan);
+      return response;
+    }
     if (first.op == UNISON_ALLTOALL) {
       plan.splits.assign((size_t)size_ * size_, 0);
       for (const Request* r : present)

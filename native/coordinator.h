@@ -16,6 +16,13 @@
 
 namespace unison {
 
+// Whether a request received from a peer is one its own enqueue checks
+// (enqueue.cc) could have let through: a known op and dtype, a shape of
+// non-negative dimensions, splits of the right count that add up to its
+// rows without wrapping, roots and ranks within the set of `size`. The
+// coordinator indexes its tables by all of these.
+Status well_formed(const Request& request, int size);
+
 // A tensor some ranks wait on, for the stall inspector.
 struct Waiting {
   std::string name;

@@ -188,7 +188,10 @@ void Engine::take_new_requests() {
 
 void Engine::build_message(ProcessSetState& set, CycleMessage* message, double now) {
   // Full requests, as many as fit in one message; the rest wait a cycle.
-  size_t budget = set.backend->max_message_bytes() - 64 - (size_t)set.cache.capacity() / 4 - 4 * sets_.size();
+  // What the cache's bits and the sets' ids leave; init made sure that is
+  // room for requests with the global set, but every added set takes some.
+  const size_t room = set.backend->max_message_bytes(), reserved = 64 + (size_t)set.cache.capacity() / 4 + 4 * sets_.size();
+  const size_t budget = room > reserved ? room - reserved : 0;
   size_t used = 0;
   size_t taken = 0;
   for (; taken < set.to_send.size(); ++taken) {
@@ -378,8 +381,17 @@ Status Engine::negotiate(ProcessSetState& set, const std::vector<CycleMessage>& 
   if (any_requests || more) {
     std::string encoded;
     if (rank == 0) {
-      for (const CycleMessage& m : all)
-        for (const Request& r : m.requests) set.coordinator.add(r, now);
+      for (size_t sender = 0; sender < all.size(); ++sender)
+        for (Request r : all[sender].requests) {
+          // Who sent a request is its message's place, whatever it says;
+          // and what the sender's own enqueue checks would have refused
+          // can only be a corrupt message, which no rank can act on.
+          r.rank = (int)sender;
+          if (Status s = well_formed(r, size); !s.ok())
+            return Status::Error(UNISON_ERR_INTERNAL, "unison: rank " + std::to_string(sender) +
+                                                          " sent a malformed request: " + s.message);
+          set.coordinator.add(r, now);
+        }
       if (set.stall_check) {
         for (const auto& [name, code, message] :
              set.stall_inspector.inspect(stalled_candidates(set), now, everyone_blocked_)) {

@@ -54,6 +54,7 @@
 #include <chrono>
 #include <cstring>
 #include <mutex>
+#include <new>
 
 #include "caller_activity.h"
 #include "engine.h"
@@ -206,7 +207,15 @@ double Engine::step(bool by_caller) {
   if (cycles_done_ < backend_->requested_cycles()) {
     last_cycle_start_ = monotonic_seconds();
     timeline_.cycle_marker();
-    Status s = run_cycle();
+    Status s;
+    // Memory running out mid-cycle (a result as large as peers said, a
+    // burst of requests) leaves this rank out of step with its peers, so
+    // every op fails; but it fails with a status, not std::terminate.
+    try {
+      s = run_cycle();
+    } catch (const std::bad_alloc&) {
+      s = Status::Error(UNISON_ERR_OUT_OF_MEMORY, "unison: out of memory during a negotiation cycle");
+    }
     ++cycles_done_;
     if (!s.ok()) fail_everything(s);
     return 0;

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -66,7 +67,13 @@ class GroupMemory {
     // 64-byte aligned, so frameworks can adopt the buffer without a copy
     // (TensorFlow takes only buffers aligned for its widest vector loads).
     constexpr size_t kAlign = 64;
-    return std::aligned_alloc(kAlign, (bytes + kAlign - 1) / kAlign * kAlign + (bytes == 0 ? kAlign : 0));
+    void* data = bytes <= SIZE_MAX - kAlign
+                     ? std::aligned_alloc(kAlign, (bytes + kAlign - 1) / kAlign * kAlign + (bytes == 0 ? kAlign : 0))
+                     : nullptr;
+    if (data == nullptr && failure_.ok())
+      failure_ = Status::Error(UNISON_ERR_OUT_OF_MEMORY,
+                               "unison: cannot allocate " + std::to_string(bytes) + " bytes for the result");
+    return data;
   }
 
   // Zeroed scratch that lives as long as the group: what a joined rank

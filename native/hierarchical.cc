@@ -108,7 +108,8 @@ class HierarchicalBackend final : public Backend {
 
   // Every rank's message travels together through one shared-memory mailbox.
   size_t max_message_bytes() const override {
-    return (local_->max_message_bytes() - 8 * (size_t)config_.size - 64) / config_.size;
+    const size_t mailbox = local_->max_message_bytes(), headers = 8 * (size_t)config_.size + 64;
+    return mailbox > headers ? (mailbox - headers) / config_.size : 0;  // init refuses 0 (api.cc)
   }
 
   // ---- cycle scheduling ----------------------------------------------------

@@ -1,6 +1,7 @@
 #include "message.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 
 #include "dtype.h"
@@ -26,6 +27,10 @@ class Writer {
  private:
   std::string* out_;
 };
+
+// The fewest bytes each encodes to: its fixed fields and empty strings and
+// vectors (put_request, put_response).
+constexpr size_t kLeastRequestBytes = 53, kLeastResponseBytes = 53, kLeastTensorPlanBytes = 16;
 
 // Reads what Writer wrote; every read is bounds-checked so that a corrupt
 // message is an error, not a crash.
@@ -53,6 +58,13 @@ class Reader {
     v->resize(n);
     if (n > 0) std::memcpy(v->data(), data_, n * sizeof(T));  // an empty vector's data() may be null
     advance(n * sizeof(T));
+    return true;
+  }
+  // A count of things that each take at least `least_bytes` of what is
+  // left: a peer's count is believed only that far, so that a corrupt one
+  // cannot make a reader allocate more than the message could describe.
+  bool get_count(uint32_t* n, size_t least_bytes) {
+    if (!get(n) || left_ / least_bytes < *n) return fail();
     return true;
   }
   bool ok() const { return ok_; }
@@ -119,7 +131,7 @@ bool get_response(Reader& rd, Response* r) {
   uint32_t n;
   if (!(rd.get(&op) && rd.get(&dtype) && rd.get(&reduce_op) && rd.get(&r->prescale) &&
         rd.get(&r->postscale) && rd.get(&root) && rd.get(&device) && rd.get(&error_code) &&
-        rd.get_string(&r->error) && rd.get(&last) && rd.get(&flags) && rd.get(&n)))
+        rd.get_string(&r->error) && rd.get(&last) && rd.get(&flags) && rd.get_count(&n, kLeastTensorPlanBytes)))
     return false;
   r->op = op; r->dtype = dtype; r->reduce_op = reduce_op; r->root = root; r->device = device;
   r->error_code = error_code; r->last_joined_rank = last;
@@ -163,7 +175,7 @@ Status decode(const std::string& bytes, CycleMessage* m) {
   Reader rd(bytes);
   uint32_t n = 0;
   if (!(rd.get(&m->flags) && rd.get_vector(&m->ready_bits) && rd.get_vector(&m->invalid_bits) &&
-        rd.get_vector(&m->busy_sets) && rd.get(&n)))
+        rd.get_vector(&m->busy_sets) && rd.get_count(&n, kLeastRequestBytes)))
     return corrupt("cycle message");
   m->requests.resize(n);
   for (Request& r : m->requests)
@@ -188,7 +200,7 @@ Status decode(const std::string& bytes, ResponseList* m) {
   Reader rd(bytes);
   uint8_t more = 0;
   uint32_t n = 0;
-  if (!(rd.get(&more) && rd.get(&n))) return corrupt("response list");
+  if (!(rd.get(&more) && rd.get_count(&n, kLeastResponseBytes))) return corrupt("response list");
   m->more_ready = more != 0;
   m->responses.resize(n);
   for (Response& r : m->responses)
@@ -230,9 +242,14 @@ int64_t element_count(const std::vector<int64_t>& shape) {
 }
 
 size_t row_bytes(const std::vector<int64_t>& shape, int dtype) {
+  // Saturates as element_count does: a row too large for memory is then
+  // refused by size, never taken for a small one.
+  if (shape.size() > 1 && std::find(shape.begin() + 1, shape.end(), 0) != shape.end()) return 0;
   int64_t n = 1;
-  for (size_t d = 1; d < shape.size(); ++d) n *= shape[d];
-  return (size_t)n * dtype_size(dtype);
+  for (size_t d = 1; d < shape.size(); ++d)
+    if (shape[d] < 0 || __builtin_mul_overflow(n, shape[d], &n)) return SIZE_MAX;
+  size_t bytes = 0;
+  return __builtin_mul_overflow((size_t)n, (size_t)dtype_size(dtype), &bytes) ? SIZE_MAX : bytes;
 }
 
 std::string shape_string(const std::vector<int64_t>& shape) {

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstring>
 
+#include "private_file.h"
 #include "unison.h"
 
 namespace unison {
@@ -38,10 +39,10 @@ std::string json_string(const std::string& text) {
 
 Status Timeline::start(const std::string& path, bool mark_cycles) {
   stop();
-  std::FILE* file = std::fopen(path.c_str(), "w");
+  std::string why;
+  std::FILE* file = create_private_file(path, &why);
   if (file == nullptr)
-    return Status::Error(UNISON_ERR_INVALID_ARGUMENT,
-                         "unison: cannot write the timeline to '" + path + "': " + std::strerror(errno));
+    return Status::Error(UNISON_ERR_INVALID_ARGUMENT, "unison: cannot write the timeline to '" + path + "': " + why);
   std::lock_guard<std::mutex> lock(mutex_);
   file_ = file;
   std::fputs("[\n", file_);

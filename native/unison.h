@@ -33,7 +33,8 @@ enum {
   UNISON_ERR_STALLED = 7,           /* the stall inspector failed the op */
   UNISON_ERR_UNSUPPORTED = 8,       /* valid request this build (or a forked child) cannot do */
   UNISON_ERR_INTERNAL = 9,
-  UNISON_ERR_DEADLOCK = 10          /* every rank waits on an op another never submits */
+  UNISON_ERR_DEADLOCK = 10,         /* every rank waits on an op another never submits */
+  UNISON_ERR_OUT_OF_MEMORY = 11     /* an allocation failed; nothing was written */
 };
 
 /* Element types. */
@@ -159,6 +160,25 @@ void unison_abort_start(const char* reason);
    setting stops the job before any rank starts instead of failing every
    rank's init. */
 int unison_check_settings(const char* const* names, const char* const* values, int count);
+
+/* The settings init reads, one row each, in the order it reads them: the
+   one table (config.cc) that the launcher's checks and the docs' settings
+   page are made from. kind is integer, bytes, number, flag, auto-or-flag,
+   choice, text, secret or core-list; minimum and maximum are the range an
+   integer, bytes, number or core-list accepts, and a secret's least length
+   in bytes; choices lists a choice's words, separated by '|'. NULL past
+   the last row. The strings live as long as the process. */
+typedef struct unison_setting {
+  const char* name;
+  const char* horovod_name; /* NULL where Horovod has no such knob */
+  const char* kind;
+  double minimum;
+  double maximum;
+  const char* choices; /* NULL unless kind is choice */
+  const char* default_value;
+  const char* description;
+} unison_setting;
+const unison_setting* unison_setting_at(int index);
 
 /* The timeline (timeline.h): rank 0 writes a Chrome trace of every
    tensor's phases to `path` until stopped; on other ranks these do

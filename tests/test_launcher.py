@@ -58,7 +58,7 @@ def test_a_launcher_started_inside_a_rank_starts_a_job_of_its_own(tmp_path, monk
     notice them."""
     outer = {"UNISON_RANK": "5", "UNISON_SIZE": "8", "UNISON_LOCAL_RANK": "1", "UNISON_LOCAL_SIZE": "4",
              "UNISON_CROSS_RANK": "1", "UNISON_CROSS_SIZE": "2", "UNISON_JOB_ID": "outer",
-             "UNISON_RENDEZVOUS_ADDR": "127.0.0.1", "UNISON_RENDEZVOUS_PORT": "9", "UNISON_SECRET_KEY": "outer",
+             "UNISON_RENDEZVOUS_ADDR": "127.0.0.1", "UNISON_RENDEZVOUS_PORT": "9", "UNISON_SECRET_KEY": "outer-job-secret",
              "UNISON_ELASTIC_DRIVER": "127.0.0.1:9", "UNISON_ELASTIC_WORKER": "outer:1", "UNISON_ELASTIC_ROUND": "3",
              "UNISON_INITIALIZED_BY": "1:5", "HOROVOD_RANK": "5", "HOROVOD_SIZE": "8", "HOROVOD_HOSTNAME": "outer"}
     for name, value in outer.items():
@@ -998,9 +998,9 @@ def test_a_launcher_setting_that_cannot_be_used_is_refused_naming_it(options, st
                                  ["-np", "2", "-H", "localhost:1,127.0.0.1:1"]],
                          ids=["fixed", "elastic", "mpi", "hosts"])
 @pytest.mark.parametrize("variable,value,message", [
-    ("HOROVOD_CYCLE_TIME", "fast", "HOROVOD_CYCLE_TIME='fast' is not a non-negative number"),
-    ("UNISON_FUSION_THRESHOLD", "64 MB please", "UNISON_FUSION_THRESHOLD='64 MB please' is not a size in bytes of at "
-                                                "least 0 (such as 67108864, 64MiB or 64MB)"),
+    ("HOROVOD_CYCLE_TIME", "fast", "HOROVOD_CYCLE_TIME='fast' is not a number from 0 to 10000"),
+    ("UNISON_FUSION_THRESHOLD", "64 MB please", "UNISON_FUSION_THRESHOLD='64 MB please' is not a size in bytes from 0 "
+                                                "to 17179869184 (such as 67108864, 64MiB or 64MB)"),
     ("HOROVOD_LOG_LEVEL", "loud", "HOROVOD_LOG_LEVEL='loud' is not one of trace, debug, info, warning, error, fatal"),
     ("UNISON_OVERLAP", "sometimes", "UNISON_OVERLAP='sometimes' is not auto or a flag (1, 0, true, false, yes, no, "
                                     "on or off)"),
@@ -1277,3 +1277,29 @@ def test_the_keyed_listener_serves_every_client_that_connects_at_the_same_moment
         assert answers == {i: 2 * i for i in range(256)}, "%d of 256 answered" % len(answers)
     finally:
         listener.close()
+
+
+def test_a_cache_too_large_for_the_control_messages_is_refused_at_init_naming_both_settings(tmp_path):
+    """Each bound alone is not enough: every control message carries the
+    response cache's bits, so a large cache with small messages would leave
+    no room for requests (the budget once wrapped below zero). Every rank
+    refuses at init, naming both settings, and the process stays usable:
+    with a cache that fits, init works."""
+    proc = run(tmp_path, """
+        import unison, numpy as np, unison.numpy as unp
+        try:
+            unison.init()
+        except unison.InvalidArgumentError as e:
+            print("refused:", e, flush=True)
+        import os
+        os.environ["UNISON_CACHE_CAPACITY"] = "1024"
+        unison.init()
+        print("then", unp.allreduce(np.ones(2), op=unison.Sum, name="after").tolist(), flush=True)
+        """, np_=3, env={"UNISON_CACHE_CAPACITY": "1048576", "UNISON_CONTROL_MESSAGE_BYTES": "64KiB"})
+    out = proc.stdout.decode()
+    assert proc.returncode == 0, out + proc.stderr.decode()
+    for rank in range(3):
+        assert ("[%d]<stdout>:refused: unison: UNISON_CACHE_CAPACITY=1048576 needs 262208 bytes of every control "
+                "message, but with UNISON_CONTROL_MESSAGE_BYTES=65536 on 3 ranks a message holds 65536: lower the "
+                "first or raise the second (at most half a message goes to the cache)" % rank) in out, out
+        assert "[%d]<stdout>:then [3.0, 3.0]" % rank in out, out

@@ -44,6 +44,8 @@ def sizes(suite):
         return [2, 3, 5, 8, 9]
     if suite == "test_core_grid.py":
         return [1, 2, 3, 5]
+    if suite == "test_core_fuzz.py":  # the two sizes: one rank, and ranks that negotiate
+        return [1, 2]
     if suite.endswith("_grid.py") or suite.endswith("_cuda.py"):
         return [1, 2, 3]
     if suite in ("test_core_ops.py", "test_core_errors.py"):

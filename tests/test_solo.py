@@ -97,16 +97,24 @@ def test_background_thread_leaves_signals_to_the_main_thread(solo):
     ("HOROVOD_FUSION_THRESHOLD", "lots", "a size in bytes"),
     ("UNISON_CACHE_CAPACITY", "abc", "an integer"),
     ("UNISON_CACHE_CAPACITY", "12.5", "an integer"),
-    ("UNISON_CYCLE_TIME", "5ms", "a non-negative number"),
-    ("UNISON_PEER_TIMEOUT_SECONDS", "-3", "a non-negative number"),
+    ("UNISON_CYCLE_TIME", "5ms", "a number from 0 to 10000"),
+    ("UNISON_PEER_TIMEOUT_SECONDS", "-3", "a number from 0.1 to 86400"),
     ("UNISON_HIERARCHICAL_ALLREDUCE", "maybe", "a flag"),
     ("UNISON_OVERLAP", "sometimes", "auto or a flag"),
     ("UNISON_SPIN_YIELD", "often", "auto or a flag"),
-    ("UNISON_SHM_SLOT_BYTES", "1KiB", "at least 4096"),
+    ("UNISON_SHM_SLOT_BYTES", "1KiB", "from 4096 to 1073741824"),
     # kB is 1000 bytes, so 4kB is under the 4096-byte minimum where 4KiB is not.
-    ("UNISON_SHM_SLOT_BYTES", "4kB", "at least 4096"),
+    ("UNISON_SHM_SLOT_BYTES", "4kB", "from 4096 to 1073741824"),
     ("UNISON_LOG_LEVEL", "loud", "one of trace, debug, info, warning, error, fatal"),
     ("HOROVOD_LOG_LEVEL", "1", "one of trace, debug, info, warning, error, fatal"),
+    # Each of these was once accepted, then fatal: an abort at init
+    # (bad_alloc), a hung job, every peer declared dead at once, 20 GiB of
+    # /dev/shm.
+    ("UNISON_CACHE_CAPACITY", "2147483647", "an integer from 0 to 1048576"),
+    ("UNISON_CYCLE_TIME", "1e300", "a number from 0 to 10000"),
+    ("UNISON_PEER_TIMEOUT_SECONDS", "0", "a number from 0.1 to 86400"),
+    ("UNISON_CONTROL_MESSAGE_BYTES", "5G", "a size in bytes from 4096 to 67108864"),
+    ("UNISON_RENDEZVOUS_PORT", "70000", "an integer from 1 to 65535"),
 ])
 def test_bad_setting_is_refused_at_init_naming_variable_and_value(monkeypatch, variable, value, expected):
     unison.shutdown()
@@ -185,3 +193,133 @@ def test_horovods_common_import_paths_with_unison_in_place_of_horovod():
     assert util.split_list(list(range(7)), 3) == [[0, 1, 2], [3, 4], [5, 6]]
     assert util.split_list([1], 3) == [[1], [], []] and util.split_list([], 2) == [[], []]
     assert [util.num_rank_is_power_2(n) for n in (0, 1, 2, 3, 4, 6, 8)] == [False, True, True, False, True, False, True]
+
+
+# ---- the settings table: every numeric setting's bounds ----------------------
+
+def _spelled(kind, value):
+    return str(int(value)) if kind in ("integer", "bytes", "core-list") else repr(float(value))
+
+
+def _past(kind, value, direction):
+    """The nearest value past a bound: the next integer, or a number a
+    millionth beyond."""
+    if kind in ("integer", "bytes", "core-list"):
+        return value + direction
+    return value + direction * max(abs(value) * 1e-6, 1e-9)
+
+
+def test_every_numeric_setting_takes_its_bounds_and_refuses_past_them_naming_the_range():
+    """Every number init() reads has both bounds, in the one table the core
+    reads them through (native/config.cc): each bound itself is taken, and
+    the nearest value past it is refused, naming the variable, the value
+    and the range, under its Horovod name too. Nothing a user writes can
+    then reach the core as a size that wraps, a wait that never ends or a
+    timeout of nothing."""
+    from unison.basics import setting_table, settings_problem
+    table = setting_table()
+    names = [row["name"] for row in table]
+    assert len(names) == len(set(names)) and len(table) >= 39, names
+    numeric = [row for row in table if row["kind"] in ("integer", "bytes", "number", "core-list")]
+    assert len(numeric) >= 22, numeric
+    for row in numeric:
+        kind, low, high = row["kind"], row["minimum"], row["maximum"]
+        assert low < high, row
+        if row["default"]:
+            assert low <= float(row["default"]) <= high, row
+        # The rendezvous port is read only with its address and a secret.
+        companions = ({"UNISON_RENDEZVOUS_ADDR": "127.0.0.1", "UNISON_SECRET_KEY": "sixteen-byte-key"}
+                      if row["name"] == "UNISON_RENDEZVOUS_PORT" else {})
+        for name in filter(None, (row["name"], row["horovod_name"])):
+            for bound in (low, high):
+                value = _spelled(kind, bound)
+                assert settings_problem(dict(companions, **{name: value})) is None, (name, value)
+            for value in (_past(kind, low, -1), _past(kind, high, +1)):
+                written = _spelled(kind, value)
+                if kind in ("bytes", "core-list") and value < 0:
+                    written = "-1"
+                problem = settings_problem(dict(companions, **{name: written}))
+                assert problem is not None, (name, written)
+                assert "%s='%s'" % (name, written) in problem, problem
+                if kind != "core-list":
+                    assert "from %s to %s" % ("%.15g" % low, "%.15g" % high) in problem, problem
+
+
+def test_every_setting_has_a_kind_a_description_and_only_known_choices():
+    from unison.basics import setting_table, settings_problem
+    for row in setting_table():
+        assert row["name"].startswith("UNISON_") and row["description"].endswith("."), row
+        assert row["horovod_name"] is None or row["horovod_name"].startswith("HOROVOD_"), row
+        assert row["kind"] in ("integer", "bytes", "number", "flag", "auto-or-flag", "choice", "text", "secret",
+                               "core-list"), row
+        if row["kind"] == "choice":
+            assert row["default"] in row["choices"], row
+            for word in row["choices"]:
+                assert settings_problem({row["name"]: word.upper()}) is None, (row, word)
+            problem = settings_problem({row["name"]: "nonsense"})
+            assert problem and "one of " + ", ".join(row["choices"]) in problem, problem
+
+
+def test_a_secret_under_16_bytes_is_refused_without_repeating_it():
+    from unison.basics import settings_problem
+    problem = settings_problem({"UNISON_SECRET_KEY": "fifteen-bytes!!"})
+    assert problem == ("unison: UNISON_SECRET_KEY is 15 bytes long; a secret must have at least 16 (unisonrun makes "
+                       "one of 32 random bytes, in 64 hex digits)"), problem
+    assert settings_problem({"UNISON_SECRET_KEY": "sixteen-bytes!!!"}) is None
+
+
+# ---- files the job writes: the owner's only, never through a link -------------
+
+def test_the_timeline_is_private_to_its_owner_and_never_written_through_a_link(tmp_path):
+    """A timeline shows the model's tensors and timing: mode 0600, an
+    existing file too. A link under its name (planted in a shared folder
+    to make the job overwrite a file of its owner's) is refused, as is a
+    FIFO (which would block the rank), and the process goes on."""
+    import os
+    import stat
+    unison.init()
+    try:
+        fresh = tmp_path / "fresh.json"
+        unison.start_timeline(str(fresh))
+        unp.allreduce(np.ones(2), name="timeline.private")
+        unison.stop_timeline()
+        assert stat.S_IMODE(os.stat(fresh).st_mode) == 0o600
+        shared = tmp_path / "shared.json"
+        shared.write_text("old")
+        os.chmod(shared, 0o644)
+        unison.start_timeline(str(shared))
+        unison.stop_timeline()
+        assert stat.S_IMODE(os.stat(shared).st_mode) == 0o600
+        victim = tmp_path / "victim"
+        victim.write_text("keep me")
+        (tmp_path / "link.json").symlink_to(victim)
+        with pytest.raises(unison.InvalidArgumentError, match="link.json': it is a symbolic link, which is not followed"):
+            unison.start_timeline(str(tmp_path / "link.json"))
+        assert victim.read_text() == "keep me"
+        os.mkfifo(tmp_path / "fifo.json")
+        with pytest.raises(unison.InvalidArgumentError, match="fifo.json': it is not a regular file"):
+            unison.start_timeline(str(tmp_path / "fifo.json"))
+        np.testing.assert_array_equal(unp.allreduce(np.ones(2), name="timeline.after"), np.ones(2))
+    finally:
+        unison.shutdown()
+
+
+def test_the_autotune_log_is_private_and_a_link_under_its_name_is_refused(tmp_path, monkeypatch, capfd):
+    import os
+    import stat
+    monkeypatch.setenv("UNISON_AUTOTUNE", "1")
+    log = tmp_path / "tune.csv"
+    monkeypatch.setenv("UNISON_AUTOTUNE_LOG", str(log))
+    unison.init()
+    unison.shutdown()
+    assert stat.S_IMODE(os.stat(log).st_mode) == 0o600 and log.read_text().startswith("sample,")
+    victim = tmp_path / "victim"
+    victim.write_text("keep me")
+    (tmp_path / "link.csv").symlink_to(victim)
+    monkeypatch.setenv("UNISON_AUTOTUNE_LOG", str(tmp_path / "link.csv"))
+    unison.init()
+    np.testing.assert_array_equal(unp.allreduce(np.ones(2), name="autotune.after"), np.ones(2))
+    unison.shutdown()
+    assert victim.read_text() == "keep me"
+    assert ("cannot write the autotune log to '%s' (UNISON_AUTOTUNE_LOG): it is a symbolic link, which is not "
+            "followed; tuning without it" % (tmp_path / "link.csv")) in capfd.readouterr().err

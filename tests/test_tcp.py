@@ -127,6 +127,43 @@ def test_a_connection_without_the_secret_is_refused_and_the_job_goes_on(tmp_path
         assert "[%d]<stdout>:rank %d total 6" % (r, r) in output, output
 
 
+CROWD = """
+import os, socket, time, numpy as np, unison, unison.numpy as unp
+crowd = []
+if os.environ["UNISON_RANK"] == "1":
+    # Before joining, 200 connections to rank 0's door that never say a word.
+    address = (os.environ["UNISON_RENDEZVOUS_ADDR"], int(os.environ["UNISON_RENDEZVOUS_PORT"]))
+    deadline = time.monotonic() + 30
+    while len(crowd) < 200:
+        try:
+            crowd.append(socket.create_connection(address))
+        except ConnectionRefusedError:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+unison.init()
+total = unp.allreduce(np.array([unison.rank() + 1.0]), op=unison.Sum, name="total")
+print("rank %d total %d with %d silent" % (unison.rank(), total[0], len(crowd)), flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_crowd_of_silent_strangers_at_the_rendezvous_does_not_stop_the_job_starting(tmp_path):
+    """Rank 0 proves every connection on a thread of its own, each for at
+    most 5 s, and past the most it takes at once ends the oldest for each
+    new one: 200 silent connections made just before the ranks arrive cost
+    the job nothing like 200 x 5 s, and it starts within a 10 s start
+    timeout (three such connections once stopped it: rank 0 took them one
+    at a time)."""
+    script = tmp_path / "crowd.py"
+    script.write_text(CROWD)
+    proc = unisonrun(["-np", "3", "-H", "localhost:2,127.0.0.1:1", "--start-timeout", "10"],
+                     [sys.executable, str(script)], timeout=100)
+    output = proc.stdout.decode(errors="replace")
+    assert proc.returncode == 0, output
+    for r in range(3):
+        assert "[%d]<stdout>:rank %d total 6 with %d silent" % (r, r, 200 if r == 1 else 0) in output, output
+
+
 SILENT = """
 import os, signal, numpy as np, unison, unison.numpy as unp
 unison.init()
@@ -162,11 +199,12 @@ def test_a_silent_peer_on_another_host_is_named_within_the_peer_timeout(tmp_path
                                               "interface of this host"),
     ({"UNISON_RENDEZVOUS_ADDR": "127.0.0.1"}, "UNISON_RENDEZVOUS_ADDR and UNISON_RENDEZVOUS_PORT go together"),
     ({"UNISON_RENDEZVOUS_ADDR": "127.0.0.1", "UNISON_RENDEZVOUS_PORT": "http"},
-     "UNISON_RENDEZVOUS_ADDR:UNISON_RENDEZVOUS_PORT='127.0.0.1:http' is not host:port"),
+     "UNISON_RENDEZVOUS_PORT='http' is not an integer from 1 to 65535"),
 ])
 def test_bad_network_settings_are_named(setting, expected):
-    env = dict(without_mpi(), UNISON_RANK="0", UNISON_SIZE="2", UNISON_LOCAL_SIZE="1", UNISON_SECRET_KEY="s",
-               UNISON_RENDEZVOUS_ADDR="127.0.0.1", UNISON_RENDEZVOUS_PORT="1", UNISON_START_TIMEOUT="5")
+    env = dict(without_mpi(), UNISON_RANK="0", UNISON_SIZE="2", UNISON_LOCAL_SIZE="1",
+               UNISON_SECRET_KEY="sixteen-byte-key", UNISON_RENDEZVOUS_ADDR="127.0.0.1", UNISON_RENDEZVOUS_PORT="1",
+               UNISON_START_TIMEOUT="5")
     env.update(setting)
     if "UNISON_RENDEZVOUS_PORT" not in setting and setting.get("UNISON_RENDEZVOUS_ADDR"):
         env.pop("UNISON_RENDEZVOUS_PORT")
@@ -358,6 +396,8 @@ def test_every_rank_on_every_host_gets_the_launchers_environment(tmp_path, np_):
     assert seen == expected, output
     command_lines = (tmp_path / "ssh.log").read_text()
     assert "UNISON_RANK=1" in command_lines and "two words" not in command_lines, command_lines
+    # Nor the secret, nor the job id, which names the job's shared memory.
+    assert "UNISON_SECRET_KEY" not in command_lines and "UNISON_JOB_ID" not in command_lines, command_lines
 
 
 # Rank 3 dies mid-training; each survivor ends on its first error, as a
@@ -584,7 +624,7 @@ def test_a_rank_that_dies_during_start_up_ends_the_others_start_up_at_once_namin
     rank in shared memory."""
     script = tmp_path / "starts.py"
     script.write_text(STARTS)
-    port, secret = free_port(), "s3cret"
+    port, secret = free_port(), "sixteen-byte-key"
     base = {k: v for k, v in without_mpi().items() if not k.startswith(("UNISON_", "HOROVOD_"))}
     procs, outputs = {}, {}
     hosts = ["hostA", "hostA", "hostB", "hostB"] if case.startswith("2x2") else ["host0", "host1", "host2"]
@@ -703,7 +743,7 @@ def lone_rank_env(rank, port, **settings):
                 UNISON_RANK=str(rank), UNISON_SIZE="2", UNISON_LOCAL_RANK="0", UNISON_LOCAL_SIZE="1",
                 UNISON_CROSS_RANK=str(rank), UNISON_CROSS_SIZE="2", UNISON_HOSTNAME="host%d" % rank,
                 UNISON_JOB_ID="lone", UNISON_RENDEZVOUS_ADDR="127.0.0.1", UNISON_RENDEZVOUS_PORT=str(port),
-                UNISON_SECRET_KEY="s3cret", **settings)
+                UNISON_SECRET_KEY="sixteen-byte-key", **settings)
 
 
 @pytest.mark.timeout(60)

@@ -41,14 +41,46 @@ def worker_name(rank):
 
 def _rendezvous_address():
     """Where rank 0's RPC agent listens. One host: the loopback. Across
-    hosts: UNISON_RPC_ADDRESS if set, else the address rank 0's host name
-    resolves to (what the other hosts would use to reach it)."""
+    hosts: UNISON_RPC_ADDRESS if set, else the address of the interface
+    the job's ranks use (--network-interface), else the address rank 0's
+    host name resolves to (what the other hosts would use to reach it)."""
     address = os.environ.get("UNISON_RPC_ADDRESS")
     if address:
         return address
     if basics.cross_size() == 1:
         return "127.0.0.1"
+    interface = os.environ.get("UNISON_NETWORK_INTERFACE", "")
+    if interface and interface != "0.0.0.0":
+        return tcp_run.interface_address(interface)
     return socket.gethostbyname(socket.gethostname())
+
+
+def _interface_of(address):
+    """The name of this host's interface that has IPv4 `address`, or None."""
+    for _, name in socket.if_nameindex():
+        try:
+            if tcp_run.interface_address(name) == address:
+                return name
+        except SystemExit:  # an interface with no IPv4 address
+            continue
+    return None
+
+
+def _bind_tensorpipe(rendezvous):
+    """Makes TensorPipe listen on one interface: the loopback on one host,
+    else the one this rank reaches rank 0's rendezvous through. TensorPipe
+    would otherwise listen on the address the host name resolves to, which
+    may face a network the job never uses; and RPC runs pickled Python for
+    whoever connects. TP_SOCKET_IFNAME of the user's own wins."""
+    if "TP_SOCKET_IFNAME" in os.environ:
+        return
+    if basics.cross_size() == 1:
+        os.environ["TP_SOCKET_IFNAME"] = _interface_of("127.0.0.1") or "lo"
+        return
+    host = rendezvous.split("://", 1)[1].rsplit(":", 1)[0]
+    interface = _interface_of(tcp_run.route_source(host))
+    if interface is not None:
+        os.environ["TP_SOCKET_IFNAME"] = interface
 
 
 # TensorPipe's transports carry its control messages and small payloads;
@@ -69,11 +101,49 @@ def _rendezvous_address():
 DEFAULT_TRANSPORTS = ("uv",)
 
 
-def _free_port(address):
-    # torch's store listens on it only after the broadcast: a port from the
-    # kernel's ephemeral range could become another socket's meanwhile.
-    with tcp_run.bind_a_port_nobody_takes_by_chance(address) as s:
-        return s.getsockname()[1]
+# Rank 0 binds the store's socket itself, on the rendezvous address only,
+# and hands it to torch's TCPStore (master_listen_fd): the store would
+# otherwise listen on every address of the host. Held from before the
+# broadcast of the port until the store takes it, nobody can take the port
+# meanwhile. The "unison://" rendezvous scheme is how init_rpc's
+# rendezvous reaches that store.
+_listening = {}
+
+
+def _listen(address):
+    """(endpoint, socket): a listening socket on `address` for rank 0's store."""
+    sock = tcp_run.bind_a_port_nobody_takes_by_chance(address)
+    sock.listen(128)
+    return "unison://%s:%d" % (address, sock.getsockname()[1]), sock
+
+
+def _unison_rendezvous(url, rank=None, world_size=None, **_ignored):
+    from datetime import timedelta
+    import torch.distributed as dist
+    from urllib.parse import urlparse
+    parsed = urlparse(url)  # torch adds ?rank=...&world_size=...
+    address, port = parsed.hostname, parsed.port
+    sock = _listening.pop("unison://%s:%d" % (address, port), None)
+    # The store takes the socket over (it closes it when it ends).
+    listen_fd = sock.detach() if sock is not None else None
+    try:
+        store = dist.TCPStore(address, port, world_size, is_master=listen_fd is not None,
+                              timeout=timedelta(seconds=300), master_listen_fd=listen_fd)
+    except BaseException:
+        if listen_fd is not None:
+            os.close(listen_fd)
+        raise
+    yield store, rank, world_size
+
+
+def _register_rendezvous():
+    import importlib
+    # By name: torch.distributed's own `rendezvous` function hides the module.
+    rendezvous = importlib.import_module("torch.distributed.rendezvous")
+    try:
+        rendezvous.register_rendezvous_handler("unison", _unison_rendezvous)
+    except RuntimeError:  # registered by an earlier init_rpc
+        pass
 
 
 def is_initialized():
@@ -97,18 +167,25 @@ def init_rpc(name=None, backend=None, rpc_backend_options=None):
     if is_initialized():
         raise UnisonError("unison: init_rpc() was already called in this process; call shutdown() first")
     rank, size = basics.rank(), basics.size()
+    _register_rendezvous()
     endpoint = None
     if rank == 0:
-        address = _rendezvous_address()
-        endpoint = "tcp://%s:%d" % (address, _free_port(address))
+        endpoint, sock = _listen(_rendezvous_address())
+        _listening[endpoint] = sock
     endpoint = objects.broadcast_object(endpoint, root_rank=0, name="unison.rpc.rendezvous")
+    _bind_tensorpipe(endpoint)
     if rpc_backend_options is None:
         rpc_backend_options = torch_rpc.TensorPipeRpcBackendOptions(init_method=endpoint,
                                                                     _transports=list(DEFAULT_TRANSPORTS))
     elif getattr(rpc_backend_options, "init_method", None) in (None, "env://"):
         rpc_backend_options.init_method = endpoint
-    torch_rpc.init_rpc(name or worker_name(rank), backend=backend, rank=rank, world_size=size,
-                       rpc_backend_options=rpc_backend_options)
+    try:
+        torch_rpc.init_rpc(name or worker_name(rank), backend=backend, rank=rank, world_size=size,
+                           rpc_backend_options=rpc_backend_options)
+    finally:
+        unused = _listening.pop(endpoint, None)  # the options named another rendezvous, or it failed
+        if unused is not None:
+            unused.close()
     if _end_with_unison not in basics.before_shutdown:
         basics.before_shutdown.append(_end_with_unison)
 

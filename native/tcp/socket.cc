@@ -285,17 +285,24 @@ Status prove_as_acceptor(int fd, const std::string& secret, double deadline) {
   return write_all(fd, ours.data(), ours.size(), deadline);
 }
 
-Status prove_as_connector(int fd, const std::string& secret, double deadline) {
+Status prove_as_connector(int fd, const std::string& secret, double deadline, bool* cut_off) {
+  // Cut off: the acceptor closed the connection before either side had
+  // checked the other's proof (the read or write failed on a closed
+  // connection, not on the deadline).
+  auto io = [&](Status s) {
+    if (cut_off != nullptr) *cut_off = !s.ok() && monotonic_seconds() < deadline;
+    return s;
+  };
   char theirs[kNonceBytes];
-  Status s = read_all(fd, theirs, sizeof(theirs), deadline);
+  Status s = io(read_all(fd, theirs, sizeof(theirs), deadline));
   if (!s.ok()) return s;
   const std::string acceptor_nonce(theirs, sizeof(theirs));
   const std::string mine = random_nonce();
   const Digest ours = proof(secret, "connects", acceptor_nonce, mine);
   std::string answer = mine + std::string(reinterpret_cast<const char*>(ours.data()), ours.size());
-  s = write_all(fd, answer.data(), answer.size(), deadline);
+  s = io(write_all(fd, answer.data(), answer.size(), deadline));
   Digest claimed;
-  if (s.ok()) s = read_all(fd, claimed.data(), claimed.size(), deadline);
+  if (s.ok()) s = io(read_all(fd, claimed.data(), claimed.size(), deadline));
   if (!s.ok()) return s;
   if (!equal_in_constant_time(claimed, proof(secret, "accepts", acceptor_nonce, mine)))
     return Status::Error(UNISON_ERR_INVALID_ARGUMENT,

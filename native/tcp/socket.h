@@ -57,8 +57,12 @@ Status read_all(int fd, void* data, size_t bytes, double deadline);
 // anything else before the other's proof checked out. The accepting side
 // waits at most `deadline` for the proof, so a stranger that connects and
 // says nothing cannot hold up start-up.
+// *cut_off (when given) says whether the acceptor closed the connection
+// before the proofs were checked, as a crowded rank 0 does to its oldest
+// handshakes (rendezvous.cc), rather than the deadline passing or a proof
+// failing.
 Status prove_as_acceptor(int fd, const std::string& secret, double deadline);
-Status prove_as_connector(int fd, const std::string& secret, double deadline);
+Status prove_as_connector(int fd, const std::string& secret, double deadline, bool* cut_off = nullptr);
 
 // Sets the options the data plane wants: no Nagle delay, and non-blocking.
 void make_data_socket(int fd);

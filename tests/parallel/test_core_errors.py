@@ -287,3 +287,37 @@ def test_what_has_no_importable_name_goes_by_value_where_cloudpickle_is_installe
         expected = unison.InvalidArgumentError if me != root else (pickle.PicklingError, AttributeError)
         with pytest.raises(expected, match="lambda"):
             objects.broadcast_object(mine, root_rank=root, name="obj.lambda")
+
+
+def test_a_result_larger_than_memory_is_out_of_memory_on_every_rank_never_an_abort():
+    """An allgather whose result cannot be allocated (the address space is
+    capped just above what the rank holds) is an OutOfMemoryError, also a
+    MemoryError, on every rank (every rank needs the same result); never an
+    abort. A rank that could not take its part has left its peers out of
+    step, so the session ends with that reason, and a new one (shutdown,
+    init) goes on."""
+    import os
+    import resource
+    if "san.so" in os.environ.get("LD_PRELOAD", ""):
+        pytest.skip("a sanitizer's allocator maps terabytes of shadow up front, so a cap on the address space cannot "
+                    "single out one allocation; the core's own envs run this")
+    n = unison.size()
+    rows = np.full((40 << 20) // 8, unison.rank(), np.float64)  # 40 MiB each; the result is n times that
+    unp.allreduce(np.ones(1), name="oom.warm")  # every buffer the small ops need exists before the cap
+    with open("/proc/self/status") as f:
+        mapped = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (mapped + (24 << 20), hard))
+    try:
+        with pytest.raises(unison.OutOfMemoryError) as error:
+            unp.allgather(rows, name="oom.allgather")
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    assert isinstance(error.value, MemoryError)
+    expected = "unison: cannot allocate %d bytes for the result" % (n * (40 << 20))
+    assert str(error.value) == expected, error.value
+    with pytest.raises(unison.OutOfMemoryError, match=expected):
+        unp.allreduce(np.ones(1), name="oom.next")
+    unison.shutdown()
+    unison.init()
+    np.testing.assert_array_equal(unp.allgather(rows[:4], name="oom.after"), np.repeat(np.arange(n), 4).astype(float))

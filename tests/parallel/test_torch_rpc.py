@@ -32,6 +32,42 @@ def rpc_job():
         rpc.shutdown()
 
 
+def _listening_addresses():
+    """The addresses this process's TCP sockets listen on, from the
+    kernel's own tables (/proc/net/tcp and tcp6, matched by inode)."""
+    import socket
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink("/proc/self/fd/" + fd)
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[len("socket:["):-1])
+    found = set()
+    for table, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
+        with open(table) as f:
+            next(f)
+            for line in f:
+                fields = line.split()
+                if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
+                    continue
+                raw = bytes.fromhex(fields[1].split(":")[0])
+                # The kernel prints each 32-bit word in host (little-endian) order.
+                words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                found.add(socket.inet_ntop(family, words))
+    return found
+
+
+def test_rpc_listens_on_the_jobs_interface_only(rpc_job):
+    """torch's RPC runs pickled Python for whoever connects, and checks no
+    one: its store and TensorPipe listen only where the job's ranks meet,
+    here the loopback (one host, or hosts simulated on one machine), never
+    on every address or the host name's."""
+    addresses = _listening_addresses()
+    assert addresses and addresses <= {"127.0.0.1"}, addresses
+
+
 def _cpu_ticks_by_thread():
     ticks = {}
     for task in glob.glob("/proc/self/task/*"):
