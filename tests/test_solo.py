@@ -323,3 +323,20 @@ def test_the_autotune_log_is_private_and_a_link_under_its_name_is_refused(tmp_pa
     assert victim.read_text() == "keep me"
     assert ("cannot write the autotune log to '%s' (UNISON_AUTOTUNE_LOG): it is a symbolic link, which is not "
             "followed; tuning without it" % (tmp_path / "link.csv")) in capfd.readouterr().err
+
+
+def test_every_variable_the_core_names_is_in_its_settings_table():
+    """The core reads its settings only through the table (config.cc): any
+    UNISON_* or HOROVOD_* name written as a string of its own anywhere in
+    native/ is a row of the table, or that row's Horovod alias."""
+    import glob
+    import os
+    import re
+    from unison.basics import setting_table
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    named = set()
+    for path in glob.glob(os.path.join(root, "native", "**", "*.[ch]*"), recursive=True):
+        with open(path, errors="replace") as f:
+            named |= set(re.findall(r'"((?:UNISON|HOROVOD)_[A-Z_]+)"', f.read()))
+    table = {name for row in setting_table() for name in (row["name"], row["horovod_name"]) if name}
+    assert named and named <= table, sorted(named - table)

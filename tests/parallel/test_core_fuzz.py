@@ -56,7 +56,7 @@ SPLITS = mostly(st.none(),
 HANDLES = st.one_of(st.integers(-2, 2 ** 40), st.none(), st.text(max_size=4), st.just(2 ** 70))
 PROCESS_SETS = mostly(st.sampled_from(["global", "none"]), st.sampled_from(["bogus", "id"]))
 CALLS = ["allreduce", "allreduce_", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast", "alltoall",
-         "reducescatter", "grouped_reducescatter", "synchronize", "poll"]
+         "reducescatter", "grouped_reducescatter", "synchronize", "poll"]  # _call's keys
 
 # Errors a caller can act on. Anything else, or one of these that says
 # nothing of what was wrong, is an unclear error.
@@ -76,32 +76,23 @@ def _reduce_op(op):
 
 
 def _call(call, tensor, name, op, pre, post, root, splits, handle, process_set):
-    if call == "allreduce":
-        return unp.allreduce(tensor, name=name, op=op, prescale_factor=pre, postscale_factor=post,
-                             process_set=process_set)
-    if call == "allreduce_":
-        return unp.allreduce_(tensor, name=name, op=op, prescale_factor=pre, postscale_factor=post,
-                              process_set=process_set)
-    if call == "grouped_allreduce":
-        return unp.grouped_allreduce([tensor, tensor.copy()], name=name, op=op, prescale_factor=pre,
-                                     postscale_factor=post, process_set=process_set)
-    if call == "allgather":
-        return unp.allgather(tensor, name=name, process_set=process_set)
-    if call == "grouped_allgather":
-        return unp.grouped_allgather([tensor, tensor.copy()], name=name, process_set=process_set)
-    if call == "broadcast":
-        return unp.broadcast(tensor, root, name=name, process_set=process_set)
-    if call == "alltoall":
-        return unp.alltoall(tensor, splits=splits, name=name, process_set=process_set)
-    if call == "reducescatter":
-        return unp.reducescatter(tensor, op=op, name=name, prescale_factor=pre, postscale_factor=post,
-                                 process_set=process_set)
-    if call == "grouped_reducescatter":
-        return unp.grouped_reducescatter([tensor, tensor.copy()], op=op, name=name, prescale_factor=pre,
-                                         postscale_factor=post, process_set=process_set)
-    if call == "synchronize":
-        return unp.synchronize(handle)
-    return unp.poll(handle)
+    common = {"name": name, "process_set": process_set}
+    reducing = dict(common, op=op, prescale_factor=pre, postscale_factor=post)
+    pair = [tensor, tensor.copy()]
+    calls = {
+        "allreduce": lambda: unp.allreduce(tensor, **reducing),
+        "allreduce_": lambda: unp.allreduce_(tensor, **reducing),
+        "grouped_allreduce": lambda: unp.grouped_allreduce(pair, **reducing),
+        "allgather": lambda: unp.allgather(tensor, **common),
+        "grouped_allgather": lambda: unp.grouped_allgather(pair, **common),
+        "broadcast": lambda: unp.broadcast(tensor, root, **common),
+        "alltoall": lambda: unp.alltoall(tensor, splits=splits, **common),
+        "reducescatter": lambda: unp.reducescatter(tensor, **reducing),
+        "grouped_reducescatter": lambda: unp.grouped_reducescatter(pair, **reducing),
+        "synchronize": lambda: unp.synchronize(handle),
+        "poll": lambda: unp.poll(handle),
+    }
+    return calls[call]()
 
 
 unclear = []

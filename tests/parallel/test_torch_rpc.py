@@ -23,8 +23,14 @@ def test_rpc_before_init_rpc_is_a_clear_error():
         rpc.DistributedOptimizer(torch.optim.SGD, [], lr=0.1)
 
 
+# What listened before RPC started: an MPI library's own sockets, under
+# mpirun (tests/test_mpi.py runs this suite there too), are not RPC's.
+_before_rpc = {}
+
+
 @pytest.fixture(scope="module")
 def rpc_job():
+    _before_rpc.update(_listening_sockets())
     rpc.init_rpc()
     assert torch_rpc.get_worker_info().name == "worker%d" % hvd.rank()
     yield
@@ -32,8 +38,8 @@ def rpc_job():
         rpc.shutdown()
 
 
-def _listening_addresses():
-    """The addresses this process's TCP sockets listen on, from the
+def _listening_sockets():
+    """{inode: address} of this process's listening TCP sockets, from the
     kernel's own tables (/proc/net/tcp and tcp6, matched by inode)."""
     import socket
     inodes = set()
@@ -44,7 +50,7 @@ def _listening_addresses():
             continue
         if link.startswith("socket:["):
             inodes.add(link[len("socket:["):-1])
-    found = set()
+    found = {}
     for table, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
         with open(table) as f:
             next(f)
@@ -55,17 +61,27 @@ def _listening_addresses():
                 raw = bytes.fromhex(fields[1].split(":")[0])
                 # The kernel prints each 32-bit word in host (little-endian) order.
                 words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
-                found.add(socket.inet_ntop(family, words))
+                found[fields[9]] = socket.inet_ntop(family, words)
     return found
 
 
 def test_rpc_listens_on_the_jobs_interface_only(rpc_job):
     """torch's RPC runs pickled Python for whoever connects, and checks no
     one: its store and TensorPipe listen only where the job's ranks meet,
-    here the loopback (one host, or hosts simulated on one machine), never
-    on every address or the host name's."""
-    addresses = _listening_addresses()
-    assert addresses and addresses <= {"127.0.0.1"}, addresses
+    never on every address. One host: the loopback. Across hosts: the
+    interface this rank reaches rank 0 through, and on rank 0 the store's
+    rendezvous address (the host name's, on simulated hosts: 127.0.0.1
+    here). What listened before init_rpc (MPI's own, under mpirun) is not
+    RPC's."""
+    from unison import tcp_run
+    addresses = {address for inode, address in _listening_sockets().items() if inode not in _before_rpc}
+    if hvd.cross_size() == 1:
+        expected = {"127.0.0.1"}
+    else:
+        expected = {tcp_run.interface_address(os.environ["TP_SOCKET_IFNAME"])}
+        if hvd.rank() == 0:
+            expected.add(rpc._rendezvous_address())
+    assert addresses and addresses <= expected and not addresses & {"0.0.0.0", "::"}, (addresses, expected)
 
 
 def _cpu_ticks_by_thread():
