@@ -16,9 +16,9 @@ import xml.etree.ElementTree as ElementTree
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SLOWEST = 15
-# tox's report at the end of the run: "  core: OK (799.78=setup[66.71]+cmd[733.07] seconds)", with a
-# cmd entry per command (an env's own build, in commands_pre, comes before its pytest).
-ENV_LINE = re.compile(r"^\s*(\S+): (OK|FAIL|SKIP)\S* \(([\d.]+)=setup\[([\d.]+)\]\+cmd\[([\d.,]*)\] seconds\)")
+# tox's report at the end of the run: "  core: OK (799.78=setup[66.71]+cmd[733.07] seconds)", or
+# "  mpi: FAIL code 1 (506.69=...)", with a cmd entry per command (an env's own build, in commands_pre, comes before its pytest).
+ENV_LINE = re.compile(r"^\s*(\S+): (OK|FAIL|SKIP)[^(]* \(([\d.]+)=setup\[([\d.]+)\]\+cmd\[([\d.,]*)\] seconds\)")
 
 
 def memcpy_gigabytes_per_second(nbytes=64 << 20):
