@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "coordinator.h"
 #include "response_cache.h"
 #include "unit.h"
 #include "unison.h"
@@ -30,18 +31,14 @@ Request request(const std::string& name, int op = UNISON_ALLREDUCE, std::vector<
 // What the coordinator decides for `r` on a job of `size` where every rank
 // sent the same.
 Response response_to(const Request& r, int size) {
-  Response out;
-  out.op = r.op;
-  out.dtype = r.dtype;
-  out.reduce_op = r.reduce_op;
-  out.prescale = r.prescale;
-  out.postscale = r.postscale;
-  out.root = r.root;
-  out.device = r.device;
-  unison::TensorPlan plan{r.name, r.shape, {}, {}};
-  if (r.op == UNISON_ALLGATHER) plan.first_dims.assign(size, r.shape[0]);
-  out.tensors.push_back(plan);
-  return out;
+  unison::Coordinator coordinator(size);
+  for (int rank = 0; rank < size; ++rank) {
+    Request from = r;
+    from.rank = rank;
+    coordinator.add(from, 0.0);
+  }
+  bool more = false;
+  return coordinator.take_ready(1 << 20, &more).at(0);
 }
 
 ResponseCache::Lookup look(const ResponseCache& cache, const Request& r, int size = 2) {
