@@ -147,7 +147,8 @@ print("rank %d total %d with %d silent" % (unison.rank(), total[0], len(crowd)),
 
 
 @pytest.mark.timeout(120)
-def test_a_crowd_of_silent_strangers_at_the_rendezvous_does_not_stop_the_job_starting(tmp_path):
+@pytest.mark.parametrize("np_,hosts", [(2, "localhost:1,127.0.0.1:1"), (3, "localhost:2,127.0.0.1:1")])
+def test_a_crowd_of_silent_strangers_at_the_rendezvous_does_not_stop_the_job_starting(tmp_path, np_, hosts):
     """Rank 0 proves every connection on a thread of its own, each for at
     most 5 s, and past the most it takes at once ends the oldest for each
     new one: 200 silent connections made just before the ranks arrive cost
@@ -156,12 +157,13 @@ def test_a_crowd_of_silent_strangers_at_the_rendezvous_does_not_stop_the_job_sta
     at a time)."""
     script = tmp_path / "crowd.py"
     script.write_text(CROWD)
-    proc = unisonrun(["-np", "3", "-H", "localhost:2,127.0.0.1:1", "--start-timeout", "10"],
-                     [sys.executable, str(script)], timeout=100)
+    proc = unisonrun(["-np", str(np_), "-H", hosts, "--start-timeout", "10"], [sys.executable, str(script)],
+                     timeout=100)
     output = proc.stdout.decode(errors="replace")
     assert proc.returncode == 0, output
-    for r in range(3):
-        assert "[%d]<stdout>:rank %d total 6 with %d silent" % (r, r, 200 if r == 1 else 0) in output, output
+    for r in range(np_):
+        assert "[%d]<stdout>:rank %d total %d with %d silent" % (r, r, np_ * (np_ + 1) // 2, 200 if r == 1 else 0) \
+            in output, output
 
 
 SILENT = """
