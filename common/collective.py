@@ -68,9 +68,14 @@ def prepare(op, name, dtype, shape, reduce_op, prescale_factor, postscale_factor
                             % (name or "a tensor", factor, value, type(value).__name__))
         if not math.isfinite(number):
             raise InvalidArgumentError("unison: %s: %s=%r is not a finite number" % (name or "a tensor", factor, value))
-    if splits is not None and (isinstance(splits, (str, bytes)) or not all(
-            isinstance(split, numbers.Integral) and not isinstance(split, bool) for split in splits)):
-        raise TypeError("unison: %s: splits must be integers, got %r" % (name or "a tensor", splits))
+    if splits is not None:
+        try:
+            integers = not isinstance(splits, (str, bytes)) and all(
+                isinstance(split, numbers.Integral) and not isinstance(split, bool) for split in splits)
+        except TypeError:  # not a sequence at all
+            integers = False
+        if not integers:
+            raise TypeError("unison: %s: splits must be integers, got %r" % (name or "a tensor", splits))
     ndim = len(shape)
     if ndim > _MAX_DIMS:
         raise InvalidArgumentError("unison: %s has %d dimensions; at most %d are supported"
@@ -120,9 +125,9 @@ def enqueue(op, name, dtype=0, shape=(), input=NULL, output=NULL, reduce_op=0,
     # built per call.
     key = prepared = None
     if name:
-        key = (op, name, dtype, shape, reduce_op, prescale_factor, postscale_factor, root_rank, process_set,
-               device, None if splits is None else tuple(splits))
         try:
+            key = (op, name, dtype, shape, reduce_op, prescale_factor, postscale_factor, root_rank, process_set,
+                   device, None if splits is None else tuple(splits))
             prepared = scratch.prepared.get(key)
         except TypeError:  # an argument of a wrong type: prepare() says which
             key = None

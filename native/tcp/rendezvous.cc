@@ -27,6 +27,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <deque>
+#include <map>
 #include <mutex>
 #include <thread>
 
@@ -142,13 +143,13 @@ class Handshakes {
       : secret_(secret), deadline_(deadline), most_(most) {}
 
   ~Handshakes() {
-    std::vector<std::thread> threads;
+    std::map<int, std::thread> threads;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       for (const Running& r : running_) shutdown(r.fd, SHUT_RDWR);
       threads.swap(threads_);
     }
-    for (std::thread& t : threads) t.join();
+    for (auto& [fd, t] : threads) t.join();
     for (const Done& d : done_) close(d.fd);
   }
 
@@ -169,7 +170,7 @@ class Handshakes {
         }
     }
     running_.push_back({fd, false, false});
-    threads_.emplace_back([this, fd] {
+    threads_.emplace(fd, std::thread([this, fd] {
       Done d;
       d.fd = fd;
       d.from = peer_address(fd);
@@ -183,16 +184,25 @@ class Handshakes {
       std::lock_guard<std::mutex> lock(mutex_);
       running_.erase(find(fd));
       done_.push_back(std::move(d));
-    });
+    }));
     return !made_room;
   }
 
   // A finished handshake, if any; its socket is the caller's from here.
+  // Its thread is joined here (it has finished, or is returning), so that
+  // a stream of strangers leaves no finished threads piling up.
   bool next(Done* out) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (done_.empty()) return false;
-    *out = std::move(done_.front());
-    done_.pop_front();
+    std::thread finished;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (done_.empty()) return false;
+      *out = std::move(done_.front());
+      done_.pop_front();
+      const auto it = threads_.find(out->fd);
+      finished = std::move(it->second);
+      threads_.erase(it);
+    }
+    finished.join();
     return true;
   }
 
@@ -212,7 +222,7 @@ class Handshakes {
   std::mutex mutex_;
   std::vector<Running> running_;  // in the order they started
   std::deque<Done> done_;
-  std::vector<std::thread> threads_;
+  std::map<int, std::thread> threads_;  // by socket: a socket is open, so its number unique, until next() joins
 };
 
 // Accepts on `listener` until `deadline`, starting each connection's

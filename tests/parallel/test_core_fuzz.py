@@ -52,7 +52,7 @@ SHAPES = st.lists(st.integers(0, 4), max_size=3).map(tuple)
 SPLITS = mostly(st.none(),
                 st.one_of(st.lists(st.one_of(st.integers(-2, 4), st.sampled_from([2 ** 62, 2 ** 63 - 1, -2 ** 63])),
                                    max_size=4),
-                          st.just("12"), st.just([1.5]), st.just(np.array([2, 2]))))
+                          st.just("12"), st.just([1.5]), st.just(np.array([2, 2])), st.just(3)))
 HANDLES = st.one_of(st.integers(-2, 2 ** 40), st.none(), st.text(max_size=4), st.just(2 ** 70))
 PROCESS_SETS = mostly(st.sampled_from(["global", "none"]), st.sampled_from(["bogus", "id"]))
 CALLS = ["allreduce", "allreduce_", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast", "alltoall",
