@@ -190,8 +190,8 @@ setup(
         "unison.tensorflow.keras": "tf_adapter/keras",
         "unison.mxnet": "mxnet_adapter",
     },
-    packages=["unison", "unison.common", "unison.elastic", "unison.keras", "unison.torch", "unison.tensorflow",
-              "unison.tensorflow.keras", "unison.mxnet"],
+    packages=["unison", "unison.common", "unison.elastic", "unison.runner", "unison.keras", "unison.torch",
+              "unison.tensorflow", "unison.tensorflow.keras", "unison.mxnet"],
     cffi_modules=["native/build_ffi.py:ffibuilder"],
     cmdclass={"build": BuildInAFolderOfItsOwn, "build_ext": BuildExtInParallel},
     setup_requires=["cffi>=1.15"],
@@ -210,6 +210,6 @@ setup(
         # Keras 3 comes with it.
         "tensorflow": ["tensorflow-cpu==2.21.0", "cloudpickle"],
     },
-    entry_points={"console_scripts": ["unisonrun = unison.run:main"]},
+    entry_points={"console_scripts": ["unisonrun = unison.runner.launch:main"]},
     zip_safe=False,
 )

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import uuid
 
-from unison import mpi_run
+from unison.runner import mpi as mpi_run
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

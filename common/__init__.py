@@ -16,13 +16,5 @@ from unison.exceptions import (  # noqa: F401
 from unison.process_sets import (  # noqa: F401
     ProcessSet, add_process_set, global_process_set, remove_process_set)
 
-__version__ = "0.1.0"
-
-
-def __getattr__(name):
-    # unison.run(func, num_proc=2), Horovod's horovod.run: the launcher's
-    # module, which can be called (run.py says why), imported when first used.
-    if name == "run":
-        import importlib
-        return importlib.import_module("unison.run")
-    raise AttributeError("module 'unison' has no attribute %r" % name)
+from unison.runner.function import run  # noqa: F401  (Horovod's horovod.run: unison.run(func, num_proc=2))
+from unison.version import VERSION as __version__  # noqa: F401

@@ -1,80 +1,20 @@
-"""The process-wide basics over the native core: init, shutdown, the
-rank and size queries, build queries, and turning status codes into
-exceptions. Every adapter imports these from here."""
+"""The process-wide basics: init, shutdown, the timeline and the tuned
+settings, over core.py's queries and errors, which it passes on: every
+adapter imports all of these from here."""
 import atexit
 import os
 import sys
 import threading
 
-from unison import exceptions
+from unison import elastic_worker, exceptions
+from unison import process_sets as sets
 from unison._native import ffi, lib
+from unison.core import (  # noqa: F401  (passed on to the adapters)
+    Adasum, Average, Max, Min, Product, Sum, backend_name, built_backends, ccl_built, check, cross_rank, cross_size,
+    cuda_built, ddl_built, device_support, error_for, gloo_built, gloo_enabled, is_homogeneous, is_initialized,
+    local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank, rocm_built,
+    setting_table, settings_problem, size)
 from unison.start_interrupt import interruptible_start
-
-# Reduce operations, with Horovod's names.
-Sum = lib.UNISON_SUM
-Average = lib.UNISON_AVERAGE
-Min = lib.UNISON_MIN
-Max = lib.UNISON_MAX
-Product = lib.UNISON_PRODUCT
-Adasum = lib.UNISON_ADASUM  # native/adasum.h says what it computes
-
-_ERRORS = {
-    lib.UNISON_ERR_INVALID_ARGUMENT: exceptions.InvalidArgumentError,
-    lib.UNISON_ERR_NOT_INITIALIZED: exceptions.NotInitializedError,
-    lib.UNISON_ERR_MISMATCH: exceptions.MismatchError,
-    lib.UNISON_ERR_RANK_FAILED: exceptions.RankFailedError,
-    lib.UNISON_ERR_SHUT_DOWN: exceptions.ShutDownError,
-    lib.UNISON_ERR_STALLED: exceptions.StalledError,
-    lib.UNISON_ERR_DEADLOCK: exceptions.DeadlockError,
-    lib.UNISON_ERR_UNSUPPORTED: exceptions.UnsupportedError,
-    lib.UNISON_ERR_INTERNAL: exceptions.UnisonInternalError,
-    lib.UNISON_ERR_OUT_OF_MEMORY: exceptions.OutOfMemoryError,
-}
-
-
-def settings_problem(variables):
-    """Why init() would refuse these environment variables (a dict of
-    names to values), naming the setting and its value; None where it
-    would take them."""
-    names = [ffi.new("char[]", os.fsencode(name)) for name in variables]
-    values = [ffi.new("char[]", os.fsencode(value)) for value in variables.values()]
-    if lib.unison_check_settings(names, values, len(names)) == lib.UNISON_OK:
-        return None
-    return ffi.string(lib.unison_last_error()).decode(errors="replace")
-
-
-def setting_table():
-    """Every setting init() reads, as the core's table has it (config.cc):
-    a list of dicts with name, horovod_name (or None), kind, minimum,
-    maximum, choices (a list, or None), default and description. minimum
-    and maximum bound the numeric kinds, and minimum is a secret's least
-    length; both are None where they do not apply."""
-    def text(pointer):
-        return None if pointer == ffi.NULL else ffi.string(pointer).decode()
-
-    numeric = ("integer", "bytes", "number", "core-list")
-    rows = []
-    while True:
-        row = lib.unison_setting_at(len(rows))
-        if row == ffi.NULL:
-            return rows
-        kind = text(row.kind)
-        rows.append({"name": text(row.name), "horovod_name": text(row.horovod_name), "kind": kind,
-                     "minimum": row.minimum if kind in numeric + ("secret",) else None,
-                     "maximum": row.maximum if kind in numeric else None,
-                     "choices": text(row.choices).split("|") if row.choices != ffi.NULL else None,
-                     "default": text(row.default_value), "description": text(row.description)})
-
-
-def error_for(code, message):
-    return _ERRORS.get(code, exceptions.UnisonError)(message)
-
-
-def check(code):
-    """Raises the exception for a failed call's status code."""
-    if code != lib.UNISON_OK:
-        raise error_for(code, ffi.string(lib.unison_last_error()).decode(errors="replace"))
-
 
 # A rank's identity (rank, size, job) is in its environment, and every
 # process the rank starts inherits it. One that calls init() with it would
@@ -82,7 +22,7 @@ def check(code):
 # for the start timeout. So a rank of a job of several records in its
 # environment which process it is (INITIALIZED_BY, "pid:rank"), and init()
 # in any other process with that environment fails at once. The launchers
-# drop the record from the environments they make (run.py).
+# drop the record from the environments they make (runner/launch.py).
 INITIALIZED_BY = "UNISON_INITIALIZED_BY"
 _initialized_in = None  # the pid that called init() with success; a forked child keeps its parent's
 
@@ -120,12 +60,10 @@ def init(comm=None, process_sets=None):
     if _in_forked_child():
         return  # the rank's state came with the fork; init() again is harmless, as Horovod's
     _refuse_an_inherited_rank()
-    from unison import process_sets as sets  # it imports this module
-    from unison.elastic import worker
     started_here = not lib.unison_is_initialized()
     with interruptible_start():  # Ctrl-C ends the wait for the peers
-        if worker.in_elastic_job() and started_here:
-            _start_in_an_elastic_round(worker)
+        if elastic_worker.in_elastic_job() and started_here:
+            _start_in_an_elastic_round()
         else:
             check(lib.unison_init())
     if comm is not None:
@@ -154,7 +92,7 @@ def _abort_start(number, why):
             lib.unison_abort_start(why.encode())
 
 
-def _start_in_an_elastic_round(worker):
+def _start_in_an_elastic_round():
     """Joins the elastic driver's next round and starts in it. A member of
     the round can die while it starts up (the core then fails at once,
     naming it): the round is lost, and the driver forms the next without
@@ -167,13 +105,13 @@ def _start_in_an_elastic_round(worker):
     while True:
         # This round's rank and size, from unisonrun's driver, and the port
         # this worker offered for the rendezvous, held until the core listens.
-        worker.join_round().close()
+        elastic_worker.join_round().close()
         number = int(os.environ["UNISON_ELASTIC_ROUND"])
         with _start_lock:
             _starting_round = number
         # A member that dies before it reached this rank leaves nothing here
         # to notice: the driver, which saw it die, ends the start-up.
-        worker.watch_round(_abort_start)
+        elastic_worker.watch_round(_abort_start)
         try:
             code = lib.unison_init()
         finally:  # a KeyboardInterrupt (start_interrupt.py) leaves here too
@@ -183,7 +121,7 @@ def _start_in_an_elastic_round(worker):
             check(code)
             return
         print("unison: worker %s: round %s did not start: %s; joining the next" % (
-            os.environ.get(worker.WORKER), number,
+            os.environ.get(elastic_worker.WORKER), number,
             ffi.string(lib.unison_last_error()).decode(errors="replace")), file=sys.stderr, flush=True)
 
 
@@ -232,7 +170,6 @@ def shutdown():
     lib.unison_shutdown()
     global _initialized_in
     _initialized_in = None
-    from unison import process_sets as sets
     sets.forget_all()
 
 
@@ -262,111 +199,3 @@ def tuned_settings():
     check(lib.unison_tuned_settings(fusion, cycle, cache, hierarchical, settled))
     return {"fusion_threshold_bytes": fusion[0], "cycle_time_ms": cycle[0], "cache": bool(cache[0]),
             "hierarchical": bool(hierarchical[0]), "settled": bool(settled[0])}
-
-
-def is_initialized():
-    return bool(lib.unison_is_initialized())
-
-
-def _query(function):
-    out = ffi.new("int*")
-    check(function(out))
-    return out[0]
-
-
-def rank():
-    return _query(lib.unison_rank)
-
-
-def size():
-    return _query(lib.unison_size)
-
-
-def local_rank():
-    return _query(lib.unison_local_rank)
-
-
-def local_size():
-    return _query(lib.unison_local_size)
-
-
-def cross_rank():
-    return _query(lib.unison_cross_rank)
-
-
-def cross_size():
-    return _query(lib.unison_cross_size)
-
-
-def is_homogeneous():
-    """True when every host runs the same number of ranks (a job on one
-    host always does)."""
-    return bool(_query(lib.unison_is_homogeneous))
-
-
-def backend_name():
-    """The data plane in use: 'solo' (one rank), 'shm' (one host), 'hierarchical'
-    (shared memory within hosts, MPI across) or 'mpi' (MPI between every pair)."""
-    return ffi.string(lib.unison_backend_name()).decode()
-
-
-def built_backends():
-    return ffi.string(lib.unison_built_backends()).decode().split(",")
-
-
-# Build queries, under Horovod's names.
-def mpi_built():
-    return "mpi" in built_backends()
-
-
-def gloo_built():
-    return False
-
-
-def device_support():
-    """Where GPU tensors can go, in words: the CUDA runtime and devices
-    found, and NCCL. The core loads both at run time, so this is a fact
-    about this machine and process, not about how unison was built."""
-    return ffi.string(lib.unison_device_support()).decode()
-
-
-def nccl_built():
-    """Whether NCCL can be loaded: GPU collectives then go through it."""
-    return "NCCL: not found" not in device_support()
-
-
-def ddl_built():
-    return False
-
-
-def ccl_built():
-    return False
-
-
-def cuda_built():
-    """Whether the CUDA runtime and a GPU were found: GPU tensors are taken."""
-    return "CUDA: not found" not in device_support()
-
-
-def rocm_built():
-    return False
-
-
-def mpi_enabled():
-    """Whether this job's ranks meet through MPI: it was started by mpirun
-    or srun (or `unisonrun --mpi`) with more than one rank. False before
-    init(), as in Horovod."""
-    return is_initialized() and bool(_query(lib.unison_mpi_enabled))
-
-
-def gloo_enabled():
-    return False
-
-
-def mpi_threads_supported():
-    """Whether the application may call MPI itself (mpi4py) from any thread
-    beside unison: MPI is in use and runs at MPI_THREAD_MULTIPLE. Raises
-    before init(), as Horovod does. Where MPI is not in use the answer is
-    False; Horovod raises there instead, which would break a script moved
-    from mpirun to unisonrun for a question whose answer is plain."""
-    return bool(_query(lib.unison_mpi_threads_supported))

@@ -1,5 +1,5 @@
 """A TCP listener that serves only connections proving a shared key: the
-elastic driver's (elastic_run.py) and unison.run()'s (run_function.py).
+elastic driver's (runner/elastic_driver.py) and unison.run()'s (runner/function.py).
 Clients connect with connect(address, key).
 
 The proof is a challenge each way, answered with HMAC-SHA256, so the key

@@ -20,7 +20,7 @@ import numpy as np
 
 from unison import basics
 from unison.exceptions import InvalidArgumentError
-from unison.run_function import cloudpickle_or_none
+from unison.runner.function import cloudpickle_or_none
 import unison.numpy as unp
 
 

@@ -13,7 +13,7 @@ Horovod refuses `add_process_set` unless the job started with
 controller. Here they cost nothing, so sets can be added either way;
 "dynamic" is accepted for scripts that pass it.
 """
-from unison import basics
+from unison import core
 from unison._native import ffi, lib
 from unison.exceptions import InvalidArgumentError
 
@@ -43,18 +43,18 @@ class ProcessSet:
         if self.process_set_id is None:
             raise InvalidArgumentError(
                 "unison: %r is not registered: pass it to init(process_sets=[...]) or add_process_set()" % (self,))
-        return list(range(basics.size())) if self.ranks is None else self.ranks
+        return list(range(core.size())) if self.ranks is None else self.ranks
 
     def size(self):
         return len(self._ranks())
 
     def rank(self):
         ranks = self._ranks()
-        me = basics.rank()
+        me = core.rank()
         return ranks.index(me) if me in ranks else -1
 
     def included(self):
-        return basics.rank() in self._ranks()
+        return core.rank() in self._ranks()
 
     def __repr__(self):
         return "ProcessSet(process_set_id=%r, ranks=%r)" % (
@@ -85,7 +85,7 @@ def find(process_set_id):
 
 def size_of(process_set):
     """The size of `process_set` (None means the global set)."""
-    return basics.size() if process_set is None else process_set.size()
+    return core.size() if process_set is None else process_set.size()
 
 
 def process_set_id(process_set):
@@ -106,7 +106,7 @@ def check_member(process_set, what):
         return
     if not process_set.included():
         raise InvalidArgumentError("unison: %s: rank %d is not in process set %s (ranks %s)"
-                                   % (what, basics.rank(), process_set.process_set_id, process_set.ranks))
+                                   % (what, core.rank(), process_set.process_set_id, process_set.ranks))
 
 
 def add_process_set(process_set):
@@ -121,7 +121,7 @@ def add_process_set(process_set):
         raise InvalidArgumentError("unison: %r is registered already" % (process_set,))
     ranks = ffi.new("int[]", process_set.ranks)
     out = ffi.new("int*")
-    basics.check(lib.unison_add_process_set(ranks, len(process_set.ranks), out))
+    core.check(lib.unison_add_process_set(ranks, len(process_set.ranks), out))
     process_set.process_set_id = out[0]
     _registered[out[0]] = process_set
     return process_set
@@ -134,7 +134,7 @@ def remove_process_set(process_set):
     set_id = process_set_id(process_set)
     if set_id == 0:
         raise InvalidArgumentError("unison: the global process set cannot be removed")
-    basics.check(lib.unison_remove_process_set(set_id))
+    core.check(lib.unison_remove_process_set(set_id))
     _registered.pop(set_id, None)
     process_set.process_set_id = None
     return True

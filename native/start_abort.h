@@ -4,7 +4,7 @@
 // that round dies before it reached the others, no wait of this rank's can
 // tell: there is no connection or shared memory of the dead one's to see
 // close. The driver saw it die, and the worker's watch on the driver
-// (common/elastic/worker.py) says so through unison_abort_start. Start-up's
+// (common/elastic_worker.py) says so through unison_abort_start. Start-up's
 // waits (tcp/socket.cc, shm/segment.cc) look here between short sleeps.
 #pragma once
 

@@ -216,13 +216,12 @@ def test_bad_elastic_options_are_refused_by_name(options, message):
 
 def test_a_worker_offers_a_rendezvous_port_the_kernel_never_hands_out_by_itself(monkeypatch):
     # The port a worker offers goes unheld for a moment before its init()
-    # listens on it: see tcp_run.bind_a_port_nobody_takes_by_chance.
-    from unison import tcp_run
-    from unison.elastic import worker
+    # listens on it: see network.bind_a_port_nobody_takes_by_chance.
+    from unison import elastic_worker as worker, network
 
     monkeypatch.setenv(worker.DRIVER, "127.0.0.1:9")
     monkeypatch.delenv("UNISON_NETWORK_INTERFACE", raising=False)
-    low, high = tcp_run.ephemeral_ports()
+    low, high = network.ephemeral_ports()
     address, port, held = worker._listen_address()
     try:
         assert address == "127.0.0.1" and not low <= port <= high and held.getsockname() == (address, port)

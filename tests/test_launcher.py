@@ -704,7 +704,7 @@ def test_horovodrun_flags(tmp_path):
     both = subprocess.run([sys.executable, "-m", "unison.run", "--gloo", "--mpi", "-np", "2", "true"],
                           stderr=subprocess.PIPE, timeout=60)
     assert both.returncode == 2 and b"not allowed with argument --gloo" in both.stderr, both.stderr
-    from unison.run import _parse
+    from unison.runner.command_line import parse as _parse
     args = _parse(["-np", "2", "--min-num-proc", "1", "--max-num-proc", "3", "--slots-per-host", "2",
                    "--host-discovery-script", "./hosts.sh", "-cb", "python", "train.py"])
     assert (args.min_np, args.max_np, args.slots, args.check_build) == (1, 3, 2, True)
@@ -716,7 +716,7 @@ def test_horovodrun_flags(tmp_path):
 
 
 def test_the_rest_of_horovodruns_flags(tmp_path, monkeypatch):
-    from unison.run import _parse, _settings
+    from unison.runner.command_line import parse as _parse, settings as _settings
 
     def refused(*argv):
         proc = subprocess.run([sys.executable, "-m", "unison.run", "-np", "2", *argv, "true"],
@@ -760,7 +760,7 @@ def test_a_network_interface_is_nccls_too_as_with_horovodrun(tmp_path, monkeypat
     """horovodrun points NCCL's sockets (NCCL_SOCKET_IFNAME) at the interface
     it is given; a NCCL_SOCKET_IFNAME of the user's own wins, and an address
     or 0.0.0.0 names no interface."""
-    from unison.run import _parse, _settings
+    from unison.runner.command_line import parse as _parse, settings as _settings
 
     def what_every_rank_sees(env):
         proc = run(tmp_path, """
@@ -913,7 +913,7 @@ def test_horovodrun_config_file_sets_what_the_command_line_leaves(tmp_path, monk
     # command line wins over the file's 2.5.
     import json
     import yaml
-    from unison.run import _parse, _settings
+    from unison.runner.command_line import parse as _parse, settings as _settings
     monkeypatch.chdir(tmp_path)
     (tmp_path / "horovod.yaml").write_text(HOROVOD_CONFIG)
     args = _parse(["-np", "2", "--config-file", "horovod.yaml", "--cycle-time-ms", "1", "python", "train.py"])
@@ -930,7 +930,7 @@ def test_horovodrun_config_file_sets_what_the_command_line_leaves(tmp_path, monk
     monkeypatch.setitem(sys.modules, "yaml", None)
     args = _parse(["-np", "2", "--config-file", "horovod.json", "--cycle-time-ms", "1", "python", "train.py"])
     assert _settings(args) == expected
-    from unison import run_config
+    from unison.runner import config_file as run_config
     with pytest.raises(ValueError, match=r"it is not JSON, and reading YAML needs PyYAML \(pip install pyyaml\)"):
         run_config.apply(args, "horovod.yaml", set())
     # A flag the command line gives either way wins, off as well as on.

@@ -23,7 +23,8 @@ import pytest
 
 from jobs import (CORE_SUITES, EXITS, HERE, IDENTITY, KILLED, assert_every_rank_passed, pytest_command, run_job,
                   unisonrun)
-from unison import basics, mpi_run
+from unison import basics
+from unison.runner import hosts, mpi as mpi_run
 
 BUILT_WITH_MPI = "mpi" in basics.built_backends()
 needs_mpi = pytest.mark.skipif(not BUILT_WITH_MPI, reason="unison was built without MPI; the tox env 'mpi' runs these")
@@ -326,12 +327,12 @@ def test_without_mpi_the_error_says_how_to_get_it():
 def test_hostfile_formats(tmp_path):
     hostfile = tmp_path / "hosts"
     hostfile.write_text("# the cluster\nnode1 slots=4\nnode2:2\n\nnode3   # one slot\n")
-    assert mpi_run.parse_hostfile(str(hostfile)) == "node1:4,node2:2,node3:1"
-    assert mpi_run.slots("node1:4,node2:2,node3:1") == 7
+    assert hosts.parse_hostfile(str(hostfile)) == "node1:4,node2:2,node3:1"
+    assert hosts.slots("node1:4,node2:2,node3:1") == 7
 
 
 def test_mpirun_command_for_each_family():
-    wrapper = ["python", "-m", "unison.mpi_run", "--rank-wrapper", "--", "python", "train.py"]
+    wrapper = ["python", "-m", "unison.runner.mpi", "--rank-wrapper", "--", "python", "train.py"]
     hydra = mpi_run.mpirun_command("mpirun", "hydra", 8, "a:4,b:4", ["UNISON_CYCLE_TIME"], wrapper)
     assert hydra == ["mpirun", "-np", "8", "-hosts", "a:4,b:4"] + wrapper
     openmpi = mpi_run.mpirun_command("mpirun", "openmpi", 8, "a:4,b:4", ["PATH", "UNISON_CYCLE_TIME"], wrapper,

@@ -37,7 +37,7 @@ if __name__ == "__main__":
 # The main script's functions go by reference, and each rank imports the
 # script first; what cannot (lambdas, closures, an interactive session's
 # definitions) goes by value through cloudpickle where it is installed
-# (run_function.py). Tests run with it and as if it were not.
+# (runner/function.py). Tests run with it and as if it were not.
 PICKLERS = ["cloudpickle", "pickle"]
 WITHOUT_CLOUDPICKLE = "import sys\nsys.modules['cloudpickle'] = None   # as if not installed\n"
 
@@ -302,15 +302,29 @@ def test_bad_options_are_refused_naming_them(options, message):
 
 
 @pytest.mark.timeout(60)
-def test_unison_run_is_the_launchers_module_and_can_be_called():
-    # Imported as a submodule first, then called; and it pickles by name, as
-    # a module does (cloudpickle reaches it through `unison.elastic.run`).
-    code = ("import pickle, unison, unison.run, unison.tcp_run\n"
+def test_unison_run_is_a_plain_function_whatever_was_imported_and_the_launcher_runs_by_both_names():
+    # A function, after every module of the launcher's package was imported
+    # (none of them replaces it), that pickles by name (cloudpickle reaches
+    # it through `unison.elastic.run`); `import unison.run`, which would
+    # replace it with a module, is refused; and the launcher's command line
+    # runs as `python -m unison.run`, its old name, and `python -m unison.runner`.
+    code = ("import pickle, types, unison, unison.runner.launch, unison.runner.ssh, unison.runner.mpi\n"
+            "import unison.runner.elastic_driver, unison.runner.function\n"
+            "assert type(unison.run) is types.FunctionType, unison.run\n"
             "assert pickle.loads(pickle.dumps(unison.run)) is unison.run\n"
-            "print(unison.run.main.__module__, unison.run(len, args=([1, 2],), num_proc=2))\n")
+            "try:\n    import unison.run\nexcept ImportError as e:\n    print('REFUSED', e)\n"
+            "assert type(unison.run) is types.FunctionType, unison.run\n"
+            "print('CALLED', unison.run(len, args=([1, 2],), num_proc=2))\n")
     proc = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           timeout=50, env=without_mpi())
-    assert proc.stdout.decode().strip().endswith("unison.run [2, 2]"), proc.stdout.decode()
+    out = proc.stdout.decode()
+    assert "REFUSED unison.run is a function (unison.run(func, num_proc=2)); the launcher's package is unison.runner" \
+        in out, out
+    assert out.strip().endswith("CALLED [2, 2]"), out
+    for module in ("unison.run", "unison.runner"):
+        version = subprocess.run([sys.executable, "-m", module, "--version"], stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, timeout=30, env=without_mpi())
+        assert version.returncode == 0 and version.stdout.decode().startswith("unisonrun (unison) "), version
 
 
 @pytest.mark.timeout(60)
@@ -320,7 +334,7 @@ def test_a_connection_without_the_key_gets_nothing(tmp_path):
     call still completes."""
     code = TRAIN.replace('if __name__ == "__main__":', '''
 if __name__ == "__main__":
-    import unison.run_function as rf, threading
+    import unison.runner.function as rf, threading
     from unison import keyed_listener
     real = rf._Service.__init__
     def spy(self, *a):
@@ -425,7 +439,7 @@ def test_a_caller_interrupted_or_killed_leaves_no_rank_running(tmp_path, signum)
         assert "INTERRUPTED" in out.decode(), out.decode()
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
-        left = subprocess.run(["pgrep", "-f", "unison.run_function"], stdout=subprocess.PIPE).stdout.decode().split()
+        left = subprocess.run(["pgrep", "-f", "unison.runner.function"], stdout=subprocess.PIPE).stdout.decode().split()
         if not left:
             break
         time.sleep(0.2)

@@ -233,8 +233,8 @@ def test_the_rendezvous_port_is_one_the_kernel_never_hands_out_by_itself():
     # init(). One from the kernel's ephemeral range could meanwhile become
     # any connection's own port, and rank 0's listen then failed with
     # "Address already in use" (seen once in CI, in a re-init test).
-    from unison import tcp_run
-    low, high = tcp_run.ephemeral_ports()
+    from unison import network
+    low, high = network.ephemeral_ports()
     show = [sys.executable, "-c", "import os; print('port', os.environ['UNISON_RENDEZVOUS_PORT'])"]
     for _ in range(3):
         proc = unisonrun(["-np", "2", "-H", "localhost:1,127.0.0.1:1"], show, timeout=60)
@@ -253,12 +253,13 @@ def test_launcher_rejects_an_unknown_interface():
 
 
 def test_placement_and_slots():
-    from unison import tcp_run
-    assert tcp_run.place([("a", 2), ("b", 2)], 3) == ["a", "a", "b"]
+    from unison import network
+    from unison.runner.hosts import place
+    assert place([("a", 2), ("b", 2)], 3) == ["a", "a", "b"]
     with pytest.raises(SystemExit, match="-np 5 but the hosts have 4 slots"):
-        tcp_run.place([("a", 2), ("b", 2)], 5)
-    assert tcp_run.is_this_machine("localhost") and tcp_run.is_this_machine("127.0.0.1")
-    assert tcp_run.is_this_machine(socket.gethostname())
+        place([("a", 2), ("b", 2)], 5)
+    assert network.is_this_machine("localhost") and network.is_this_machine("127.0.0.1")
+    assert network.is_this_machine(socket.gethostname())
 
 
 # ---- ranks started over ssh ------------------------------------------------------------
@@ -609,8 +610,8 @@ class FakeRank:
 
 
 def free_port():
-    from unison import tcp_run
-    with tcp_run.bind_a_port_nobody_takes_by_chance("127.0.0.1") as s:
+    from unison import network
+    with network.bind_a_port_nobody_takes_by_chance("127.0.0.1") as s:
         return s.getsockname()[1]
 
 

@@ -33,7 +33,7 @@ import tensorflow as tf
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.ops import control_flow_util
 
-from unison import arguments, basics, collective, dtypes, frontend, gradients
+from unison import arguments, basics, collective, dtypes, elastic_worker, frontend, gradients
 from unison.dtypes import label as _label
 from unison.exceptions import DeadlockError, InvalidArgumentError, MismatchError, UnsupportedError
 from unison.handles import GraphNode, HandleGroup, synchronize
@@ -83,8 +83,7 @@ def _alone(process_set):
     graph the answer is fixed when it is traced, and an elastic job that
     traced its step as a job of one runs that graph on after it grows: there
     the collective is always built (at one rank it costs one node)."""
-    from unison.elastic import worker
-    return process_set.size() == 1 and (tf.executing_eagerly() or not worker.in_elastic_job())
+    return process_set.size() == 1 and (tf.executing_eagerly() or not elastic_worker.in_elastic_job())
 
 
 def _check(tensor, name):

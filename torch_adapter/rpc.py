@@ -28,7 +28,7 @@ import torch
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as torch_rpc
 
-from unison import basics, collective, objects, tcp_run
+from unison import basics, collective, network, objects
 from unison.exceptions import InvalidArgumentError, UnisonError
 from unison.process_sets import check_member, global_process_set
 import unison.torch.ops as ops
@@ -51,7 +51,7 @@ def _rendezvous_address():
         return "127.0.0.1"
     interface = os.environ.get("UNISON_NETWORK_INTERFACE", "")
     if interface and interface != "0.0.0.0":
-        return tcp_run.interface_address(interface)
+        return network.interface_address(interface)
     return socket.gethostbyname(socket.gethostname())
 
 
@@ -59,7 +59,7 @@ def _interface_of(address):
     """The name of this host's interface that has IPv4 `address`, or None."""
     for _, name in socket.if_nameindex():
         try:
-            if tcp_run.interface_address(name) == address:
+            if network.interface_address(name) == address:
                 return name
         except SystemExit:  # an interface with no IPv4 address
             continue
@@ -78,7 +78,7 @@ def _bind_tensorpipe(rendezvous):
         os.environ["TP_SOCKET_IFNAME"] = _interface_of("127.0.0.1") or "lo"
         return
     host = rendezvous.split("://", 1)[1].rsplit(":", 1)[0]
-    interface = _interface_of(tcp_run.route_source(host))
+    interface = _interface_of(network.route_source(host))
     if interface is not None:
         os.environ["TP_SOCKET_IFNAME"] = interface
 
@@ -112,7 +112,7 @@ _listening = {}
 
 def _listen(address):
     """(endpoint, socket): a listening socket on `address` for rank 0's store."""
-    sock = tcp_run.bind_a_port_nobody_takes_by_chance(address)
+    sock = network.bind_a_port_nobody_takes_by_chance(address)
     sock.listen(128)
     return "unison://%s:%d" % (address, sock.getsockname()[1]), sock
 

@@ -5,7 +5,7 @@ A training function decorated with `hvd.elastic.run` takes a State first.
 The state is committed (copied aside) every few batches. When a collective
 fails because a rank died (HorovodInternalError), every survivor restores
 the last commit, shuts unison down and initialises it again, which joins
-the next round of unisonrun's elastic driver (worker.py) with whoever is
+the next round of unisonrun's elastic driver (elastic_worker.py) with whoever is
 left. When the driver says the hosts changed, `commit()` raises
 HostsUpdatedInterrupt on every rank at the same commit, and the job
 re-forms without rolling back. Either way, the function then runs again
@@ -21,7 +21,7 @@ import functools
 
 from unison import basics, objects
 from unison.exceptions import DeadlockError, HostsUpdatedInterrupt, MismatchError, UnisonInternalError  # noqa: F401
-from unison.elastic import worker
+from unison import elastic_worker
 
 
 class State:
@@ -55,9 +55,9 @@ class State:
         """Raises HostsUpdatedInterrupt on every rank alike when the driver
         reports changed hosts. Rank 0 asks the driver and broadcasts its
         answer, so that no rank goes on training while another re-forms."""
-        if not worker.in_elastic_job():
+        if not elastic_worker.in_elastic_job():
             return
-        news = worker.hosts_changed() if self._rank() == 0 else None
+        news = elastic_worker.hosts_changed() if self._rank() == 0 else None
         news = self._bcast_object(news, 0, name="unison.elastic.hosts")
         if news is not None:
             raise HostsUpdatedInterrupt(skip_sync=news)
@@ -135,7 +135,7 @@ def run_fn(func, reset):
                 # would only meet it again.
                 raise
             except UnisonInternalError:
-                if not worker.in_elastic_job():
+                if not elastic_worker.in_elastic_job():
                     raise  # a plain job: no launcher can form another round
                 # A rank died or stopped answering: go back to the last
                 # commit, which every survivor holds.

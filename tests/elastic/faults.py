@@ -77,7 +77,7 @@ def _die_joining():
     spec = os.environ.get("ELASTIC_DIE_JOINING")
     if not spec or spec.partition("@")[0] != WORKER:
         return
-    from unison.elastic import worker
+    from unison import elastic_worker as worker
     join_round, fatal = worker.join_round, int(spec.partition("@")[2])
 
     def joins_and_dies():

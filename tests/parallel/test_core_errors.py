@@ -272,7 +272,7 @@ def test_what_has_no_importable_name_goes_by_value_where_cloudpickle_is_installe
     or a closure arrives working; where cloudpickle is missing, every rank
     is told which rank's object could not be sent."""
     from unison import objects
-    from unison.run_function import cloudpickle_or_none
+    from unison.runner.function import cloudpickle_or_none
     me, n, root = unison.rank(), unison.size(), unison.size() - 1
     offset = 10 * me
     mine = {"scale": lambda x: x * (me + 1), "shift": (lambda: lambda x: x + offset)()}

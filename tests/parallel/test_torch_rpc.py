@@ -73,12 +73,12 @@ def test_rpc_listens_on_the_jobs_interface_only(rpc_job):
     rendezvous address (the host name's, on simulated hosts: 127.0.0.1
     here). What listened before init_rpc (MPI's own, under mpirun) is not
     RPC's."""
-    from unison import tcp_run
+    from unison import network
     addresses = {address for inode, address in _listening_sockets().items() if inode not in _before_rpc}
     if hvd.cross_size() == 1:
         expected = {"127.0.0.1"}
     else:
-        expected = {tcp_run.interface_address(os.environ["TP_SOCKET_IFNAME"])}
+        expected = {network.interface_address(os.environ["TP_SOCKET_IFNAME"])}
         if hvd.rank() == 0:
             expected.add(rpc._rendezvous_address())
     assert addresses and addresses <= expected and not addresses & {"0.0.0.0", "::"}, (addresses, expected)

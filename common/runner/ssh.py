@@ -12,7 +12,7 @@ that `ps` on the host would show, and so does the rest of the launcher's
 environment, which every rank gets as under horovodrun
 (rank_environment.py).
 
-A remote rank runs under a small wrapper (`python -m unison.tcp_run
+A remote rank runs under a small wrapper (`python -m unison.runner.ssh
 --remote-rank`): it reads the secret and the environment, runs the command,
 ends it when ssh's standard input closes (the launcher stopped the job, or
 was killed), and says how the command ended, which ssh's exit status alone
@@ -36,131 +36,19 @@ import sys
 import threading
 import time
 
-from unison import mpi_run, rank_environment
+from unison.network import bind_a_port_nobody_takes_by_chance, interface_address, is_this_machine, route_source
+from unison.runner import rank_environment
+from unison.runner.hosts import parse_hosts, place
+from unison.runner.processes import (Launch, describe_exit, die_with_parent, remove_shared_memory,
+                                     signal_process_group)
 
 # Variables that hold secrets: the job's, the key of unison.run()'s service
-# (run_function.py), and the job id, which names the job's shared memory
+# (function.py), and the job id, which names the job's shared memory
 # (a name known to another user of the host is one they can take first).
 # A remote rank gets them on ssh's standard input, with the rest of the
 # launcher's environment (remote_launch), never on a command line that ps
 # shows to every user.
 SECRET_VARIABLES = ("UNISON_SECRET_KEY", "UNISON_RUN_FUNCTION_KEY", "UNISON_JOB_ID")
-SIOCGIFADDR = 0x8915
-
-
-def parse_hosts(args):
-    """[(host, slots)] from -H or --hostfile."""
-    text = args.hosts or mpi_run.parse_hostfile(args.hostfile)
-    hosts = []
-    for item in text.split(","):
-        item = item.strip()
-        if not item:
-            continue
-        name, _, slots = item.rpartition(":") if ":" in item else (item, "", "1")
-        if not slots.isdigit() or int(slots) < 1 or not name:
-            raise SystemExit("unisonrun: -H %s: write each host as host:slots, such as node1:4" % text)
-        hosts.append((name, int(slots)))
-    return hosts
-
-
-def place(hosts, np_):
-    """Each rank's host, filling the hosts in order."""
-    total = sum(slots for _, slots in hosts)
-    if total < np_:
-        raise SystemExit("unisonrun: -np %d but the hosts have %d slots" % (np_, total))
-    placed = []
-    for name, slots in hosts:
-        placed += [name] * min(slots, np_ - len(placed))
-    return placed
-
-
-def is_this_machine(host):
-    """True when `host` names this machine: an address of it can be bound."""
-    try:
-        address = socket.gethostbyname(host)
-    except OSError:
-        return False
-    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    try:
-        probe.bind((address, 0))
-        return True
-    except OSError:
-        return False
-    finally:
-        probe.close()
-
-
-def interface_address(name):
-    """The IPv4 address of interface `name` (or `name` itself if it is one)."""
-    try:
-        socket.inet_aton(name)
-        return name
-    except OSError:
-        pass
-    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    try:
-        packed = fcntl.ioctl(probe.fileno(), SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
-        return socket.inet_ntoa(packed[20:24])
-    except OSError:
-        raise SystemExit("unisonrun: --network-interface %s: this host has no interface of that name with an "
-                         "IPv4 address" % name)
-    finally:
-        probe.close()
-
-
-def route_source(toward):
-    """The address this machine uses to reach `toward`."""
-    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    try:
-        probe.connect((socket.gethostbyname(toward), 9))
-        return probe.getsockname()[0]
-    except OSError as e:
-        raise SystemExit("unisonrun: cannot tell which address of this machine reaches %s (%s); name the "
-                         "interface the ranks should use with --network-interface" % (toward, e))
-    finally:
-        probe.close()
-
-
-def ephemeral_ports():
-    """The ports this machine's kernel picks by itself, for a connect() and
-    for a bind() to port 0 (Linux's ip_local_port_range)."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            low, high = (int(x) for x in f.read().split())
-        return low, high
-    except (OSError, ValueError):
-        return 32768, 60999  # Linux's default
-
-
-def bind_a_port_nobody_takes_by_chance(address):
-    """A socket bound to `address` on a port that is free now and that the
-    kernel never hands out by itself: one outside its ephemeral range.
-
-    A rendezvous port goes unheld at times: between the launcher's choice
-    and rank 0's listen, and between a shutdown() and the next init(). A
-    port from the ephemeral range can be taken meanwhile by any connection
-    or port-0 bind on the host, which CI once saw as rank 0's second init()
-    failing with "Address already in use". Outside that range, only a
-    program that names the port can take it. Falls back to a port-0 bind
-    where the kernel's range leaves nothing outside it."""
-    low, high = ephemeral_ports()
-    # Below 10000 live many well-known services; stay above it where the
-    # range leaves room.
-    floor = 10000 if low > 20000 else 1024
-    outside = list(range(floor, low)) + list(range(high + 1, 65536))
-    chance = random.SystemRandom()  # not the user's seeded `random`: workers must not pick alike
-    probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        for port in chance.sample(outside, min(64, len(outside))) + [0]:
-            try:
-                probe.bind((address, port))
-                return probe
-            except OSError:
-                if port == 0:
-                    raise
-    except BaseException:
-        probe.close()
-        raise
 
 
 def rendezvous(args, placed, local):
@@ -202,8 +90,7 @@ def ssh_command(args, host, remote_command):
 
 
 def launches(args, job_id, base):
-    """Every rank's Launch (run.py) for a job on the hosts of -H/--hostfile."""
-    from unison.run import Launch
+    """Every rank's Launch (processes.py) for a job on the hosts of -H/--hostfile."""
 
     placed = place(parse_hosts(args), args.np)
     names = list(dict.fromkeys(placed))  # hosts in order of their first rank
@@ -254,7 +141,7 @@ def remote_launch(args, host, env, command):
     settings = {k: v for k, v in env.items()
                 if (k.startswith(("UNISON_", "HOROVOD_")) or k in rank_environment.BEFORE_THE_WRAPPER)
                 and k not in SECRET_VARIABLES}
-    remote = "cd %s 2>/dev/null; exec env %s %s -m unison.tcp_run --remote-rank -- %s" % (
+    remote = "cd %s 2>/dev/null; exec env %s %s -m unison.runner.ssh --remote-rank -- %s" % (
         shlex.quote(os.getcwd()), " ".join("%s=%s" % (k, shlex.quote(v)) for k, v in sorted(settings.items())),
         shlex.quote(sys.executable), " ".join(shlex.quote(c) for c in command))
     given = json.dumps({k: v for k, v in env.items() if k not in settings}).encode()
@@ -287,16 +174,15 @@ def _read_given_environment():
 
 def remote_rank(argv):
     """Runs one rank on a remote host: see the module's docstring."""
-    from unison.run import _describe, _die_with_parent, remove_shared_memory, signal_process_group
 
     command = argv[1:] if argv[:1] == ["--"] else argv
     given = _read_given_environment()
     if not given.get("UNISON_SECRET_KEY"):
-        raise SystemExit("unison.tcp_run: no secret on standard input; this wrapper is started by unisonrun")
+        raise SystemExit("unison.runner.ssh: no secret on standard input; this wrapper is started by unisonrun")
     env = dict(os.environ)
     env.update(given)
     proc = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
-                            preexec_fn=_die_with_parent)
+                            preexec_fn=die_with_parent)
 
     def stop(_signum=None, _frame=None):
         if proc.poll() is None:
@@ -325,11 +211,11 @@ def remote_rank(argv):
             who = "worker %s" % env["UNISON_ELASTIC_WORKER"]
         else:
             who = "rank %s (host %s)" % (env.get("UNISON_RANK", "?"), env.get("UNISON_HOSTNAME", "?"))
-        print("unisonrun: %s %s" % (who, _describe(code)), file=sys.stderr, flush=True)
+        print("unisonrun: %s %s" % (who, describe_exit(code)), file=sys.stderr, flush=True)
     return code if code >= 0 else 128 - code
 
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--remote-rank"]:
         sys.exit(remote_rank(sys.argv[2:]))
-    raise SystemExit("unison.tcp_run is run by unisonrun; see unisonrun --help")
+    raise SystemExit("unison.runner.ssh is run by unisonrun; see unisonrun --help")

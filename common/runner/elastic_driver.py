@@ -7,7 +7,7 @@ The job runs in rounds. A round is a set of workers (processes, each named
 host:slot) with ranks 0..size-1; within it the ranks meet and train as in
 any unison job (shared memory within a host, TCP across hosts). A worker
 learns its rank for a round from this driver when its init() joins the
-round (elastic/worker.py), so a worker's process lives through many rounds.
+round (elastic_worker.py), so a worker's process lives through many rounds.
 
 - Hosts come from the discovery script (re-run every second; it prints
   `host:slots` or `host` lines, `host` taking --slots) or from -H.
@@ -40,8 +40,9 @@ import sys
 import threading
 import time
 
-from unison import rank_environment, run, tcp_run
+from unison import network
 from unison.keyed_listener import KeyedListener
+from unison.runner import hosts, processes, rank_environment, ssh
 
 DISCOVERY_INTERVAL_SECONDS = 1.0
 
@@ -126,7 +127,7 @@ class ElasticDriver:
                          % (self.args.host_discovery_script, e))
                 return None
         if self.args.hosts or self.args.hostfile:
-            return dict(tcp_run.parse_hosts(self.args))
+            return dict(hosts.parse_hosts(self.args))
         return {"localhost": self.max_np}
 
     def blacklist_host(self, host, why):
@@ -175,13 +176,13 @@ class ElasticDriver:
 
     def is_local(self, host):
         if host not in self.local:
-            self.local[host] = tcp_run.is_this_machine(host)
+            self.local[host] = network.is_this_machine(host)
         return self.local[host]
 
     def driver_address_for(self, host):
         if self.args.network_interface and self.args.network_interface != "0.0.0.0":
-            return tcp_run.interface_address(self.args.network_interface)
-        return "127.0.0.1" if self.is_local(host) else tcp_run.route_source(host)
+            return network.interface_address(self.args.network_interface)
+        return "127.0.0.1" if self.is_local(host) else network.route_source(host)
 
     def start_worker(self, name):
         host, _, slot = name.rpartition(":")
@@ -194,17 +195,17 @@ class ElasticDriver:
             env = dict(self.base, UNISON_SECRET_KEY=self.secret, **identity)
             command = self.args.command
         else:
-            command, stdin_text = tcp_run.remote_launch(self.args, host,
+            command, stdin_text = ssh.remote_launch(self.args, host,
                                                         dict(self.base, UNISON_SECRET_KEY=self.secret, **identity),
                                                         self.args.command)
             env = dict(self.base)
         self.log("starting worker %s: %s" % (name, " ".join(command)))
-        proc = run.start_process(command, env, stdin_text)
+        proc = processes.start_process(command, env, stdin_text)
         worker = Worker(name, host, int(slot), proc)
         self.workers[name] = worker
         # Appended to: a worker restarted on a host that came back keeps its name.
         folder = os.path.join(self.args.output_filename, "worker.%s" % name) if self.args.output_filename else None
-        run.forward_output(proc, name, folder, self.threads, self.logs, mode="ab",
+        processes.forward_output(proc, name, folder, self.threads, self.logs, mode="ab",
                            timestamped=self.args.prefix_output_with_timestamp)
         threading.Thread(target=self.await_exit, args=(worker,), daemon=True).start()
 
@@ -223,7 +224,7 @@ class ElasticDriver:
                 worker.proc.stdin.close()
             except OSError:
                 pass
-        run.signal_process_group(worker.proc.pid, signum)
+        processes.signal_process_group(worker.proc.pid, signum)
 
     def running(self):
         return [w for w in self.workers.values() if w.code is None]
@@ -342,7 +343,7 @@ class ElasticDriver:
                 if member or not worker.joined:
                     self.finishing = True
                 continue
-            how = run._describe(worker.code)
+            how = processes.describe_exit(worker.code)
             if self.finishing:
                 self.end(1, "worker %s %s after the job had finished training" % (worker.name, how))
                 continue
@@ -361,7 +362,7 @@ class ElasticDriver:
                     not any(w.code is None for w in outside):
                 failed = [n for n in self.members if self.workers[n].code != 0]
                 if failed:
-                    self.end(1, "worker %s %s" % (failed[0], run._describe(self.workers[failed[0]].code)))
+                    self.end(1, "worker %s %s" % (failed[0], processes.describe_exit(self.workers[failed[0]].code)))
                 else:
                     self.end(0, None)
             return
@@ -444,7 +445,7 @@ class ElasticDriver:
         # interface of the machine), and every address only where hosts
         # reach this one over routes no flag names.
         if self.args.network_interface and self.args.network_interface != "0.0.0.0":
-            bind = tcp_run.interface_address(self.args.network_interface)
+            bind = network.interface_address(self.args.network_interface)
         elif all(self.is_local(h) for h in hosts):
             bind = "127.0.0.1"
         else:
@@ -484,7 +485,7 @@ class ElasticDriver:
         listener, self.listener = self.listener, None
         if listener is not None:
             listener.close()
-        run.remove_shared_memory(self.job_id)
+        processes.remove_shared_memory(self.job_id)
 
 
 def launch(args, job_id, base):

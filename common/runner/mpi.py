@@ -3,7 +3,7 @@
     unisonrun -np 8 -H host1:4,host2:4 python train.py
     unisonrun -np 8 --hostfile hosts python train.py
 
-mpirun starts one small wrapper per rank (`python -m unison.mpi_run
+mpirun starts one small wrapper per rank (`python -m unison.runner.mpi
 --rank-wrapper`), which runs the command, prefixes its output lines with
 the rank as the local launcher does, and, when the command fails, says
 which rank failed and how; mpirun then stops the other ranks and unisonrun
@@ -22,7 +22,9 @@ import sys
 import threading
 import time
 
-from unison import rank_environment
+from unison.runner import rank_environment
+from unison.runner.hosts import parse_hostfile, slots
+from unison.runner.processes import describe_exit, die_with_parent, forward_output, new_job_id, remove_shared_memory
 
 FAILURE = re.compile(r"unisonrun: rank (\d+) .*(exited with status|was killed by signal)")
 
@@ -49,33 +51,6 @@ def mpirun_family(mpirun):
     if "Open MPI" in out or "OpenRTE" in out or "PRRTE" in out:
         return "openmpi"
     return "hydra"
-
-
-def parse_hostfile(path):
-    """Lines of `host slots=N`, `host:N` or `host`; '#' starts a comment.
-    Returns "host:N,..." as -H takes it."""
-    hosts = []
-    try:
-        f = open(path)
-    except OSError as e:
-        raise SystemExit("unisonrun: --hostfile %s: cannot read it: %s" % (path, e.strerror)) from None
-    with f:
-        for line in f:
-            line = line.split("#", 1)[0].strip()
-            if not line:
-                continue
-            match = re.match(r"^(\S+?)(?::(\d+))?(?:\s+slots\s*=\s*(\d+))?\s*$", line)
-            if not match:
-                raise SystemExit("unisonrun: cannot read hostfile line %r; write `host slots=N` or `host:N`" % line)
-            name, colon, slots = match.groups()
-            hosts.append("%s:%s" % (name, slots or colon or "1"))
-    if not hosts:
-        raise SystemExit("unisonrun: hostfile %s names no hosts" % path)
-    return ",".join(hosts)
-
-
-def slots(hosts):
-    return sum(int(h.rsplit(":", 1)[1]) if ":" in h else 1 for h in hosts.split(","))
 
 
 def mpirun_command(mpirun, family, np_, hosts, variables, wrapper, mpi_args="", binding_args=None):
@@ -118,12 +93,11 @@ def launch(args, settings):
         env.setdefault("OMP_NUM_THREADS", "1")
     # The job's name for its shared memory on every host, so that each
     # rank's wrapper can remove what a crash during start-up left there.
-    from unison.run import new_job_id
     env["UNISON_JOB_ID"] = new_job_id()
     # Hydra passes every rank the whole environment; Open MPI only what -x
     # names, and every rank gets what a horovodrun rank would (rank_environment.py).
     variables = sorted(rank_environment.forwarded(env))
-    wrapper = [sys.executable, "-m", "unison.mpi_run", "--rank-wrapper"]
+    wrapper = [sys.executable, "-m", "unison.runner.mpi", "--rank-wrapper"]
     if args.simulate_hosts:
         wrapper += ["--simulate-hosts", str(args.simulate_hosts)]
     if args.output_filename:
@@ -177,11 +151,10 @@ def _rank_from_environment():
                        ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS")):
         if rank in os.environ:
             return int(os.environ[rank]), int(os.environ.get(size, "1"))
-    raise SystemExit("unison.mpi_run: not started by mpirun (no OMPI_COMM_WORLD_RANK or PMI_RANK)")
+    raise SystemExit("unison.runner.mpi: not started by mpirun (no OMPI_COMM_WORLD_RANK or PMI_RANK)")
 
 
 def rank_wrapper(argv):
-    from unison.run import _describe, _die_with_parent, forward_output, remove_shared_memory
 
     simulate_hosts = 0
     output_filename = None
@@ -198,7 +171,7 @@ def rank_wrapper(argv):
         elif option == "--prefix-output-with-timestamp":
             timestamped = True
         else:
-            raise SystemExit("unison.mpi_run: unknown option %s" % option)
+            raise SystemExit("unison.runner.mpi: unknown option %s" % option)
     command = argv[1:]
     rank, size = _rank_from_environment()
     env = dict(os.environ)
@@ -210,7 +183,7 @@ def rank_wrapper(argv):
     # close_fds=False: Hydra hands each rank its PMI connection as an
     # inherited file descriptor (PMI_FD).
     proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            stdin=subprocess.DEVNULL, close_fds=False, preexec_fn=_die_with_parent)
+                            stdin=subprocess.DEVNULL, close_fds=False, preexec_fn=die_with_parent)
 
     def forward(signum, _frame):
         if proc.poll() is None:
@@ -229,7 +202,7 @@ def rank_wrapper(argv):
     if code != 0 and "UNISON_JOB_ID" in env:
         remove_shared_memory(env["UNISON_JOB_ID"])
     if code != 0:
-        print("unisonrun: rank %d (host %s) %s" % (rank, host, _describe(code)), file=sys.stderr, flush=True)
+        print("unisonrun: rank %d (host %s) %s" % (rank, host, describe_exit(code)), file=sys.stderr, flush=True)
         # Hydra ends a job early only when a rank dies by a signal, not when
         # it exits with a status. So, after the same grace period the local
         # launcher gives the other ranks to report the failure themselves,
@@ -243,4 +216,4 @@ def rank_wrapper(argv):
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--rank-wrapper"]:
         sys.exit(rank_wrapper(sys.argv[2:]))
-    raise SystemExit("unison.mpi_run is run by unisonrun; see unisonrun --help")
+    raise SystemExit("unison.runner.mpi is run by unisonrun; see unisonrun --help")

@@ -11,12 +11,12 @@ the call with a RuntimeError that names the rank and carries its traceback
 (the rank's own exception is its __cause__ when it pickles).
 
 How it gets there. The caller's process pickles the function and its
-arguments, then runs `unisonrun ... python -m unison.run_function`. Each
+arguments, then runs `unisonrun ... python -m unison.runner.function`. Each
 rank fetches the pickle from a small service in the caller, runs it, and
 sends back the result. A connection to the service must prove a key made
 for this call (keyed_listener.py: the key never crosses the network), and
 ranks on other hosts get the key on ssh's standard input with the job's
-secret, never on a command line (tcp_run.SECRET_VARIABLES).
+secret, never on a command line (ssh.SECRET_VARIABLES).
 
 Functions of the caller's main script pickle by reference
 (`__main__.train`). A rank therefore imports that script first, under the
@@ -39,8 +39,10 @@ import traceback
 import types
 import warnings
 
-from unison import keyed_listener
+from unison import basics, keyed_listener, network
 from unison.keyed_listener import KeyedListener
+from unison.runner.hosts import parse_hosts
+from unison.runner.processes import die_with_parent
 
 ADDRESS, KEY = "UNISON_RUN_FUNCTION", "UNISON_RUN_FUNCTION_KEY"
 
@@ -107,10 +109,9 @@ def run(func, args=(), kwargs=None, num_proc=None, min_num_proc=None, max_num_pr
     env = dict(os.environ)
     env.update({ADDRESS: "%s:%d" % service.address, KEY: service.key})
     command = [sys.executable, "-m", "unison.run"] + options + [
-        executable or sys.executable, "-m", "unison.run_function"]
-    from unison.run import _die_with_parent  # the ranks end with the launcher, and it with this process
+        executable or sys.executable, "-m", "unison.runner.function"]
     launcher = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                preexec_fn=_die_with_parent)
+                                preexec_fn=die_with_parent)  # the ranks end with the launcher, and it with this process
     # Copied to sys.stdout and sys.stderr, not left on file descriptors 1
     # and 2: a notebook or a test runner shows what the ranks print.
     said = []  # the launcher's own lines
@@ -178,21 +179,19 @@ def _payload(func, args, kwargs):
 
 def _service_address(hosts, hostfile, network_interface):
     """(address to bind, address the ranks reach it at)."""
-    from unison import tcp_run
-
     if network_interface == "0.0.0.0":
         network_interface = None
     if network_interface:
-        address = tcp_run.interface_address(network_interface)
+        address = network.interface_address(network_interface)
         return address, address
     if hosts is None and hostfile is None:
         return "127.0.0.1", "127.0.0.1"
 
     named = types.SimpleNamespace(hosts=hosts, hostfile=hostfile)
-    remote = [h for h, _ in tcp_run.parse_hosts(named) if not tcp_run.is_this_machine(h)]
+    remote = [h for h, _ in parse_hosts(named) if not network.is_this_machine(h)]
     if not remote:
         return "127.0.0.1", "127.0.0.1"
-    return "0.0.0.0", tcp_run.route_source(remote[0])
+    return "0.0.0.0", network.route_source(remote[0])
 
 
 def _copy(stream, sink, said):
@@ -284,10 +283,8 @@ def _ask(request):
 
 def _rank():
     """This rank's place: the job's, or for a job that shut unison down, the launcher's."""
-    import unison
-
-    if unison.is_initialized():
-        return unison.rank()
+    if basics.is_initialized():
+        return basics.rank()
     for name in ("UNISON_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
         if name in os.environ:
             return int(os.environ[name])
@@ -346,7 +343,7 @@ def _keep_the_script_up_to_the_call(trace):
 
 def worker():
     if ADDRESS not in os.environ or KEY not in os.environ:
-        raise SystemExit("unison.run_function is run by unison.run(); see help(unison.run)")
+        raise SystemExit("unison.runner.function is run by unison.run(); see help(unison.run)")
     pickler_name, preparation, call = pickle.loads(_ask(("call",)))
     # What comes back is pickled as the call was: the caller can load it.
     pickler = cloudpickle_or_none() if pickler_name == "cloudpickle" else pickle
@@ -384,7 +381,7 @@ def _raised(exception, pickler):
 
 if __name__ == "__main__":
     # Run as `python -m`, this file is __main__, and the script a rank
-    # imports gets unison.run_function, a second copy of it: the rank works
+    # imports gets unison.runner.function, a second copy of it: the rank works
     # in that copy, whose run() sees _importing_the_callers_script.
-    from unison import run_function as importable
+    from unison.runner import function as importable
     sys.exit(importable.worker())

@@ -1,7 +1,7 @@
 """A worker's side of an elastic job: how init() learns this process's rank
 for the next round, and how rank 0 asks whether the hosts changed.
 
-unisonrun's elastic driver (elastic_run.py) starts each worker with
+unisonrun's elastic driver (runner/elastic_driver.py) starts each worker with
 UNISON_ELASTIC_DRIVER (where it listens), UNISON_ELASTIC_WORKER (this
 worker's name, host:slot) and the job's secret, and no rank. Each init()
 then joins a round: the worker says where it could listen as rank 0, and
@@ -19,7 +19,7 @@ import os
 import sys
 import threading
 
-from unison import keyed_listener
+from unison import keyed_listener, network
 
 DRIVER = "UNISON_ELASTIC_DRIVER"
 WORKER = "UNISON_ELASTIC_WORKER"
@@ -87,14 +87,12 @@ def _listen_address():
     kernel for the whole of the round's forming, and a connection another
     worker opened to the driver meanwhile could take it as its own
     (rank 0 then failed with "Address already in use")."""
-    from unison import tcp_run
-
     interface = os.environ.get("UNISON_NETWORK_INTERFACE")
     if interface and interface != "0.0.0.0":
-        address = tcp_run.interface_address(interface)
+        address = network.interface_address(interface)
     else:
-        address = tcp_run.route_source(os.environ[DRIVER].rpartition(":")[0])
-    probe = tcp_run.bind_a_port_nobody_takes_by_chance(address)
+        address = network.route_source(os.environ[DRIVER].rpartition(":")[0])
+    probe = network.bind_a_port_nobody_takes_by_chance(address)
     return address, probe.getsockname()[1], probe
 
 

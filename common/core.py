@@ -1,0 +1,181 @@
+"""The native core as every module above it sees it: the reduce ops, its
+status codes turned into exceptions, its settings table, and its answers
+to the rank, size and build queries. It knows nothing of init (basics.py)
+or of process sets (process_sets.py), so both can build on it."""
+import os
+
+from unison import exceptions
+from unison._native import ffi, lib
+
+# Reduce operations, with Horovod's names.
+Sum = lib.UNISON_SUM
+Average = lib.UNISON_AVERAGE
+Min = lib.UNISON_MIN
+Max = lib.UNISON_MAX
+Product = lib.UNISON_PRODUCT
+Adasum = lib.UNISON_ADASUM  # native/adasum.h says what it computes
+
+_ERRORS = {
+    lib.UNISON_ERR_INVALID_ARGUMENT: exceptions.InvalidArgumentError,
+    lib.UNISON_ERR_NOT_INITIALIZED: exceptions.NotInitializedError,
+    lib.UNISON_ERR_MISMATCH: exceptions.MismatchError,
+    lib.UNISON_ERR_RANK_FAILED: exceptions.RankFailedError,
+    lib.UNISON_ERR_SHUT_DOWN: exceptions.ShutDownError,
+    lib.UNISON_ERR_STALLED: exceptions.StalledError,
+    lib.UNISON_ERR_DEADLOCK: exceptions.DeadlockError,
+    lib.UNISON_ERR_UNSUPPORTED: exceptions.UnsupportedError,
+    lib.UNISON_ERR_INTERNAL: exceptions.UnisonInternalError,
+    lib.UNISON_ERR_OUT_OF_MEMORY: exceptions.OutOfMemoryError,
+}
+
+
+def settings_problem(variables):
+    """Why init() would refuse these environment variables (a dict of
+    names to values), naming the setting and its value; None where it
+    would take them."""
+    names = [ffi.new("char[]", os.fsencode(name)) for name in variables]
+    values = [ffi.new("char[]", os.fsencode(value)) for value in variables.values()]
+    if lib.unison_check_settings(names, values, len(names)) == lib.UNISON_OK:
+        return None
+    return ffi.string(lib.unison_last_error()).decode(errors="replace")
+
+
+def setting_table():
+    """Every setting init() reads, as the core's table has it (config.cc):
+    a list of dicts with name, horovod_name (or None), kind, minimum,
+    maximum, choices (a list, or None), default and description. minimum
+    and maximum bound the numeric kinds, and minimum is a secret's least
+    length; both are None where they do not apply."""
+    def text(pointer):
+        return None if pointer == ffi.NULL else ffi.string(pointer).decode()
+
+    numeric = ("integer", "bytes", "number", "core-list")
+    rows = []
+    while True:
+        row = lib.unison_setting_at(len(rows))
+        if row == ffi.NULL:
+            return rows
+        kind = text(row.kind)
+        rows.append({"name": text(row.name), "horovod_name": text(row.horovod_name), "kind": kind,
+                     "minimum": row.minimum if kind in numeric + ("secret",) else None,
+                     "maximum": row.maximum if kind in numeric else None,
+                     "choices": text(row.choices).split("|") if row.choices != ffi.NULL else None,
+                     "default": text(row.default_value), "description": text(row.description)})
+
+
+def error_for(code, message):
+    return _ERRORS.get(code, exceptions.UnisonError)(message)
+
+
+def check(code):
+    """Raises the exception for a failed call's status code."""
+    if code != lib.UNISON_OK:
+        raise error_for(code, ffi.string(lib.unison_last_error()).decode(errors="replace"))
+
+
+def is_initialized():
+    return bool(lib.unison_is_initialized())
+
+
+def _query(function):
+    out = ffi.new("int*")
+    check(function(out))
+    return out[0]
+
+
+def rank():
+    return _query(lib.unison_rank)
+
+
+def size():
+    return _query(lib.unison_size)
+
+
+def local_rank():
+    return _query(lib.unison_local_rank)
+
+
+def local_size():
+    return _query(lib.unison_local_size)
+
+
+def cross_rank():
+    return _query(lib.unison_cross_rank)
+
+
+def cross_size():
+    return _query(lib.unison_cross_size)
+
+
+def is_homogeneous():
+    """True when every host runs the same number of ranks (a job on one
+    host always does)."""
+    return bool(_query(lib.unison_is_homogeneous))
+
+
+def backend_name():
+    """The data plane in use: 'solo' (one rank), 'shm' (one host), 'hierarchical'
+    (shared memory within hosts, MPI across) or 'mpi' (MPI between every pair)."""
+    return ffi.string(lib.unison_backend_name()).decode()
+
+
+def built_backends():
+    return ffi.string(lib.unison_built_backends()).decode().split(",")
+
+
+# Build queries, under Horovod's names.
+def mpi_built():
+    return "mpi" in built_backends()
+
+
+def gloo_built():
+    return False
+
+
+def device_support():
+    """Where GPU tensors can go, in words: the CUDA runtime and devices
+    found, and NCCL. The core loads both at run time, so this is a fact
+    about this machine and process, not about how unison was built."""
+    return ffi.string(lib.unison_device_support()).decode()
+
+
+def nccl_built():
+    """Whether NCCL can be loaded: GPU collectives then go through it."""
+    return "NCCL: not found" not in device_support()
+
+
+def ddl_built():
+    return False
+
+
+def ccl_built():
+    return False
+
+
+def cuda_built():
+    """Whether the CUDA runtime and a GPU were found: GPU tensors are taken."""
+    return "CUDA: not found" not in device_support()
+
+
+def rocm_built():
+    return False
+
+
+def mpi_enabled():
+    """Whether this job's ranks meet through MPI: it was started by mpirun
+    or srun (or `unisonrun --mpi`) with more than one rank. False before
+    init(), as in Horovod."""
+    return is_initialized() and bool(_query(lib.unison_mpi_enabled))
+
+
+def gloo_enabled():
+    return False
+
+
+def mpi_threads_supported():
+    """Whether the application may call MPI itself (mpi4py) from any thread
+    beside unison: MPI is in use and runs at MPI_THREAD_MULTIPLE. Raises
+    before init(), as Horovod does. Where MPI is not in use the answer is
+    False; Horovod raises there instead, which would break a script moved
+    from mpirun to unisonrun for a question whose answer is plain."""
+    return bool(_query(lib.unison_mpi_threads_supported))
