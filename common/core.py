@@ -43,7 +43,10 @@ def settings_problem(variables):
 def setting_table():
     """Every setting init() reads, as the core's table has it (config.cc):
     a list of dicts with name, horovod_name (or None), kind, minimum,
-    maximum, choices (a list, or None), default and description. minimum
+    maximum, choices (a list, or None), default, description, and the
+    launcher's side: flag (unisonrun's option), flag_unit (what it takes
+    where not the variable's unit, "MiB") and config_key (horovodrun's
+    config file, "section.key"), each None where there is none. minimum
     and maximum bound the numeric kinds, and minimum is a secret's least
     length; both are None where they do not apply."""
     def text(pointer):
@@ -60,7 +63,8 @@ def setting_table():
                      "minimum": row.minimum if kind in numeric + ("secret",) else None,
                      "maximum": row.maximum if kind in numeric else None,
                      "choices": text(row.choices).split("|") if row.choices != ffi.NULL else None,
-                     "default": text(row.default_value), "description": text(row.description)})
+                     "default": text(row.default_value), "description": text(row.description),
+                     "flag": text(row.flag), "flag_unit": text(row.flag_unit), "config_key": text(row.config_key)})
 
 
 def error_for(code, message):

@@ -167,7 +167,7 @@ const unison_setting* unison_setting_at(int index) {
     std::vector<unison_setting> out;
     for (const SettingInfo& s : setting_table())
       out.push_back({s.name, s.horovod_name, s.kind, s.minimum, s.maximum, s.choices, s.default_value.c_str(),
-                     s.description});
+                     s.description, s.flag, s.flag_unit, s.config_key});
     return out;
   }();
   return index >= 0 && (size_t)index < rows.size() ? &rows[index] : nullptr;

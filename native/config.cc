@@ -265,9 +265,10 @@ namespace {
 
 // Every setting the core reads, in the order init reads them (the first bad
 // one is the one reported). This table is the only place a setting's name,
-// Horovod alias, kind and bounds are written; its default is Config's
-// member initializer (config.h). The launcher's checks and the docs'
-// settings page read it through unison_setting_at().
+// Horovod alias, kind, bounds, launcher option and config-file key are
+// written; its default is Config's member initializer (config.h). The
+// launcher's options, their --help and its config file, its checks, and the
+// docs' settings page read it through unison_setting_at().
 //
 // Why each range: rank counts stop at a million, more than any job runs,
 // so that every per-rank table stays allocatable and every product of a
@@ -293,6 +294,14 @@ struct Setting {
   const char* choices;
   Target target;
   const char* description;
+  // The launcher's side (runner/command_line.py builds its options from
+  // these): unisonrun's option for the setting, the unit that option takes
+  // where it is not the variable's (MiB for a size in bytes), and the key
+  // of horovodrun's config file. A flag option named --no-X sets the
+  // variable to 1, and its config key is X's "enabled", the opposite.
+  const char* flag = nullptr;
+  const char* flag_unit = nullptr;
+  const char* config_key = nullptr;
 };
 
 constexpr const char* kNone = nullptr;
@@ -326,23 +335,23 @@ const Setting kSettings[] = {
      "The interface (name or IPv4 address) the ranks listen on; the one that reaches rank 0 where unset."},
     {"UNISON_HIERARCHICAL_ALLREDUCE", "HOROVOD_HIERARCHICAL_ALLREDUCE", "flag", 0, 0, kNone, &Config::hierarchical,
      "Across hosts: shared memory within each host and MPI or TCP between hosts, or MPI or TCP between every "
-     "pair of ranks."},
+     "pair of ranks.", "--hierarchical-allreduce", kNone, "params.hierarchical_allreduce"},
     {"UNISON_FUSION_THRESHOLD", "HOROVOD_FUSION_THRESHOLD", "bytes", 0, 16 * kGiB, kNone,
-     &Config::fusion_threshold_bytes, "Tensors ready in one cycle are packed together up to this many bytes."},
+     &Config::fusion_threshold_bytes, "Tensors ready in one cycle are packed together up to this many bytes.", "--fusion-threshold-mb", "MiB", "params.fusion_threshold_mb"},
     {"UNISON_CYCLE_TIME", "HOROVOD_CYCLE_TIME", "number", 0, 10000, kNone, &Config::cycle_time_ms,
-     "Milliseconds between negotiation cycles; 0 starts one as soon as a request arrives."},
+     "Milliseconds between negotiation cycles; 0 starts one as soon as a request arrives.", "--cycle-time-ms", kNone, "params.cycle_time_ms"},
     {"UNISON_CACHE_CAPACITY", "HOROVOD_CACHE_CAPACITY", "integer", 0, 1 << 20, kNone, &Config::cache_capacity,
-     "Negotiated responses remembered, so that a repeated tensor agrees by one bit; 0 turns the cache off."},
+     "Negotiated responses remembered, so that a repeated tensor agrees by one bit; 0 turns the cache off.", "--cache-capacity", kNone, "params.cache_capacity"},
     {"UNISON_STALL_CHECK_DISABLE", "HOROVOD_STALL_CHECK_DISABLE", "flag", 0, 0, kNone,
-     &Config::stall_check_disabled, "Turns the stall inspector off."},
+     &Config::stall_check_disabled, "Turns the stall inspector off.", "--no-stall-check", kNone, "stall_check.enabled"},
     {"UNISON_STALL_CHECK_TIME_SECONDS", "HOROVOD_STALL_CHECK_TIME_SECONDS", "number", 0, 7 * kDay, kNone,
-     &Config::stall_warning_seconds, "Seconds a tensor may wait for other ranks before a warning names them."},
+     &Config::stall_warning_seconds, "Seconds a tensor may wait for other ranks before a warning names them.", "--stall-check-warning-time-seconds", kNone, "stall_check.warning_time_seconds"},
     {"UNISON_STALL_SHUTDOWN_TIME_SECONDS", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "number", 0, 7 * kDay, kNone,
-     &Config::stall_shutdown_seconds, "Seconds after which a stalled tensor fails; 0 never fails it."},
+     &Config::stall_shutdown_seconds, "Seconds after which a stalled tensor fails; 0 never fails it.", "--stall-check-shutdown-time-seconds", kNone, "stall_check.shutdown_time_seconds"},
     {"UNISON_PEER_TIMEOUT_SECONDS", kNone, "number", 0.1, kDay, kNone, &Config::peer_timeout_seconds,
-     "Seconds a peer may show no sign of life before it is declared failed."},
+     "Seconds a peer may show no sign of life before it is declared failed.", "--peer-timeout-seconds", kNone, kNone},
     {"UNISON_START_TIMEOUT", "HOROVOD_START_TIMEOUT", "number", 0.1, kDay, kNone, &Config::start_timeout_seconds,
-     "Seconds init waits for every rank to arrive."},
+     "Seconds init waits for every rank to arrive.", "--start-timeout", kNone, "library_options.gloo_timeout_seconds"},
     {"UNISON_SHM_SLOT_BYTES", kNone, "bytes", 4096, kGiB, kNone, &Config::shm_slot_bytes,
      "Shared-memory staging area per rank; larger collectives move in rounds."},
     {"UNISON_CONTROL_MESSAGE_BYTES", kNone, "bytes", 4096, 64 * 1024 * 1024, kNone, &Config::control_message_bytes,
@@ -359,23 +368,23 @@ const Setting kSettings[] = {
      "How GPU tensors move: NCCL where it can (auto), NCCL or an error (nccl), or through host memory "
      "(staging)."},
     {"UNISON_LOG_LEVEL", "HOROVOD_LOG_LEVEL", "choice", 0, 0, "trace|debug|info|warning|error|fatal",
-     &Config::log_level, "The least severe message the core prints."},
+     &Config::log_level, "The least severe message the core prints.", "--log-level", kNone, "logging.level"},
     {"UNISON_THREAD_AFFINITY", "HOROVOD_THREAD_AFFINITY", "core-list", 0, CPU_SETSIZE - 1, kNone,
-     &Config::thread_affinity, "Comma-separated cores, one per local rank, to pin each rank's engine thread to."},
-    {"UNISON_TIMELINE", "HOROVOD_TIMELINE", "text", 0, 0, kNone, &Config::timeline_path,
-     "Rank 0 writes a Chrome trace of every tensor's phases to this file."},
+     &Config::thread_affinity, "Comma-separated cores, one per local rank, to pin each rank's engine thread to.", "--thread-affinity", kNone, kNone},
+    {"UNISON_TIMELINE", "HOROVOD_TIMELINE", "path", 0, 0, kNone, &Config::timeline_path,
+     "Rank 0 writes a Chrome trace of every tensor's phases to this file.", "--timeline-filename", kNone, "timeline.filename"},
     {"UNISON_TIMELINE_MARK_CYCLES", "HOROVOD_TIMELINE_MARK_CYCLES", "flag", 0, 0, kNone,
-     &Config::timeline_mark_cycles, "Marks each negotiation cycle on the timeline."},
+     &Config::timeline_mark_cycles, "Marks each negotiation cycle on the timeline.", "--timeline-mark-cycles", kNone, "timeline.mark_cycles"},
     {"UNISON_AUTOTUNE", "HOROVOD_AUTOTUNE", "flag", 0, 0, kNone, &Config::autotune,
-     "Rank 0 searches the fusion threshold, cycle time, cache and hierarchy for the fastest."},
-    {"UNISON_AUTOTUNE_LOG", "HOROVOD_AUTOTUNE_LOG", "text", 0, 0, kNone, &Config::autotune_log,
-     "A CSV file of every setting the autotuner tried and its score."},
+     "Rank 0 searches the fusion threshold, cycle time, cache and hierarchy for the fastest.", "--autotune", kNone, "autotune.enabled"},
+    {"UNISON_AUTOTUNE_LOG", "HOROVOD_AUTOTUNE_LOG", "path", 0, 0, kNone, &Config::autotune_log,
+     "A CSV file of every setting the autotuner tried and its score.", "--autotune-log-file", kNone, "autotune.log_file"},
     {"UNISON_AUTOTUNE_WARMUP_SAMPLES", "HOROVOD_AUTOTUNE_WARMUP_SAMPLES", "integer", 0, 1000, kNone,
-     &Config::autotune_warmup_samples, "Samples the autotuner discards before scoring."},
+     &Config::autotune_warmup_samples, "Samples the autotuner discards before scoring.", "--autotune-warmup-samples", kNone, "autotune.warmup_samples"},
     {"UNISON_AUTOTUNE_SAMPLES", kNone, "integer", 1, 1000, kNone, &Config::autotune_samples,
      "Samples the autotuner scores each setting by."},
     {"UNISON_AUTOTUNE_STEPS_PER_SAMPLE", "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE", "integer", 1, 1e6, kNone,
-     &Config::autotune_steps_per_sample, "Steps in one autotuner sample."},
+     &Config::autotune_steps_per_sample, "Steps in one autotuner sample.", "--autotune-steps-per-sample", kNone, "autotune.steps_per_sample"},
     {"UNISON_AUTOTUNE_CACHE", kNone, "flag", 0, 0, kNone, &Config::autotune_cache,
      "Whether the autotuner tries the response cache on and off."},
 };
@@ -441,7 +450,7 @@ Status read_setting(const Variables& env, const Setting& s, Config* c) {
     }
     return Status::OK();
   }
-  // text
+  // text, and path: a file's name (the launcher makes it absolute, as the ranks may run elsewhere)
   if (const char* v = lookup(env, s.name, s.horovod_name)) c->*std::get<std::string Config::*>(s.target) = trimmed(v);
   return Status::OK();
 }
@@ -484,7 +493,7 @@ const std::vector<SettingInfo>& setting_table() {
     std::vector<SettingInfo> rows;
     for (const Setting& s : kSettings)
       rows.push_back({s.name, s.horovod_name, s.kind, s.minimum, s.maximum, s.choices, default_text(s),
-                      s.description});
+                      s.description, s.flag, s.flag_unit, s.config_key});
     return rows;
   }();
   return table;

@@ -196,11 +196,14 @@ int usable_cores();
 struct SettingInfo {
   const char* name;
   const char* horovod_name;  // nullptr where Horovod has no such knob
-  const char* kind;          // integer, bytes, number, flag, auto-or-flag, choice, text, secret, core-list
+  const char* kind;          // integer, bytes, number, flag, auto-or-flag, choice, text, path, secret, core-list
   double minimum, maximum;   // integer, bytes, number: the range accepted; secret: the least length in bytes
   const char* choices;       // choice: the words accepted, separated by '|'
   std::string default_value;
   const char* description;
+  const char* flag;        // unisonrun's option, or nullptr
+  const char* flag_unit;   // the unit the option takes, where not the variable's (MiB), or nullptr
+  const char* config_key;  // horovodrun's config-file key (section.key), or nullptr
 };
 const std::vector<SettingInfo>& setting_table();
 

@@ -177,6 +177,9 @@ typedef struct unison_setting {
   const char* choices; /* NULL unless kind is choice */
   const char* default_value;
   const char* description;
+  const char* flag;       /* unisonrun's option for it, or NULL */
+  const char* flag_unit;  /* the unit that option takes where not the variable's ("MiB"), or NULL */
+  const char* config_key; /* the key of horovodrun's config file ("params.cycle_time_ms"), or NULL */
 } unison_setting;
 const unison_setting* unison_setting_at(int index);
 

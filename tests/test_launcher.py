@@ -755,6 +755,57 @@ def test_the_rest_of_horovodruns_flags(tmp_path, monkeypatch):
     assert "not allowed with argument" in refused("--start-timeout", "5", "--gloo-timeout-seconds", "6")
 
 
+def test_every_setting_in_the_core_table_with_an_option_is_set_by_it_and_by_its_config_key(tmp_path, monkeypatch):
+    """The core's settings table (native/config.cc) is the one place a
+    setting's launcher option and config-file key are written: each row
+    with an option is an option of unisonrun, shown in --help with its
+    variable; a value given to it reaches the ranks' environment as that
+    variable, in a form the core's own parser takes; and its key in
+    horovodrun's config file sets the same."""
+    import json
+    from unison.basics import setting_table, settings_problem
+    from unison.runner.command_line import parse, settings
+    monkeypatch.chdir(tmp_path)
+    rows = [row for row in setting_table() if row["flag"]]
+    assert len(rows) >= 17 and len({row["flag"] for row in rows}) == len(rows), rows
+    shown = subprocess.run([sys.executable, "-m", "unison.runner", "--help"], stdout=subprocess.PIPE,
+                           timeout=60).stdout.decode()
+    shown = " ".join(shown.split())
+    keys = 0
+    for row in rows:
+        assert row["flag"] in shown and row["name"] in shown, row
+        # A value the option takes, the variable it must come out as, and the same in the config file.
+        kind, flag = row["kind"], row["flag"]
+        if kind == "flag":
+            argv, expected, in_file = [flag], "1", not flag.startswith("--no-")
+        elif kind == "integer":
+            value = int(min(max(row["minimum"], 2), row["maximum"]))
+            argv, expected, in_file = [flag, str(value)], str(value), value
+        elif kind == "bytes":
+            argv, expected, in_file = [flag, "2"], str(2 * 1024 * 1024), 2
+        elif kind == "number":
+            argv, expected, in_file = [flag, "2.5"], "2.5", 2.5
+        elif kind == "choice":
+            argv, expected, in_file = [flag, row["choices"][-1].upper()], row["choices"][-1], row["choices"][-1]
+        elif kind == "path":
+            argv, expected, in_file = [flag, "out.file"], str(tmp_path / "out.file"), "out.file"
+        elif kind == "core-list":
+            argv, expected, in_file = [flag, "0"], "0", None
+        else:
+            raise AssertionError("no option is expected for a setting of kind %s: %s" % (kind, row))
+        needs = ["--autotune"] if flag.startswith("--autotune-") else []
+        env = settings(parse(["-np", "2"] + needs + argv + ["true"]))
+        assert env.get(row["name"]) == expected, (row, env)
+        assert settings_problem({row["name"]: expected}) is None, row
+        if row["config_key"]:
+            keys += 1
+            section, _, key = row["config_key"].partition(".")
+            (tmp_path / "c.json").write_text(json.dumps({section: {key: in_file}}))
+            env = settings(parse(["-np", "2"] + needs + ["--config-file", "c.json", "true"]))
+            assert env.get(row["name"]) == (expected if kind != "number" else "2.5"), (row, env)
+    assert keys >= 15
+
+
 @pytest.mark.parametrize("np_", [2, 3])
 def test_a_network_interface_is_nccls_too_as_with_horovodrun(tmp_path, monkeypatch, np_):
     """horovodrun points NCCL's sockets (NCCL_SOCKET_IFNAME) at the interface
@@ -935,8 +986,8 @@ def test_horovodrun_config_file_sets_what_the_command_line_leaves(tmp_path, monk
         run_config.apply(args, "horovod.yaml", set())
     # A flag the command line gives either way wins, off as well as on.
     (tmp_path / "flat.json").write_text('{"params": {"hierarchical_allreduce": true}}')
-    assert _parse(["-np", "2", "--no-hierarchical-allreduce", "--config-file", "flat.json", "true"]).hierarchical is False
-    assert _parse(["-np", "2", "--config-file", "flat.json", "true"]).hierarchical is True
+    assert _parse(["-np", "2", "--no-hierarchical-allreduce", "--config-file", "flat.json", "true"]).hierarchical_allreduce is False
+    assert _parse(["-np", "2", "--config-file", "flat.json", "true"]).hierarchical_allreduce is True
     # A section switched off sets nothing, unless the command line switches it on.
     (tmp_path / "off.json").write_text('{"autotune": {"enabled": false, "warmup_samples": 3}}')
     assert _settings(_parse(["-np", "2", "--config-file", "off.json", "true"])) == {}
@@ -945,7 +996,7 @@ def test_horovodrun_config_file_sets_what_the_command_line_leaves(tmp_path, monk
 
 
 @pytest.mark.parametrize("content,message", [
-    ("params:\n  fusion_treshold_mb: 32\n", "unknown key params.fusion_treshold_mb (known: fusion_threshold_mb,"),
+    ("params:\n  fusion_treshold_mb: 32\n", "unknown key params.fusion_treshold_mb (known: cache_capacity, cycle_time_ms, fusion_threshold_mb,"),
     ("parameters:\n  cycle_time_ms: 1\n", "unknown section 'parameters'"),
     ("params:\n  cycle_time_ms: fast\n", "params.cycle_time_ms: 'fast' is not a number"),
     ("params:\n  cache_capacity: -1\n", "params.cache_capacity: -1 must be 0 or more"),

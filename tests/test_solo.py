@@ -250,8 +250,8 @@ def test_every_setting_has_a_kind_a_description_and_only_known_choices():
     for row in setting_table():
         assert row["name"].startswith("UNISON_") and row["description"].endswith("."), row
         assert row["horovod_name"] is None or row["horovod_name"].startswith("HOROVOD_"), row
-        assert row["kind"] in ("integer", "bytes", "number", "flag", "auto-or-flag", "choice", "text", "secret",
-                               "core-list"), row
+        assert row["kind"] in ("integer", "bytes", "number", "flag", "auto-or-flag", "choice", "text", "path",
+                               "secret", "core-list"), row
         if row["kind"] == "choice":
             assert row["default"] in row["choices"], row
             for word in row["choices"]:

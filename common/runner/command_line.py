@@ -1,5 +1,12 @@
 """unisonrun's command line: its options, the checks on them, and the
-UNISON_* variables they set for the ranks."""
+UNISON_* variables they set for the ranks.
+
+The options for the core's settings are not written here: each comes from
+its row of the core's settings table (native/config.cc, read through
+basics.setting_table()), with its type, range, default and help, and so do
+the keys of horovodrun's config file that set them (config_file.py). What
+is written here is the launcher's own: how many ranks, which hosts, how
+they start, and horovodrun's options that unison takes for compatibility."""
 import argparse
 import ipaddress
 import math
@@ -8,6 +15,7 @@ import re
 
 from unison import basics
 from unison.runner import config_file
+from unison.runner.settings import NUMERIC, UNIT_BYTES, core_settings, dest
 from unison.version import VERSION
 
 
@@ -17,94 +25,25 @@ def parse(argv):
         usage="unisonrun -np N [options] command [args...]")
     p.add_argument("-v", "--version", action="version", version="unisonrun (unison) " + VERSION)
     p.add_argument("-np", "--num-proc", dest="np", type=int, help="number of ranks")
-    p.add_argument("--fusion-threshold-mb", type=float,
-                   help="pack ready allreduces into one collective up to this size (default 64)")
-    p.add_argument("--cycle-time-ms", type=float,
-                   help="minimum time between negotiation cycles; 0 (default) starts one as soon as work arrives")
-    p.add_argument("--cache-capacity", type=int, help="response cache entries (default 1024, 0 disables)")
-    p.add_argument("--stall-check-warning-time-seconds", type=float,
-                   help="warn about tensors some ranks have waited on this long (default 60)")
-    p.add_argument("--stall-check-shutdown-time-seconds", type=float,
-                   help="fail such tensors after this long (default: never)")
-    stall_check = p.add_mutually_exclusive_group()
-    stall_check.add_argument("--no-stall-check", action="store_true", default=None, help="disable the stall inspector")
-    stall_check.add_argument("--stall-check", dest="no_stall_check", action="store_false", default=None,
-                             help="horovodrun's: the stall inspector on (the default; over a --config-file that turns "
-                                  "it off)")
-    p.add_argument("--peer-timeout-seconds", type=float,
-                   help="declare a silent (frozen) rank failed after this long (default 10)")
-    start_timeout = p.add_mutually_exclusive_group()
-    start_timeout.add_argument("--start-timeout", type=float,
-                               help="seconds the ranks may take to start and meet (default 60)")
-    start_timeout.add_argument("--gloo-timeout-seconds", type=float,
-                               help="horovodrun's name for --start-timeout here: what Gloo's timeout bounds in "
-                                    "Horovod, the ranks meeting, is what --start-timeout bounds; a peer that stops "
-                                    "answering later is --peer-timeout-seconds' and the stall check's to find")
-    p.add_argument("--failure-grace-seconds", type=float, default=3.0,
-                   help="after a rank fails, how long the others may take to exit on their own (default 3)")
-    p.add_argument("--timeline-filename",
-                   help="rank 0 writes a Chrome trace of every tensor's phases here (python -m unison.timeline "
-                        "summarises it)")
-    mark_cycles = p.add_mutually_exclusive_group()
-    mark_cycles.add_argument("--timeline-mark-cycles", action="store_true", default=None,
-                             help="mark each negotiation cycle on the timeline")
-    mark_cycles.add_argument("--no-timeline-mark-cycles", dest="timeline_mark_cycles", action="store_false", default=None,
-                             help="horovodrun's: no cycle marks (the default; over a --config-file's)")
-    autotune = p.add_mutually_exclusive_group()
-    autotune.add_argument("--no-autotune", dest="autotune", action="store_false", default=None,
-                          help="horovodrun's: no autotuning (the default; over a --config-file's)")
-    autotune.add_argument("--autotune", action="store_true", default=None,
-                   help="tune the fusion threshold, the cycle time, the response cache and, across hosts, "
-                        "hierarchical allreduce during the first steps (not those set by an option or variable; "
-                        "UNISON_AUTOTUNE_CACHE=0 leaves the cache out)")
-    p.add_argument("--autotune-log-file", help="with --autotune: each setting tried and its score, as CSV")
-    p.add_argument("--autotune-warmup-samples", type=int,
-                   help="with --autotune: samples thrown away after each change (default 1)")
-    p.add_argument("--autotune-steps-per-sample", type=int,
-                   help="with --autotune: training steps in each sample (default 5)")
-    p.add_argument("--autotune-bayes-opt-max-samples", type=int,
-                   help="horovodrun's; no effect: unison's autotuner sweeps each setting in turn, without "
-                        "Bayesian optimisation (native/autotune.h says why)")
-    p.add_argument("--autotune-gaussian-process-noise", type=float,
-                   help="horovodrun's; no effect, as --autotune-bayes-opt-max-samples")
-    p.add_argument("--config-file",
-                   help="horovodrun's settings file (YAML, which needs PyYAML, or JSON); options given here win "
-                        "(common/runner/config_file.py)")
-    p.add_argument("--output-filename",
-                   help="also write each rank's output to DIR/rank.N/stdout and stderr")
-    p.add_argument("--verbose", action="store_true", help="print what the launcher does")
-    p.add_argument("--log-level", type=str.lower, choices=["trace", "debug", "info", "warning", "error", "fatal"],
-                   help="the core's messages on stderr: warning (default) prints its warnings, error silences "
-                        "them, fatal its errors too (UNISON_LOG_LEVEL; the core has no info or debug messages)")
-    timestamps = p.add_mutually_exclusive_group()
-    timestamps.add_argument("--log-with-timestamp", "--no-log-hide-timestamp", dest="log_with_timestamp",
-                            action="store_true", default=None,
-                            help="horovodrun's; no effect: the core's few messages carry no timestamp (to "
-                                 "timestamp every line of the ranks' output: --prefix-output-with-timestamp)")
-    timestamps.add_argument("--log-without-timestamp", "--log-hide-timestamp", dest="log_with_timestamp",
-                            action="store_false", default=None, help="horovodrun's; no effect, as --log-with-timestamp")
-    p.add_argument("-prefix-timestamp", "--prefix-output-with-timestamp", dest="prefix_output_with_timestamp",
-                   action="store_true",
-                   help="begin each line of the ranks' output with the time the launcher read it "
-                        "(2026-11-28 05:27:27.123456), before its [rank]<stdout>: prefix")
-    mpi_threads = p.add_mutually_exclusive_group()
-    mpi_threads.add_argument("--mpi-threads-disable", action="store_true", default=None,
-                             help="horovodrun's; no effect: unison's engine thread calls MPI, so it needs at least "
-                                  "MPI_THREAD_SERIALIZED and asks for MPI_THREAD_MULTIPLE (native/mpi/world.cc)")
-    mpi_threads.add_argument("--no-mpi-threads-disable", dest="mpi_threads_disable", action="store_false", default=None,
-                             help="horovodrun's; no effect, as --mpi-threads-disable")
-    p.add_argument("--thread-affinity", metavar="CORES",
-                   help="pin each rank's engine thread to a core: a comma-separated list with one core for each "
-                        "rank on a host, local rank r taking the r-th (UNISON_THREAD_AFFINITY; Horovod's "
-                        "HOROVOD_THREAD_AFFINITY). The ranks' own threads are left where they are")
-    p.add_argument("--num-nccl-streams", type=int,
-                   help="horovodrun's; no effect: unison runs NCCL on one stream per device")
-    p.add_argument("--tcp", dest="tcp_flag", action="store_true",
-                   help="horovodrun's: TCP only; unisonrun's data planes across hosts are TCP already unless "
-                        "--mpi is given")
-    p.add_argument("--disable-cache", action="store_true",
-                   help="horovodrun's: it caches its start-up checks; unisonrun runs them every time, so this "
-                        "changes nothing (to turn off the response cache: --cache-capacity 0)")
+    _add_core_settings(p.add_argument_group(
+        "the core's settings", "each sets the variable named, which a rank's init() reads (native/config.cc); "
+        "an option given wins over --config-file"))
+    _add_launcher_options(p)
+    _add_horovodruns_options(p.add_argument_group(
+        "horovodrun's options", "taken so that a horovodrun command line runs unchanged; what each does here"))
+    _add_host_options(p)
+    _add_elastic_options(p)
+    p.add_argument("-cb", "--check-build", action="store_true",
+                   help="show which frameworks and data planes this install supports, and exit")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="the command each rank runs")
+    args = p.parse_args(argv)
+    if args.check_build:
+        return args
+    _check(p, args)
+    return args
+
+
+def _add_host_options(p):
     cluster = p.add_argument_group("across hosts")
     cluster.add_argument("-H", "--hosts", help="hosts and their slots, e.g. host1:4,host2:4")
     cluster.add_argument("-hostfile", "--hostfile", help="a file of `host slots=N` (or `host:N`) lines")
@@ -133,11 +72,6 @@ def parse(argv):
     cluster.add_argument("--binding-args",
                          help="with --mpi: how mpirun binds and maps the ranks, in one string, in place of "
                               "unisonrun's default (Open MPI: --bind-to none --map-by slot; MPICH: none)")
-    hierarchy = cluster.add_mutually_exclusive_group()
-    hierarchy.add_argument("--hierarchical-allreduce", dest="hierarchical", action="store_true", default=None,
-                           help="shared memory within each host, MPI across hosts (the default)")
-    hierarchy.add_argument("--no-hierarchical-allreduce", dest="hierarchical", action="store_false",
-                           help="every byte between ranks over MPI (flat)")
     gather_hierarchy = cluster.add_mutually_exclusive_group()
     gather_hierarchy.add_argument("--hierarchical-allgather", dest="hierarchical_allgather", action="store_true",
                                   default=None,
@@ -145,6 +79,9 @@ def parse(argv):
                                        "(--hierarchical-allreduce), which is hierarchical by default")
     gather_hierarchy.add_argument("--no-hierarchical-allgather", dest="hierarchical_allgather",
                                   action="store_false", help="as --hierarchical-allgather")
+
+
+def _add_elastic_options(p):
     elastic = p.add_argument_group("elastic (elastic_driver.py): the job goes on when workers fail, and grows")
     elastic.add_argument("--min-np", "--min-num-proc", dest="min_np", type=int,
                          help="the fewest workers the job trains with (default: -np)")
@@ -163,27 +100,110 @@ def parse(argv):
     elastic.add_argument("--blacklist-cooldown-range", type=float, nargs=2, metavar=("LOW", "HIGH"),
                          help="a failed host returns after LOW seconds, twice as long each later time, at most "
                               "HIGH (default: never)")
-    p.add_argument("-cb", "--check-build", action="store_true",
-                   help="show which frameworks and data planes this install supports, and exit")
-    p.add_argument("command", nargs=argparse.REMAINDER, help="the command each rank runs")
-    args = p.parse_args(argv)
-    if args.check_build:
-        return args
+
+
+def _add_core_settings(group):
+    for row in core_settings():
+        about = [row["name"]] + (["Horovod's " + row["horovod_name"]] if row["horovod_name"] else [])
+        if row["kind"] == "flag":
+            _add_flag(group, row, "; ".join(about))
+            continue
+        default = row["default"]
+        if row["flag_unit"] and default:
+            default = "%g" % (float(default) / UNIT_BYTES[row["flag_unit"]])
+        about.append("default " + (default or "none") + (" " + row["flag_unit"] if row["flag_unit"] else ""))
+        if row["flag_unit"]:
+            about.insert(0, "given in " + row["flag_unit"])
+        options = {"metavar": "CORES" if row["kind"] == "core-list" else None}
+        if row["kind"] == "integer":
+            options["type"] = int
+        elif row["kind"] in NUMERIC:
+            options["type"] = float
+        elif row["kind"] == "choice":
+            options.update(type=str.lower, choices=row["choices"], metavar=None)
+        group.add_argument(row["flag"], dest=dest(row), help=_help(row, "; ".join(about)), **options)
+
+
+def _add_flag(group, row, about):
+    """A flag's pair of options, --X and --no-X: the table's option sets the
+    variable to 1, the other clears it (settings() says when that sets the
+    variable to 0)."""
+    pair = group.add_mutually_exclusive_group()
+    other = "--" + row["flag"][5:] if row["flag"].startswith("--no-") else "--no-" + row["flag"][2:]
+    default_on = row["default"] == "1"
+    pair.add_argument(row["flag"], dest=dest(row), action="store_true", default=None,
+                      help=_help(row, about + "; %s by default" % ("on" if default_on else "off")))
+    pair.add_argument(other, dest=dest(row), action="store_false", default=None,
+                      help="the opposite of %s, over a --config-file that sets it" % row["flag"])
+
+
+def _help(row, about):
+    text = row["description"].rstrip(".")
+    text = text[0].lower() + text[1:]
+    return ("%s (%s)" % (text, about)).replace("%", "%%")
+
+
+def _add_launcher_options(p):
+    p.add_argument("--failure-grace-seconds", type=float, default=3.0,
+                   help="after a rank fails, how long the others may take to exit on their own (default 3)")
+    p.add_argument("--config-file",
+                   help="horovodrun's settings file (YAML, which needs PyYAML, or JSON); options given here win "
+                        "(common/runner/config_file.py)")
+    p.add_argument("--output-filename",
+                   help="also write each rank's output to DIR/rank.N/stdout and stderr")
+    p.add_argument("--verbose", action="store_true", help="print what the launcher does")
+    p.add_argument("-prefix-timestamp", "--prefix-output-with-timestamp", dest="prefix_output_with_timestamp",
+                   action="store_true",
+                   help="begin each line of the ranks' output with the time the launcher read it "
+                        "(2026-11-28 05:27:27.123456), before its [rank]<stdout>: prefix")
+
+
+def _add_horovodruns_options(group):
+    group.add_argument("--gloo-timeout-seconds", type=float,
+                       help="--start-timeout: what Gloo's timeout bounds in Horovod, the ranks meeting, is what "
+                            "--start-timeout bounds; a peer that stops answering later is --peer-timeout-seconds' "
+                            "and the stall check's to find")
+    group.add_argument("--autotune-bayes-opt-max-samples", type=int,
+                       help="no effect: unison's autotuner sweeps each setting in turn, without Bayesian "
+                            "optimisation (native/autotune.h says why)")
+    group.add_argument("--autotune-gaussian-process-noise", type=float,
+                       help="no effect, as --autotune-bayes-opt-max-samples")
+    timestamps = group.add_mutually_exclusive_group()
+    timestamps.add_argument("--log-with-timestamp", "--no-log-hide-timestamp", dest="log_with_timestamp",
+                            action="store_true", default=None,
+                            help="no effect: the core's few messages carry no timestamp (to timestamp every line "
+                                 "of the ranks' output: --prefix-output-with-timestamp)")
+    timestamps.add_argument("--log-without-timestamp", "--log-hide-timestamp", dest="log_with_timestamp",
+                            action="store_false", default=None, help="no effect, as --log-with-timestamp")
+    mpi_threads = group.add_mutually_exclusive_group()
+    mpi_threads.add_argument("--mpi-threads-disable", action="store_true", default=None,
+                             help="no effect: unison's engine thread calls MPI, so it needs at least "
+                                  "MPI_THREAD_SERIALIZED and asks for MPI_THREAD_MULTIPLE (native/mpi/world.cc)")
+    mpi_threads.add_argument("--no-mpi-threads-disable", dest="mpi_threads_disable", action="store_false",
+                             default=None, help="no effect, as --mpi-threads-disable")
+    group.add_argument("--num-nccl-streams", type=int, help="no effect: unison runs NCCL on one stream per device")
+    group.add_argument("--tcp", dest="tcp_flag", action="store_true",
+                       help="TCP only; unisonrun's data planes across hosts are TCP already unless --mpi is given")
+    group.add_argument("--disable-cache", action="store_true",
+                       help="horovodrun caches its start-up checks; unisonrun runs them every time, so this "
+                            "changes nothing (to turn off the response cache: --cache-capacity 0)")
+
+
+def _check(p, args):
     # Kept apart until now, so that an error names the option that was given.
-    given_start_timeout = "--start-timeout"
+    given_as = {}
     if args.gloo_timeout_seconds is not None:
-        args.start_timeout, given_start_timeout = args.gloo_timeout_seconds, "--gloo-timeout-seconds"
-    # Times and counts that no negative, infinite or NaN value makes sense for.
-    # Most are the core's settings, whose variables init() would refuse in
-    # every rank, naming the variable rather than the option; a NaN grace
-    # period would never end.
-    for flag, value in (("--failure-grace-seconds", args.failure_grace_seconds),
-                        ("--fusion-threshold-mb", args.fusion_threshold_mb), ("--cycle-time-ms", args.cycle_time_ms),
-                        ("--cache-capacity", args.cache_capacity),
-                        ("--stall-check-warning-time-seconds", args.stall_check_warning_time_seconds),
-                        ("--stall-check-shutdown-time-seconds", args.stall_check_shutdown_time_seconds),
-                        ("--peer-timeout-seconds", args.peer_timeout_seconds),
-                        (given_start_timeout, args.start_timeout)):
+        if args.start_timeout is not None:
+            p.error("argument --gloo-timeout-seconds: not allowed with argument --start-timeout")
+        args.start_timeout, given_as["--start-timeout"] = args.gloo_timeout_seconds, "--gloo-timeout-seconds"
+    # Times and counts that no negative, infinite or NaN value makes sense
+    # for. The core's settings would be refused by every rank's init() too,
+    # naming the variable rather than the option (what_init_would_refuse
+    # checks their ranges here, once); a NaN grace period would never end.
+    numbers = [("--failure-grace-seconds", args.failure_grace_seconds)] + [
+        (given_as.get(row["flag"], row["flag"]), getattr(args, dest(row)))
+        for row in core_settings() if row["kind"] in NUMERIC]
+    for flag, value in numbers:
         if value is not None and not (math.isfinite(value) and value >= 0):
             p.error("%s %g: a number of at least 0" % (flag, value))
     if args.command[:1] == ["--"]:  # `unisonrun -np 2 -- python train.py`: the end of the options, as anywhere
@@ -274,44 +294,27 @@ def what_init_would_refuse(args):
     return problem and re.sub(r"^unison: ", "", problem)
 
 
-
 def settings(args):
-    """UNISON_* variables for the options that were given."""
+    """UNISON_* variables for the options that were given (or that
+    --config-file set). A flag's negation, given where the core's default
+    is already off, sets nothing, as horovodrun's does; the autotuner's own
+    options count only with --autotune."""
     env = {}
-    if args.fusion_threshold_mb is not None:
-        env["UNISON_FUSION_THRESHOLD"] = str(int(args.fusion_threshold_mb * 1024 * 1024))
-    if args.cycle_time_ms is not None:
-        env["UNISON_CYCLE_TIME"] = str(args.cycle_time_ms)
-    if args.cache_capacity is not None:
-        env["UNISON_CACHE_CAPACITY"] = str(args.cache_capacity)
-    if args.stall_check_warning_time_seconds is not None:
-        env["UNISON_STALL_CHECK_TIME_SECONDS"] = str(args.stall_check_warning_time_seconds)
-    if args.stall_check_shutdown_time_seconds is not None:
-        env["UNISON_STALL_SHUTDOWN_TIME_SECONDS"] = str(args.stall_check_shutdown_time_seconds)
-    if args.no_stall_check:
-        env["UNISON_STALL_CHECK_DISABLE"] = "1"
-    if args.peer_timeout_seconds is not None:
-        env["UNISON_PEER_TIMEOUT_SECONDS"] = str(args.peer_timeout_seconds)
-    if args.start_timeout is not None:
-        env["UNISON_START_TIMEOUT"] = str(args.start_timeout)
-    if args.log_level is not None:
-        env["UNISON_LOG_LEVEL"] = args.log_level
-    if args.autotune:
-        env["UNISON_AUTOTUNE"] = "1"
-        if args.autotune_log_file:
-            env["UNISON_AUTOTUNE_LOG"] = os.path.abspath(args.autotune_log_file)
-        if args.autotune_warmup_samples is not None:
-            env["UNISON_AUTOTUNE_WARMUP_SAMPLES"] = str(args.autotune_warmup_samples)
-        if args.autotune_steps_per_sample is not None:
-            env["UNISON_AUTOTUNE_STEPS_PER_SAMPLE"] = str(args.autotune_steps_per_sample)
-    if args.timeline_filename:
-        env["UNISON_TIMELINE"] = os.path.abspath(args.timeline_filename)
-    if args.timeline_mark_cycles:
-        env["UNISON_TIMELINE_MARK_CYCLES"] = "1"
-    if args.hierarchical is not None:
-        env["UNISON_HIERARCHICAL_ALLREDUCE"] = "1" if args.hierarchical else "0"
-    if args.thread_affinity is not None:
-        env["UNISON_THREAD_AFFINITY"] = args.thread_affinity.replace(" ", "")
+    for row in core_settings():
+        value = getattr(args, dest(row))
+        if value in (None, "") or (row["flag"].startswith("--autotune-") and not args.autotune):
+            continue
+        if row["kind"] == "flag":
+            if value or row["default"] == "1":
+                env[row["name"]] = "1" if value else "0"
+        elif row["flag_unit"]:
+            env[row["name"]] = str(int(value * UNIT_BYTES[row["flag_unit"]]))
+        elif row["kind"] == "path":  # the ranks may start in another folder, or on another host
+            env[row["name"]] = os.path.abspath(value)
+        elif row["kind"] == "core-list":
+            env[row["name"]] = value.replace(" ", "")
+        else:
+            env[row["name"]] = str(value)
     # As horovodrun does, NCCL's own sockets go where the ranks meet: its
     # bootstrap, and a flat communicator across hosts
     # (UNISON_HIERARCHICAL_ALLREDUCE=0), would otherwise take the first
@@ -357,7 +360,6 @@ def is_elastic(args):
 
 def across_hosts(args):
     return bool(args.hosts or args.hostfile)
-
 
 
 def base_environment(args):

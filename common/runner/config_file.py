@@ -11,46 +11,45 @@ needs nothing.
 """
 import json
 
-# section -> key -> (the launcher option's dest, the type its value must have).
-# A dest of None: a horovodrun setting with nothing to set here (see the
-# options' help), accepted so that a Horovod file loads.
+from unison.runner.settings import core_settings, dest
+
+# section -> key -> (the launcher option's dest, the type its value must
+# have). The keys that set a core setting come from the core's settings
+# table (its config_key column); these are horovodrun's keys with no core
+# setting behind them. A dest of None: a horovodrun setting with nothing to
+# set here (see the options' help), accepted so that a Horovod file loads.
 _NUMBER = (int, float)
-_SECTIONS = {
-    "params": {
-        "fusion_threshold_mb": ("fusion_threshold_mb", _NUMBER),
-        "cycle_time_ms": ("cycle_time_ms", _NUMBER),
-        "cache_capacity": ("cache_capacity", int),
-        "hierarchical_allreduce": ("hierarchical", bool),
-        "hierarchical_allgather": ("hierarchical_allgather", bool),
-    },
-    "autotune": {
-        "enabled": ("autotune", bool),
-        "log_file": ("autotune_log_file", str),
-        "warmup_samples": ("autotune_warmup_samples", int),
-        "steps_per_sample": ("autotune_steps_per_sample", int),
-        "bayes_opt_max_samples": ("autotune_bayes_opt_max_samples", int),
-        "gaussian_process_noise": ("autotune_gaussian_process_noise", _NUMBER),
-    },
-    "timeline": {
-        "filename": ("timeline_filename", str),
-        "mark_cycles": ("timeline_mark_cycles", bool),
-    },
-    "stall_check": {
-        "enabled": ("no_stall_check", bool),  # inverted below
-        "warning_time_seconds": ("stall_check_warning_time_seconds", _NUMBER),
-        "shutdown_time_seconds": ("stall_check_shutdown_time_seconds", _NUMBER),
-    },
-    "library_options": {
-        "mpi_threads_disable": ("mpi_threads_disable", bool),
-        "num_nccl_streams": ("num_nccl_streams", int),
-        "ccl_bgt_affinity": (None, int),
-        "gloo_timeout_seconds": ("start_timeout", _NUMBER),
-    },
-    "logging": {
-        "level": ("log_level", str),
-        "with_timestamp": ("log_with_timestamp", bool),
-    },
+_LAUNCHERS_OWN = {
+    "params": {"hierarchical_allgather": ("hierarchical_allgather", bool)},
+    "autotune": {"bayes_opt_max_samples": ("autotune_bayes_opt_max_samples", int),
+                 "gaussian_process_noise": ("autotune_gaussian_process_noise", _NUMBER)},
+    "timeline": {},
+    "stall_check": {},
+    "library_options": {"mpi_threads_disable": ("mpi_threads_disable", bool),
+                        "num_nccl_streams": ("num_nccl_streams", int),
+                        "ccl_bgt_affinity": (None, int)},
+    "logging": {"with_timestamp": ("log_with_timestamp", bool)},
 }
+_KIND_TYPES = {"integer": int, "bytes": _NUMBER, "number": _NUMBER, "flag": bool}
+
+
+def sections():
+    """section -> key -> (dest, type), the table's keys and the launcher's own."""
+    known = {section: dict(keys) for section, keys in _LAUNCHERS_OWN.items()}
+    for row in core_settings():
+        if row["config_key"]:
+            section, _, key = row["config_key"].partition(".")
+            known.setdefault(section, {})[key] = (dest(row), _KIND_TYPES.get(row["kind"], str))
+    return known
+
+
+def _inverted(section, key):
+    """A flag whose option is --no-X is set by X's key, the opposite: the
+    stall check's `enabled` sets --no-stall-check."""
+    return any(row["config_key"] == section + "." + key and row["flag"].startswith("--no-")
+               for row in core_settings())
+
+
 _LOG_LEVELS = ("trace", "debug", "info", "warning", "error", "fatal")
 
 
@@ -83,6 +82,7 @@ def apply(args, path, given):
         return
     if not isinstance(config, dict):
         raise ValueError("it must be a mapping of sections, not %s" % type(config).__name__)
+    known = sections()
     for section, values in config.items():
         if section == "controller":
             if not isinstance(values, str) or values.lower() not in ("gloo", "mpi"):
@@ -90,21 +90,21 @@ def apply(args, path, given):
             if not (args.gloo or args.mpi):
                 setattr(args, values.lower(), True)
             continue
-        keys = _SECTIONS.get(section)
+        keys = known.get(section)
         if keys is None:
-            raise ValueError("unknown section %r (known: controller, %s)" % (section, ", ".join(_SECTIONS)))
+            raise ValueError("unknown section %r (known: controller, %s)" % (section, ", ".join(known)))
         if not isinstance(values, dict):
             raise ValueError("%s: must be a mapping of keys, not %r" % (section, values))
         for key, value in values.items():
             if key not in keys:
-                raise ValueError("unknown key %s.%s (known: %s)" % (section, key, ", ".join(keys)))
+                raise ValueError("unknown key %s.%s (known: %s)" % (section, key, ", ".join(sorted(keys))))
             dest, kind = keys[key]
             # bool is an int to Python; a number where a flag goes is a mistake.
             if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
                 raise ValueError("%s.%s: %r is not a %s" % (section, key, value, _kind_name(kind)))
             if kind is not bool and kind is not str and value < 0:
                 raise ValueError("%s.%s: %r must be 0 or more" % (section, key, value))
-            if (section, key) == ("stall_check", "enabled"):
+            if _inverted(section, key):
                 value = not value
             if (section, key) == ("logging", "level"):
                 if value.lower() not in _LOG_LEVELS:

@@ -22,15 +22,12 @@ Hosts that are this machine (localhost, 127.0.0.1, its name, any of its
 addresses) start their ranks directly; a different name for this machine
 still counts as a host of its own, which is how two hosts are tested on one.
 """
-import fcntl
 import json
 import os
-import random
 import secrets
 import shlex
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import threading
