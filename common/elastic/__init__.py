@@ -5,8 +5,8 @@ A training function decorated with `hvd.elastic.run` takes a State first.
 The state is committed (copied aside) every few batches. When a collective
 fails because a rank died (HorovodInternalError), every survivor restores
 the last commit, shuts unison down and initialises it again, which joins
-the next round of unisonrun's elastic driver (elastic_worker.py) with whoever is
-left. When the driver says the hosts changed, `commit()` raises
+the next round of unisonrun's elastic driver (elastic_worker.py) with
+whoever is left. When the driver says the hosts changed, `commit()` raises
 HostsUpdatedInterrupt on every rank at the same commit, and the job
 re-forms without rolling back. Either way, the function then runs again
 from the state, broadcast from rank 0 (a survivor, since the driver gives
@@ -19,9 +19,8 @@ broadcast of objects and add their framework's States.
 import copy
 import functools
 
-from unison import basics, objects
+from unison import basics, elastic_worker, objects
 from unison.exceptions import DeadlockError, HostsUpdatedInterrupt, MismatchError, UnisonInternalError  # noqa: F401
-from unison import elastic_worker
 
 
 class State:
