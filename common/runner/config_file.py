@@ -15,8 +15,8 @@ from unison.runner.settings import core_settings, dest
 
 # section -> key -> (the launcher option's dest, the type its value must
 # have). The keys that set a core setting come from the core's settings
-# table (its config_key column); these are horovodrun's keys with no core
-# setting behind them. A dest of None: a horovodrun setting with nothing to
+# table (its config_key column, with the choices and the sense the table
+# gives them); these are horovodrun's keys with no core setting behind them. A dest of None: a horovodrun setting with nothing to
 # set here (see the options' help), accepted so that a Horovod file loads.
 _NUMBER = (int, float)
 _LAUNCHERS_OWN = {
@@ -34,23 +34,18 @@ _KIND_TYPES = {"integer": int, "bytes": _NUMBER, "number": _NUMBER, "flag": bool
 
 
 def sections():
-    """section -> key -> (dest, type), the table's keys and the launcher's own."""
-    known = {section: dict(keys) for section, keys in _LAUNCHERS_OWN.items()}
+    """section -> key -> (dest, type, the words it takes or None, whether it
+    is the option's opposite): the table's keys and the launcher's own. A
+    flag whose option is --no-X is set by X's key, the opposite: the stall
+    check's `enabled` sets --no-stall-check."""
+    known = {section: {key: (dest_, kind, None, False) for key, (dest_, kind) in keys.items()}
+             for section, keys in _LAUNCHERS_OWN.items()}
     for row in core_settings():
         if row["config_key"]:
             section, _, key = row["config_key"].partition(".")
-            known.setdefault(section, {})[key] = (dest(row), _KIND_TYPES.get(row["kind"], str))
+            known.setdefault(section, {})[key] = (dest(row), _KIND_TYPES.get(row["kind"], str), row["choices"],
+                                                  row["flag"].startswith("--no-"))
     return known
-
-
-def _inverted(section, key):
-    """A flag whose option is --no-X is set by X's key, the opposite: the
-    stall check's `enabled` sets --no-stall-check."""
-    return any(row["config_key"] == section + "." + key and row["flag"].startswith("--no-")
-               for row in core_settings())
-
-
-_LOG_LEVELS = ("trace", "debug", "info", "warning", "error", "fatal")
 
 
 def _load(path):
@@ -98,23 +93,23 @@ def apply(args, path, given):
         for key, value in values.items():
             if key not in keys:
                 raise ValueError("unknown key %s.%s (known: %s)" % (section, key, ", ".join(sorted(keys))))
-            dest, kind = keys[key]
+            dest_, kind, choices, inverted = keys[key]
             # bool is an int to Python; a number where a flag goes is a mistake.
             if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
                 raise ValueError("%s.%s: %r is not a %s" % (section, key, value, _kind_name(kind)))
             if kind is not bool and kind is not str and value < 0:
                 raise ValueError("%s.%s: %r must be 0 or more" % (section, key, value))
-            if _inverted(section, key):
+            if inverted:
                 value = not value
-            if (section, key) == ("logging", "level"):
-                if value.lower() not in _LOG_LEVELS:
-                    raise ValueError("logging.level: %r is not one of %s" % (value, ", ".join(_LOG_LEVELS)))
+            if choices is not None:
+                if value.lower() not in choices:
+                    raise ValueError("%s.%s: %r is not one of %s" % (section, key, value, ", ".join(choices)))
                 value = value.lower()
             if (section, key) == ("autotune", "gaussian_process_noise") and value > 1:
                 raise ValueError("autotune.gaussian_process_noise: %r must be within 0..1" % value)
             # Paths are taken from the working directory, as horovodrun does.
-            if dest is not None and dest not in given:
-                setattr(args, dest, value)
+            if dest_ is not None and dest_ not in given:
+                setattr(args, dest_, value)
 
 
 def _kind_name(kind):
