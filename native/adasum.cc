@@ -141,11 +141,11 @@ class Stream {
 
 }  // namespace
 
-Status adasum_allreduce(Backend& backend, int dtype, const std::vector<Segment>& tensors) {
+Status adasum_allreduce(DataPlane& plane, int dtype, const std::vector<Segment>& tensors) {
   const size_t element = dtype_size(dtype);
   const Stream stream(tensors, element);
   const size_t total = stream.elements();
-  const int size = backend.size(), rank = backend.rank();
+  const int size = plane.size(), rank = plane.rank();
   // Every rank has the same tensors, so every rank takes this exit or none.
   if (size == 1 || total == 0) {
     for (const Segment& t : tensors)
@@ -175,7 +175,7 @@ Status adasum_allreduce(Backend& backend, int dtype, const std::vector<Segment>&
     for (int s = p; s < size; ++s) fold.bytes[(size_t)s * size + (s - p)] = total * element;
     fold.input = mine.data();
     fold.output = theirs.data();
-    status = backend.alltoall(fold);
+    status = plane.alltoall(fold);
     if (!status.ok()) return status;
     if (rank < size - p) {
       std::vector<double> sums(3 * n_tensors, 0.0);
@@ -211,7 +211,7 @@ Status adasum_allreduce(Backend& backend, int dtype, const std::vector<Segment>&
     // Ranks p.. send nothing, but every rank names a real buffer.
     swap.input = rank < p ? at(mine, left ? kept_end[rank] : begin[rank]) : mine.data();
     swap.output = theirs.data();
-    status = backend.alltoall(swap);
+    status = plane.alltoall(swap);
     if (!status.ok()) return status;
 
     // Each group of 2*distance ranks holds one pair (a, b) spread over its
@@ -233,7 +233,7 @@ Status adasum_allreduce(Backend& backend, int dtype, const std::vector<Segment>&
     AllreduceOptions reduce;
     reduce.segments.push_back({sums.data(), sums.data(), sums.size() * sizeof(double)});
     reduce.reduce = ReduceSpec{UNISON_FLOAT64, UNISON_SUM, 1.0, 1.0, size};
-    status = backend.allreduce(reduce);
+    status = plane.allreduce(reduce);
     if (!status.ok()) return status;
     if (rank < p) {
       stream.each_tensor_in(kb, ke, [&](size_t t, size_t b, size_t e) {
@@ -256,7 +256,7 @@ Status adasum_allreduce(Backend& backend, int dtype, const std::vector<Segment>&
   all.output = theirs.data();
   for (int s = 0; s < size; ++s) all.bytes_per_rank.push_back((end[s] - begin[s]) * element);
   gather.tensors.push_back(all);
-  status = backend.allgather(gather);
+  status = plane.allgather(gather);
   if (!status.ok()) return status;
   size_t offset = 0;
   for (int s = 0; s < size; ++s) {

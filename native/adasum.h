@@ -1,4 +1,4 @@
-// adasum.h: the Adasum reduction, built on any Backend's collectives.
+// adasum.h: the Adasum reduction, built on any data plane's collectives.
 //
 // Adasum combines two gradients a and b as
 //     (1 - a.b / 2|a|^2) a  +  (1 - a.b / 2|b|^2) b
@@ -17,24 +17,24 @@
 // The dot products and norms are per tensor, even when several tensors are
 // fused into one call.
 //
-// Every exchange is one of the backend's own collectives (a sparse
+// Every exchange is one of the data plane's own collectives (a sparse
 // alltoall for each pairwise swap, a small float64 allreduce for each
 // level's dot products, one allgather at the end), so Adasum runs on every
-// backend and process set without a line of its own in any of them. Each
+// plane and process set without a line of its own in any of them. Each
 // rank sends and receives at most about twice the tensor's bytes, whatever
 // the number of ranks.
 #pragma once
 
 #include <vector>
 
-#include "backend.h"
+#include "data_plane.h"
 #include "status.h"
 
 namespace unison {
 
-// Adasum across the backend's ranks. `tensors` are the fused tensors, in
+// Adasum across the plane's ranks. `tensors` are the fused tensors, in
 // the same order and of the same sizes on every rank; `dtype` is one of
 // the floating-point types. Inputs may alias outputs.
-Status adasum_allreduce(Backend& backend, int dtype, const std::vector<Segment>& tensors);
+Status adasum_allreduce(DataPlane& plane, int dtype, const std::vector<Segment>& tensors);
 
 }  // namespace unison

@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "caller_activity.h"
-#include "cuda/device_plane.h"
+#include "data_planes.h"
 #include "engine.h"
 #include "log.h"
 #include "start_abort.h"

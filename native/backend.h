@@ -1,122 +1,31 @@
-// backend.h: the seam between negotiation and the bytes.
+// backend.h: what a job runs on between its ranks' host memory.
 //
-// The engine decides what runs, in one order on every rank; a Backend moves
-// the bytes. A backend also carries the control plane (the small messages
-// of negotiation) and tells the engine when a cycle is wanted, because only
-// it knows how its ranks reach each other. Everything a backend must do is
-// on this screen. Each backend lives in its own folder and exposes
-// `<name>_backend_available` and `make_<name>_backend`; where one is not
-// built, a stub file answers with an error instead. backend.cc alone
-// decides which one a job starts with.
+// A Backend is both planes of one group of ranks (a job, or a process set
+// split from it): the control plane that negotiation and cycles run on
+// (control_plane.h) and the data plane that moves host tensors
+// (data_plane.h), since the two share their ranks' connections. Only a
+// backend can be split into a process set's. A GPU's planes are data planes
+// alone, made over their set's backend (data_planes.cc chooses which).
+//
+// Each backend lives in its own folder and exposes `<name>_backend_available`
+// and `make_<name>_backend`; where one is not built, a stub file answers
+// with an error instead. backend.cc alone decides which one a job starts
+// with.
 #pragma once
 
-#include <cstddef>
-#include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "config.h"
-#include "reduce.h"
-#include "status.h"
+#include "control_plane.h"
+#include "data_plane.h"
 
 namespace unison {
 
-// One tensor's part of a fused collective: `bytes` read from `input` and
-// written to `output` (which may be the same memory).
-struct Segment {
-  const void* input;
-  void* output;
-  size_t bytes;
-};
-
-struct AllreduceOptions {
-  std::vector<Segment> segments;  // read and written as one logical stream
-  ReduceSpec reduce;
-};
-
-struct AllgatherOptions {
-  struct Tensor {
-    const void* input;                 // this rank's bytes_per_rank[rank] bytes
-    void* output;                      // every rank's bytes, in rank order
-    std::vector<size_t> bytes_per_rank;
-  };
-  std::vector<Tensor> tensors;
-};
-
-struct BroadcastOptions {
-  void* buffer;  // holds the data on the root; receives it elsewhere
-  size_t bytes;
-  int root;
-};
-
-struct AlltoallOptions {
-  const void* input;            // this rank's sends, in receiver order
-  void* output;                 // this rank's receives, in sender order
-  std::vector<size_t> bytes;    // size*size, [sender][receiver]
-};
-
-struct ReducescatterOptions {
-  struct Tensor {
-    const void* input;                  // the whole tensor
-    void* output;                       // this rank's part
-    std::vector<size_t> bytes_per_rank; // consecutive parts, in rank order
-  };
-  std::vector<Tensor> tensors;
-  ReduceSpec reduce;
-};
-
-class Backend {
+class Backend : public DataPlane, public ControlPlane {
  public:
-  virtual ~Backend() = default;
-  virtual const char* name() const = 0;
-  virtual int rank() const = 0;
-  virtual int size() const = 0;
-
-  // Control plane. Every rank calls these in the same order.
-  // Everyone receives everyone's message, in rank order.
-  virtual Status exchange(const std::string& mine, std::vector<std::string>* everyone) = 0;
-  // The root's message replaces everyone else's.
-  virtual Status broadcast_message(std::string* message, int root) = 0;
-  // The largest message either call carries.
-  virtual size_t max_message_bytes() const = 0;
-
-  // Cycle scheduling. A negotiation cycle is collective, so ranks agree on a
-  // count of requested cycles and each runs them all. A rank with new work
-  // raises the count; raising it, or wake(), ends wait_for_activity().
-  virtual uint64_t requested_cycles() const = 0;
-  virtual void request_cycles(uint64_t count) = 0;
-  virtual uint32_t activity_token() const = 0;  // read before deciding to wait
-  virtual void wait_for_activity(uint32_t token, double timeout_seconds) = 0;
-  virtual void wake() = 0;  // from any thread of this process
-  // Whether wait_for_activity() may run on one thread while another calls
-  // the rest: then a caller waiting for its op may drive the engine while
-  // the engine's thread still sleeps in it (engine_driver.cc).
-  virtual bool callers_may_drive() const { return false; }
-
-  // Data plane. Every rank calls these with matching options.
-  virtual Status allreduce(const AllreduceOptions& options) = 0;
-  virtual Status allgather(const AllgatherOptions& options) = 0;
-  virtual Status broadcast(const BroadcastOptions& options) = 0;
-  virtual Status alltoall(const AlltoallOptions& options) = 0;
-  virtual Status reducescatter(const ReducescatterOptions& options) = 0;
-
-  // OK while every peer is alive; else which one is not.
-  virtual Status check_peers() = 0;
-  // This rank's engine stopped on `cause` and takes part in nothing more.
-  // The backend tells its peers now, and a peer waiting on this rank then
-  // fails with `cause`, saying this rank stopped on it. Without this, a
-  // survivor that exits on its error is taken for the failure by the
-  // survivors slower to notice, and their errors name it, not the rank
-  // that died. Not waited on: a peer that cannot be told in passing learns
-  // of this rank's end the usual way.
-  virtual void stopped_on(const Status& /*cause*/) {}
-
-  // For the autotuner: a backend that can run its allreduce both
-  // hierarchically and flat switches to `on`, and says it could.
-  virtual bool set_hierarchical(bool /*on*/) { return false; }
-
   // Process sets. Collective over every rank of this backend, called in
   // the same order everywhere: a backend among `members` (ascending ranks
   // of this one) that carries one process set's control messages and data.

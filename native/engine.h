@@ -49,7 +49,7 @@
 #include "backend.h"
 #include "config.h"
 #include "coordinator.h"
-#include "cuda/device_plane.h"
+#include "data_planes.h"
 #include "futex.h"
 #include "handles.h"
 #include "message.h"

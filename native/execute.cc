@@ -2,8 +2,6 @@
 // group on its data plane.
 #include "engine.h"
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <cctype>
 #include <cstdint>
@@ -19,12 +17,6 @@
 
 namespace unison {
 namespace {
-
-std::string this_host() {
-  char name[256] = {0};
-  gethostname(name, sizeof(name) - 1);
-  return name;
-}
 
 Status invalid(const std::string& message) {
   return Status::Error(UNISON_ERR_INVALID_ARGUMENT, "unison: " + message);
@@ -160,7 +152,7 @@ std::string upper(std::string text) {
 class CollectiveSpans {
  public:
   template <typename IsLocal>
-  CollectiveSpans(Timeline& timeline, const Backend& plane, const std::vector<const Response*>& group,
+  CollectiveSpans(Timeline& timeline, const DataPlane& plane, const std::vector<const Response*>& group,
                   IsLocal is_local)
       : timeline_(timeline) {
     if (!timeline.active()) return;
@@ -228,8 +220,9 @@ void Engine::execute(ProcessSetState& set, const std::vector<const Response*>& g
     }
     device_guard.emplace(*cuda_runtime(), plane->device());
   }
-  Backend* const backend = plane != nullptr ? plane : set.backend;
-  CollectiveSpans spans(timeline_, *backend, group, [&](const std::string& name) { return local(name) != nullptr; });
+  // Host tensors run on the set's own backend.
+  DataPlane* const data = plane != nullptr ? static_cast<DataPlane*>(plane) : set.backend;
+  CollectiveSpans spans(timeline_, *data, group, [&](const std::string& name) { return local(name) != nullptr; });
   // A rank that has joined has no tensors of its own: it contributes zeros
   // (or nothing) from scratch memory and drops what it receives.
   GroupMemory memory(plane);
@@ -260,10 +253,10 @@ void Engine::execute(ProcessSetState& set, const std::vector<const Response*>& g
       if (!memory.failure().ok())
         status = memory.failure();
       else if (head.reduce_op != UNISON_ADASUM)
-        status = backend->allreduce(o);
+        status = data->allreduce(o);
       else
         status = plane != nullptr ? plane->adasum(head.dtype, o.segments)
-                                  : adasum_allreduce(*backend, head.dtype, o.segments);
+                                  : adasum_allreduce(*data, head.dtype, o.segments);
       break;
     }
     case UNISON_ALLGATHER: {
@@ -287,7 +280,7 @@ void Engine::execute(ProcessSetState& set, const std::vector<const Response*>& g
         results[i].shape[0] = rows;
         o.tensors.push_back(part);
       }
-      status = memory.failure().ok() ? backend->allgather(o) : memory.failure();
+      status = memory.failure().ok() ? data->allgather(o) : memory.failure();
       break;
     }
     case UNISON_BROADCAST: {
@@ -297,7 +290,7 @@ void Engine::execute(ProcessSetState& set, const std::vector<const Response*>& g
       void* buffer = e != nullptr ? output_buffer(memory, e->output, 0, bytes, &results[0]) : zeros(bytes);
       if (e != nullptr && rank == head.root && bytes > 0 && buffer != e->input) memory.copy(buffer, e->input, bytes);
       results[0].shape = t.shape;
-      status = memory.failure().ok() ? backend->broadcast(BroadcastOptions{buffer, bytes, head.root}) : memory.failure();
+      status = memory.failure().ok() ? data->broadcast(BroadcastOptions{buffer, bytes, head.root}) : memory.failure();
       break;
     }
     case UNISON_ALLTOALL: {
@@ -318,7 +311,7 @@ void Engine::execute(ProcessSetState& set, const std::vector<const Response*>& g
                               : output_buffer(memory, nullptr, 0, (size_t)rows_in * row, &results[0]);
       results[0].shape = t.shape;
       results[0].shape[0] = rows_in;
-      status = memory.failure().ok() ? backend->alltoall(o) : memory.failure();
+      status = memory.failure().ok() ? data->alltoall(o) : memory.failure();
       break;
     }
     case UNISON_REDUCESCATTER: {
@@ -339,7 +332,7 @@ void Engine::execute(ProcessSetState& set, const std::vector<const Response*>& g
         results[i].unused_everywhere = group[i]->unused_everywhere;
         o.tensors.push_back(part);
       }
-      status = memory.failure().ok() ? backend->reducescatter(o) : memory.failure();
+      status = memory.failure().ok() ? data->reducescatter(o) : memory.failure();
       break;
     }
     case UNISON_BARRIER:
@@ -384,32 +377,6 @@ void Engine::execute(ProcessSetState& set, const std::vector<const Response*>& g
       complete(set, name, status, std::move(results[i]));
   }
   if (!status.ok()) fail_everything(status);
-}
-
-Status Engine::device_plane(ProcessSetState& set, int device, DevicePlane** out) {
-  if (device < 0) {
-    // A joined rank: it takes part on the plane it has, or on its first GPU.
-    if (!set.device_planes.empty()) {
-      *out = set.device_planes.begin()->second.get();
-      return Status::OK();
-    }
-    device = 0;
-  }
-  auto it = set.device_planes.find(device);
-  if (it == set.device_planes.end()) {
-    std::unique_ptr<DevicePlane> plane;
-    PlaneRequest request;
-    request.hostname = config_.hostname.empty() ? this_host() : config_.hostname;
-    request.choice = config_.gpu_data_plane;
-    request.hierarchical = config_.hierarchical;
-    request.set_id = set.id;
-    request.device = device;
-    Status s = make_device_plane(request, set.backend, &plane);
-    if (!s.ok()) return s;
-    it = set.device_planes.emplace(device, std::move(plane)).first;
-  }
-  *out = it->second.get();
-  return Status::OK();
 }
 
 }  // namespace unison

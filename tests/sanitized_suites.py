@@ -24,6 +24,7 @@ import sys
 import pytest
 
 import fake_cuda as fake_cuda_library
+import layouts
 from jobs import CORE_SUITES, assert_every_rank_passed, run_job, run_random_kills
 from test_parallel import FAKE_GPU_LAYOUTS, fake_cuda_env
 
@@ -39,12 +40,12 @@ OPTIONS = {
 # Every numpy suite of tests/parallel on one host, and across hosts those
 # that tests/test_tcp.py runs there; one job per layout.
 ONE_HOST = sorted(f for f in os.listdir(os.path.join(HERE, "parallel")) if f.startswith("test_core_"))
-LAYOUTS = {
-    "shm-np2": (["-np", "2"], ONE_HOST, "shm"),
-    "shm-np3": (["-np", "3"], ONE_HOST, "shm"),
-    "shm-np4": (["-np", "4"], ["test_core_process_sets.py"], "shm"),
-    "tcp-2+1": (["-np", "3", "-H", "localhost:2,127.0.0.1:1"], CORE_SUITES, "tcp"),
-    "tcp-2x2-hierarchical": (["-np", "4", "-H", "localhost:2,127.0.0.1:2"], CORE_SUITES, "hierarchical"),
+SUITES = {  # by row of tests/layouts.py
+    "shm-np2": ONE_HOST,
+    "shm-np3": ONE_HOST,
+    "shm-np4": ["test_core_process_sets.py"],
+    "tcp-2+1": CORE_SUITES,
+    "tcp-2x2": CORE_SUITES,  # hierarchical
 }
 MARKERS = ("ERROR: AddressSanitizer", "runtime error:", "WARNING: ThreadSanitizer", "ERROR: ThreadSanitizer")
 
@@ -106,12 +107,12 @@ def suites_command(launcher, suites):
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", list(SUITES))
 def test_core_suites_sanitized(layout):
-    options, suites, backend = LAYOUTS[layout]
-    proc, _ = run_sanitized(suites_command(options, suites), dict(os.environ, UNISON_TEST_EXPECT_BACKEND=backend),
+    proc, _ = run_sanitized(suites_command(layouts.options(layout), SUITES[layout]),
+                            dict(os.environ, UNISON_TEST_EXPECT_BACKEND=layouts.LAYOUTS[layout].backend),
                             "layout " + layout)
-    assert_every_rank_passed(proc, int(options[1]))
+    assert_every_rank_passed(proc, layouts.ranks(layout))
 
 
 # The device planes on tests/fake_cuda (test_parallel.py's layouts): NCCL
@@ -130,26 +131,24 @@ def fake_cuda(tmp_path_factory):
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("layout", GPU_LAYOUTS)
 def test_the_grid_on_a_fake_gpu_sanitized(fake_cuda, layout):
-    ranks, launcher, extra, _ = FAKE_GPU_LAYOUTS[layout]
+    row, extra, _ = FAKE_GPU_LAYOUTS[layout]
     env = dict(os.environ, **fake_cuda_env(fake_cuda, UNISON_TEST_DEVICE="fake-cuda", **extra))
-    proc, _ = run_sanitized(suites_command(["-np", str(ranks)] + launcher, ["test_core_grid.py"]), env,
+    proc, _ = run_sanitized(suites_command(layouts.options(row), ["test_core_grid.py"]), env,
                             "fake-GPU layout " + layout)
-    assert_every_rank_passed(proc, ranks)
+    assert_every_rank_passed(proc, layouts.ranks(row))
 
 
-KILLED = {"shm-np3": ["-np", "3"], "tcp-2+1": ["-np", "3", "-H", "localhost:2,127.0.0.1:1"],
-          "tcp-2x2-hierarchical": ["-np", "4", "-H", "localhost:2,127.0.0.1:2"]}
+KILLED = ["shm-np3", "tcp-2+1", "tcp-2x2"]  # rows of tests/layouts.py
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("seed", [1, 2])
-@pytest.mark.parametrize("layout", list(KILLED))
+@pytest.mark.parametrize("layout", KILLED)
 def test_a_rank_killed_at_a_random_moment_sanitized(layout, seed):
     """What a survivor does when a peer dies mid-collective (stop notices,
     half-sent frames, abandoned rounds) runs only then: each survivor must
     end on its own unison error, with nothing reported."""
-    options = KILLED[layout]
-    n = int(options[1])
+    options, n = layouts.options(layout), layouts.ranks(layout)
     victim, delay = seed % n, 0.3 + 0.4 * seed
     command = [sys.executable, "-m", "unison.run"] + options + ["--failure-grace-seconds", "60", sys.executable,
                                                                 os.path.join(HERE, "killed_at_random.py"), str(seed),

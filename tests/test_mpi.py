@@ -4,7 +4,8 @@ The tox env `mpi` installs MPICH from PyPI and builds the core against it;
 these tests run there (and in CI). Where unison was built without MPI they
 are skipped, and test_without_mpi_the_error_says_how_to_get_it runs instead.
 
-Layouts on this one machine:
+Layouts on this one machine (the rows mpi-* of tests/layouts.py, except
+the namespaces):
   flat, 2 and 3 ranks        every byte over MPI (--no-hierarchical-allreduce)
   2 simulated hosts x 2      hierarchical: shared memory within, MPI across
   2 simulated hosts x 2      flat
@@ -21,6 +22,7 @@ import time
 
 import pytest
 
+import layouts
 from jobs import (CORE_SUITES, EXITS, HERE, IDENTITY, KILLED, assert_every_rank_passed, pytest_command, run_job,
                   unisonrun)
 from unison import basics
@@ -29,12 +31,9 @@ from unison.runner import hosts, mpi as mpi_run
 BUILT_WITH_MPI = "mpi" in basics.built_backends()
 needs_mpi = pytest.mark.skipif(not BUILT_WITH_MPI, reason="unison was built without MPI; the tox env 'mpi' runs these")
 
-LAYOUTS = {
-    "flat-np2": (["--mpi", "-np", "2", "--no-hierarchical-allreduce"], 2, "mpi"),
-    "flat-np3": (["--mpi", "-np", "3", "--no-hierarchical-allreduce"], 3, "mpi"),
-    "hierarchical-2x2": (["-np", "4", "--simulate-hosts", "2"], 4, "hierarchical"),
-    "flat-2x2": (["-np", "4", "--simulate-hosts", "2", "--no-hierarchical-allreduce"], 4, "mpi"),
-}
+# This file's rows of tests/layouts.py (whose identity test_layouts.py
+# checks, the rows that need MPI in this file's tox envs).
+UNDER_MPI = ["mpi-np2", "mpi-np3", "mpi-2x2", "mpi-2x2-flat"]
 
 
 # The MPI libraries' own shared-memory files. Tests here kill ranks on
@@ -65,12 +64,12 @@ def remove_mpi_shm_left_by_the_test():
 @needs_mpi
 # Every core suite in one launch per layout (test_parallel.py says why).
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("layout", UNDER_MPI)
 def test_core_suites_under_mpi(layout):
-    options, ranks, backend = LAYOUTS[layout]
-    proc = unisonrun(options, pytest_command(*CORE_SUITES), env={"UNISON_TEST_EXPECT_BACKEND": backend},
+    proc = unisonrun(layouts.options(layout), pytest_command(*CORE_SUITES),
+                     env={"UNISON_TEST_EXPECT_BACKEND": layouts.LAYOUTS[layout].backend},
                      timeout=580 * len(CORE_SUITES))
-    assert_every_rank_passed(proc, ranks)
+    assert_every_rank_passed(proc, layouts.ranks(layout))
 
 
 @needs_mpi
@@ -102,29 +101,6 @@ def test_unison_run_through_mpirun(tmp_path, np_):
     proc = run_job([sys.executable, str(script), "{'num_proc': %d, 'use_mpi': True}" % np_], 100, cwd=str(tmp_path))
     total = np_ * (np_ + 1) / 2
     assert test_run_function.result(proc) == [{"rank": r, "size": np_, "value": total * 2 + 1} for r in range(np_)]
-
-
-@needs_mpi
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("setting,backend", [([], "hierarchical"), (["--no-hierarchical-allreduce"], "mpi"),
-                                             (["--hierarchical-allreduce"], "hierarchical"),
-                                             ("HOROVOD_HIERARCHICAL_ALLREDUCE=0", "mpi")])
-def test_simulated_hosts_identity_and_hierarchical_choice(tmp_path, setting, backend):
-    script = tmp_path / "identity.py"
-    script.write_text(IDENTITY)
-    env = {}
-    if isinstance(setting, str):
-        name, value = setting.split("=")
-        env[name] = value
-        setting = []
-    proc = unisonrun(["-np", "4", "--simulate-hosts", "2"] + setting, [sys.executable, str(script)], env=env,
-                     timeout=100)
-    output = proc.stdout.decode(errors="replace")
-    assert proc.returncode == 0, output
-    # Ranks 0, 1 on the first host, 2, 3 on the second.
-    who = [[0, 0, 2, 0, 2, 1], [1, 1, 2, 0, 2, 1], [2, 0, 2, 1, 2, 1], [3, 1, 2, 1, 2, 1]]
-    for r in range(4):
-        assert "[%d]<stdout>:rank %d of 4: %s total 10 who %s" % (r, r, backend, who) in output, output
 
 
 SETTINGS = """

@@ -12,6 +12,7 @@ import sys
 import pytest
 
 import fake_cuda as fake_cuda_library
+import layouts
 from jobs import assert_every_rank_passed, failure_digest, pytest_command, run_job
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -102,7 +103,7 @@ def test_torch_grid_on_cuda_tensors(np_):
 # to believe it too: NCCL_HOSTID, per rank, makes NCCL treat each rank as
 # a host of its own and move bytes over its sockets, so the NCCL plane's
 # multi-rank paths run on a one-GPU machine.
-HOSTS = {2: "localhost:1,127.0.0.1:1", 3: "localhost:1,127.0.0.1:1,127.0.0.2:1"}
+A_HOST_PER_RANK = {2: "tcp-1+1", 3: "tcp-1+1+1"}  # rows of tests/layouts.py
 NCCL_PER_RANK_HOST = ["sh", "-c", 'NCCL_HOSTID="unison-test-$UNISON_HOSTNAME" exec "$@"', "sh"]
 
 
@@ -115,7 +116,8 @@ def test_cuda_suites_with_a_host_per_rank(suite, flat, np_):
     env = {"UNISON_TEST_DEVICE": "cuda", "NCCL_SOCKET_IFNAME": "lo"}
     if flat:
         env["UNISON_HIERARCHICAL_ALLREDUCE"] = "0"
-    run_suite(suite, np_, env, launcher=["-H", HOSTS[np_]], wrapper=NCCL_PER_RANK_HOST if flat else [])
+    run_suite(suite, np_, env, launcher=layouts.LAYOUTS[A_HOST_PER_RANK[np_]].launcher,
+              wrapper=NCCL_PER_RANK_HOST if flat else [])
 
 
 def torch_has_cuda():
@@ -144,21 +146,19 @@ def skip_without_cuda():
 # GPUs a host (the grouped reduces and broadcasts within it), on uneven
 # hosts, and the flat plane across hosts, which
 # UNISON_HIERARCHICAL_ALLREDUCE=0 asks for.
-FAKE_GPU_LAYOUTS = {  # ranks, launcher flags, environment, the plane its collectives must run on
-    "np1-nccl": (1, [], {}, "nccl"),
-    "np1-staging": (1, [], {"UNISON_GPU_DATA_PLANE": "staging"}, "staging"),
-    "np2-staging": (2, [], {}, "staging"),
-    "np3-staging": (3, [], {}, "staging"),
-    "np2-hierarchical-nccl": (2, ["-H", HOSTS[2]], {}, "nccl_hierarchical"),
-    "np3-hierarchical-nccl": (3, ["-H", HOSTS[3]], {}, "nccl_hierarchical"),
-    "np2-nccl-2-gpus": (2, [], {"FAKE_CUDA_DEVICES": "2"}, "nccl"),
-    "np3-nccl-3-gpus": (3, [], {"FAKE_CUDA_DEVICES": "3"}, "nccl"),
-    "np4-nccl-4-gpus": (4, [], {"FAKE_CUDA_DEVICES": "4"}, "nccl"),  # disjoint process sets, each its communicator
-    "np4-hierarchical-nccl-2-gpus-a-host": (4, ["-H", "localhost:2,127.0.0.1:2"], {"FAKE_CUDA_DEVICES": "2"},
-                                            "nccl_hierarchical"),
-    "np3-hierarchical-nccl-uneven-hosts": (3, ["-H", "localhost:2,127.0.0.1:1"], {"FAKE_CUDA_DEVICES": "2"},
-                                           "nccl_hierarchical"),
-    "np3-flat-nccl-across-hosts": (3, ["-H", HOSTS[3]], {"UNISON_HIERARCHICAL_ALLREDUCE": "0"}, "nccl"),
+FAKE_GPU_LAYOUTS = {  # the row of tests/layouts.py, environment, the plane its collectives must run on
+    "np1-nccl": ("solo-np1", {}, "nccl"),
+    "np1-staging": ("solo-np1", {"UNISON_GPU_DATA_PLANE": "staging"}, "staging"),
+    "np2-staging": ("shm-np2", {}, "staging"),
+    "np3-staging": ("shm-np3", {}, "staging"),
+    "np2-hierarchical-nccl": ("tcp-1+1", {}, "nccl_hierarchical"),
+    "np3-hierarchical-nccl": ("tcp-1+1+1", {}, "nccl_hierarchical"),
+    "np2-nccl-2-gpus": ("shm-np2", {"FAKE_CUDA_DEVICES": "2"}, "nccl"),
+    "np3-nccl-3-gpus": ("shm-np3", {"FAKE_CUDA_DEVICES": "3"}, "nccl"),
+    "np4-nccl-4-gpus": ("shm-np4", {"FAKE_CUDA_DEVICES": "4"}, "nccl"),  # disjoint process sets, each its communicator
+    "np4-hierarchical-nccl-2-gpus-a-host": ("tcp-2x2", {"FAKE_CUDA_DEVICES": "2"}, "nccl_hierarchical"),
+    "np3-hierarchical-nccl-uneven-hosts": ("tcp-2+1", {"FAKE_CUDA_DEVICES": "2"}, "nccl_hierarchical"),
+    "np3-flat-nccl-across-hosts": ("tcp-1+1+1", {"UNISON_HIERARCHICAL_ALLREDUCE": "0"}, "nccl"),
 }
 
 
@@ -178,11 +178,11 @@ def fake_cuda_env(fake_cuda, **env):
                                                               os.environ.get("LD_LIBRARY_PATH")])))
 
 
-def run_the_grid_on_the_fake_gpu(fake_cuda, tmp_path, np_, launcher, env, plane):
+def run_the_grid_on_the_fake_gpu(fake_cuda, tmp_path, layout, env, plane):
     timeline = tmp_path / "timeline.json"
-    run_suite("test_core_grid.py", np_,
+    run_suite("test_core_grid.py", layouts.ranks(layout),
               fake_cuda_env(fake_cuda, UNISON_TEST_DEVICE="fake-cuda", UNISON_TIMELINE=str(timeline), **env),
-              launcher=launcher)
+              launcher=layouts.LAYOUTS[layout].launcher)
     # Rank 0's timeline names each collective's plane: the layout ran where
     # it was meant to, not on a fallback.
     ran = set(re.findall(r'"name": *"([A-Z_]+)"', timeline.read_text()))
@@ -204,7 +204,7 @@ def test_core_grid_on_fake_gpus_without_nccl_is_staged(fake_cuda_without_nccl, t
     said = check_build_on_the_fake_gpu(fake_cuda_without_nccl, **env)
     assert ("CUDA: libcudart.so.13 (runtime 13.0), 2 device(s); NCCL: not found (libnccl.so.2 could not be opened"
             in said and "GPU collectives are staged through host memory" in said), said
-    run_the_grid_on_the_fake_gpu(fake_cuda_without_nccl, tmp_path, 2, [], env, "staging")
+    run_the_grid_on_the_fake_gpu(fake_cuda_without_nccl, tmp_path, "shm-np2", env, "staging")
 
 
 def check_build_on_the_fake_gpu(fake_cuda, **env):
@@ -307,7 +307,7 @@ def assert_the_survivor_of_a_lost_rank_goes_on(tmp_path, script, env, wrapper=()
     path = tmp_path / "lost.py"
     path.write_text(LOST_MID_COLLECTIVE.format(**script))
     env = dict(os.environ, UNISON_HIERARCHICAL_ALLREDUCE="0", UNISON_GPU_DATA_PLANE="nccl", **env)
-    command = [sys.executable, "-m", "unison.run", "-np", "2", "-H", HOSTS[2], "--failure-grace-seconds", "60",
+    command = [sys.executable, "-m", "unison.run", *layouts.options("tcp-1+1"), "--failure-grace-seconds", "60",
                *wrapper, sys.executable, str(path), os.path.join(HERE, "parallel")]
     proc = run_job(command, 150, env=env, cwd=str(tmp_path))
     output = proc.stdout.decode(errors="replace")
@@ -421,7 +421,7 @@ def test_cuda_rank_whose_nccl_init_fails_is_named_to_its_peers(tmp_path):
     script = tmp_path / "init.py"
     script.write_text(NCCL_INIT_FAILS_ON_CUDA)
     env = dict(os.environ, UNISON_GPU_DATA_PLANE="nccl", UNISON_HIERARCHICAL_ALLREDUCE="0", NCCL_SOCKET_IFNAME="lo")
-    command = [sys.executable, "-m", "unison.run", "-np", "2", "-H", HOSTS[2], *NCCL_PER_RANK_HOST, sys.executable,
+    command = [sys.executable, "-m", "unison.run", *layouts.options("tcp-1+1"), *NCCL_PER_RANK_HOST, sys.executable,
                str(script)]
     output = run_job(command, 150, env=env, cwd=str(tmp_path)).stdout.decode(errors="replace")
     failed = [line for line in output.splitlines() if "rank 0: the first GPU op failed after " in line]

@@ -1,6 +1,7 @@
 """Across hosts without MPI: the TCP backend and `unisonrun -H`.
 
-Layouts on this one machine, with no MPI on PATH:
+Layouts on this one machine, with no MPI on PATH (the rows tcp-* of
+tests/layouts.py; test_layouts.py checks each rank's identity on them):
   localhost:2,127.0.0.1:2   two hosts of two ranks: hierarchical (shared
                             memory within each, TCP across), and flat TCP
   localhost:1,127.0.0.1:1   two hosts of one rank
@@ -22,21 +23,25 @@ import time
 import pytest
 
 import jobs
-from jobs import CORE_SUITES, EXITS, HERE, IDENTITY, KILLED, assert_every_rank_passed, pytest_command
+import layouts
+from jobs import CORE_SUITES, EXITS, HERE, KILLED, assert_every_rank_passed, pytest_command
+from layouts import LAYOUTS
 
-LAYOUTS = {
-    "2x2": (["-np", "4", "-H", "localhost:2,127.0.0.1:2"], 4, "hierarchical"),
-    "2x2-flat": (["-np", "4", "-H", "localhost:2,127.0.0.1:2", "--no-hierarchical-allreduce"], 4, "tcp"),
-    "1+1": (["-np", "2", "-H", "localhost:1,127.0.0.1:1"], 2, "tcp"),
-    "2+1": (["-np", "3", "-H", "localhost:2,127.0.0.1:1"], 3, "tcp"),
-}
+# This file's rows of tests/layouts.py, by their names there less "tcp-".
+ACROSS_HOSTS = ["1+1", "2+1", "2x2", "2x2-flat"]
+
+
+def row(short):
+    return LAYOUTS["tcp-" + short]
+
+
+def options(short):
+    return layouts.options("tcp-" + short)
 
 
 def without_mpi():
     """The environment with every directory that holds an mpirun off PATH."""
-    path = [d for d in os.environ.get("PATH", "").split(os.pathsep)
-            if not os.path.exists(os.path.join(d, "mpirun"))]
-    return dict(os.environ, PATH=os.pathsep.join(path))
+    return layouts.without_mpi(os.environ)
 
 
 def unisonrun(options, command, env=None, timeout=300):
@@ -45,45 +50,11 @@ def unisonrun(options, command, env=None, timeout=300):
 
 # Every core suite in one launch per layout (test_parallel.py says why).
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("layout", sorted(ACROSS_HOSTS))
 def test_core_suites_across_hosts(layout):
-    options, ranks, backend = LAYOUTS[layout]
-    proc = unisonrun(options, pytest_command(*CORE_SUITES), env={"UNISON_TEST_EXPECT_BACKEND": backend},
-                     timeout=580 * len(CORE_SUITES))
-    assert_every_rank_passed(proc, ranks)
-
-
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("hosts", ["-H", "--hostfile"])
-def test_two_hosts_on_one_machine_identity(tmp_path, hosts):
-    script = tmp_path / "identity.py"
-    script.write_text(IDENTITY)
-    if hosts == "-H":
-        options = ["-H", "localhost:2,127.0.0.1:2"]
-    else:
-        hostfile = tmp_path / "hosts"
-        hostfile.write_text("localhost slots=2\n127.0.0.1:2\n")
-        options = ["--hostfile", str(hostfile)]
-    proc = unisonrun(["-np", "4"] + options, [sys.executable, str(script)], timeout=100)
-    output = proc.stdout.decode(errors="replace")
-    assert proc.returncode == 0, output
-    who = [[0, 0, 2, 0, 2, 1], [1, 1, 2, 0, 2, 1], [2, 0, 2, 1, 2, 1], [3, 1, 2, 1, 2, 1]]
-    for r in range(4):
-        assert "[%d]<stdout>:rank %d of 4: hierarchical total 10 who %s mpirun None" % (r, r, who) in output, output
-
-
-@pytest.mark.timeout(120)
-def test_uneven_hosts_identity(tmp_path):
-    """Two ranks on one host and one on the other: not homogeneous, and
-    local rank 1 has no peer across hosts."""
-    script = tmp_path / "identity.py"
-    script.write_text(IDENTITY)
-    proc = unisonrun(["-np", "3", "-H", "localhost:2,127.0.0.1:1"], [sys.executable, str(script)], timeout=100)
-    output = proc.stdout.decode(errors="replace")
-    assert proc.returncode == 0, output
-    who = [[0, 0, 2, 0, 2, 0], [1, 1, 2, 0, 1, 0], [2, 0, 1, 1, 2, 0]]
-    for r in range(3):
-        assert "[%d]<stdout>:rank %d of 3: tcp total 6 who %s mpirun None" % (r, r, who) in output, output
+    proc = unisonrun(options(layout), pytest_command(*CORE_SUITES),
+                     env={"UNISON_TEST_EXPECT_BACKEND": row(layout).backend}, timeout=580 * len(CORE_SUITES))
+    assert_every_rank_passed(proc, layouts.ranks("tcp-" + layout))
 
 
 STRANGER = """
@@ -436,7 +407,7 @@ def test_every_survivor_names_the_rank_that_died_not_one_that_left_after_it(tmp_
     script = tmp_path / "dies.py"
     script.write_text(DIES_MID_TRAINING)
     for attempt in range(3):
-        proc = unisonrun(LAYOUTS[layout][0], [sys.executable, str(script)], timeout=100)
+        proc = unisonrun(options(layout), [sys.executable, str(script)], timeout=100)
         output = proc.stdout.decode(errors="replace")
         survivors = dict(re.findall(r"survivor (\d): (.*)", output))
         assert sorted(survivors) == ["0", "1", "2"], output
@@ -477,7 +448,7 @@ def test_a_survivor_with_a_frame_half_sent_still_tells_the_others_which_rank_die
     script.write_text(HALF_SENT)
     mid_ring = 0
     for attempt in range(5):
-        proc = unisonrun(LAYOUTS["2+1"][0] + ["--failure-grace-seconds", "60"], [sys.executable, str(script)],
+        proc = unisonrun(options("2+1") + ["--failure-grace-seconds", "60"], [sys.executable, str(script)],
                          timeout=100)
         output = proc.stdout.decode(errors="replace")
         if "rank 2 finished the allreduce" in output:
@@ -508,11 +479,11 @@ def test_a_rank_killed_at_a_random_moment_is_named_by_every_survivor_across_host
     (killed_at_random.py). With the launcher's grace period long, each
     survivor must end by itself, within seconds, naming the killed rank
     (test_launcher has the same on one host)."""
-    options, n, _ = LAYOUTS[layout]
+    launcher, n = options(layout), layouts.ranks("tcp-" + layout)
     rng = random.Random("%s/%d" % (layout, seed))
     victim, delay = rng.randrange(n), rng.uniform(0.3, 2.0)
     script = os.path.join(HERE, "killed_at_random.py")
-    proc = unisonrun(options + ["--failure-grace-seconds", "60"],
+    proc = unisonrun(launcher + ["--failure-grace-seconds", "60"],
                      [sys.executable, script, str(seed), str(victim), "%.3f" % delay], timeout=150)
     output = proc.stdout.decode(errors="replace")
     survivors = re.findall(r"survivor (\d) at [0-9.]+, after ([0-9.]+) s: (\w+): (.*)", output)
@@ -550,7 +521,7 @@ def test_a_frozen_rank_is_named_by_every_survivor_not_the_leader_waiting_on_it(t
     script = tmp_path / "frozen.py"
     script.write_text(FROZEN)
     for attempt in range(3):
-        proc = unisonrun(LAYOUTS["2x2"][0] + ["--peer-timeout-seconds", "2", "--failure-grace-seconds", "4"],
+        proc = unisonrun(options("2x2") + ["--peer-timeout-seconds", "2", "--failure-grace-seconds", "4"],
                          [sys.executable, str(script), str(victim)], timeout=100)
         output = proc.stdout.decode(errors="replace")
         survivors = dict(re.findall(r"survivor (\d): (.*)", output))

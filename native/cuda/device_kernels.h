@@ -4,7 +4,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "../backend.h"
+#include "../data_plane.h"
 #include "runtime.h"
 
 namespace unison {

@@ -1,10 +1,11 @@
 // device_plane.h: collectives on one GPU's memory.
 //
-// A DevicePlane is a Backend whose data plane takes device pointers: NCCL
+// A DevicePlane is a data plane (../data_plane.h) on device pointers: NCCL
 // (../nccl/nccl_plane.cc) or, where NCCL cannot serve, host staging
 // (staging_plane.cc), which copies to pinned host memory and runs the
-// process set's own CPU backend. Its control plane and cycle scheduling are
-// that CPU backend's: negotiation stays on the CPU either way.
+// process set's own CPU backend. It has no control plane: negotiation and
+// cycles stay on that CPU backend, which the engine calls directly.
+// ../data_planes.cc chooses among the planes.
 //
 // All of a plane's device work goes on its own stream, in the order the
 // engine runs groups (the same on every rank). The framework's streams meet
@@ -21,12 +22,13 @@
 #include <vector>
 
 #include "../backend.h"
+#include "../data_plane.h"
 #include "device_kernels.h"
 #include "runtime.h"
 
 namespace unison {
 
-class DevicePlane : public Backend {
+class DevicePlane : public DataPlane {
  public:
   DevicePlane(const CudaRuntime& cuda, int device, Backend* host);
   ~DevicePlane() override;
@@ -59,25 +61,9 @@ class DevicePlane : public Backend {
   // host memory on every plane.
   Status adasum(int dtype, const std::vector<Segment>& segments);
 
-  // Everything but the data plane is the host backend's.
+  // The ranks are its process set's.
   int rank() const override { return host_->rank(); }
   int size() const override { return host_->size(); }
-  Status exchange(const std::string& mine, std::vector<std::string>* everyone) override {
-    return host_->exchange(mine, everyone);
-  }
-  Status broadcast_message(std::string* message, int root) override { return host_->broadcast_message(message, root); }
-  size_t max_message_bytes() const override { return host_->max_message_bytes(); }
-  uint64_t requested_cycles() const override { return host_->requested_cycles(); }
-  void request_cycles(uint64_t count) override { host_->request_cycles(count); }
-  uint32_t activity_token() const override { return host_->activity_token(); }
-  void wait_for_activity(uint32_t token, double timeout_seconds) override {
-    host_->wait_for_activity(token, timeout_seconds);
-  }
-  void wake() override { host_->wake(); }
-  Status check_peers() override { return host_->check_peers(); }
-  Status split(const std::vector<int>&, int, std::unique_ptr<Backend>*) override {
-    return Status::Error(UNISON_ERR_INTERNAL, "unison: a device plane is not split; its process set's backend is");
-  }
 
  protected:
   // Pinned host memory for staging one collective: reserve() the total,
@@ -89,7 +75,7 @@ class DevicePlane : public Backend {
   Status stage_segments(const std::vector<Segment>& segments, Reduce reduce);
   // On `across` when given (a hierarchical plane's cross-host group), else
   // on the set's CPU backend.
-  Status stage_allreduce(const AllreduceOptions& options, Backend* across = nullptr);
+  Status stage_allreduce(const AllreduceOptions& options, DataPlane* across = nullptr);
   Status stage_allgather(const AllgatherOptions& options);
   Status stage_broadcast(const BroadcastOptions& options);
   Status stage_alltoall(const AlltoallOptions& options);
@@ -107,37 +93,7 @@ class DevicePlane : public Backend {
   size_t pinned_bytes_ = 0;
 };
 
-// What a rank knows of itself when its set makes a plane.
-struct PlaneRequest {
-  std::string hostname;      // Config::hostname, else gethostname()
-  std::string choice;        // Config::gpu_data_plane: auto, nccl or staging
-  bool hierarchical = true;  // Config::hierarchical: NCCL within hosts, not across them
-  int set_id = 0;            // keeps the plane's cross-host groups apart from other sets'
-  int device = 0;
-};
-
-// The plane for `request.device` in the process set whose backend is
-// `host`. Collective over the set: its ranks learn where the others are and
-// choose NCCL where it can serve (each rank its own GPU, NCCL found
-// everywhere), else staging; the choice can insist on either. Where the set
-// spans hosts, NCCL is hierarchical unless every rank asks for it flat.
-Status make_device_plane(const PlaneRequest& request, Backend* host, std::unique_ptr<DevicePlane>* out);
-
-// Whom an NCCL plane's communicator joins, and who carries what across hosts.
-struct NcclLayout {
-  std::vector<int> communicator;  // the set's ranks in this rank's: all of them, or its host's
-  // Hierarchical only: cross group l holds local rank l of every host and
-  // carries chunk l of an allreduce between hosts. Every host has as many
-  // groups as it has ranks when hosts are even, else one (their first ranks).
-  std::vector<std::vector<int>> cross_groups;
-  int cross_group_id = 0;  // the first group's id for Backend::split; the next ones follow
-};
-
-// The NCCL plane (../nccl/nccl_plane.cc), among ranks that chose it.
-Status make_nccl_plane(const CudaRuntime& cuda, int device, Backend* host, const NcclLayout& layout,
-                       std::unique_ptr<DevicePlane>* out);
+// The staging plane, for any GPU.
 Status make_staging_plane(const CudaRuntime& cuda, int device, Backend* host, std::unique_ptr<DevicePlane>* out);
-// What --check-build prints: the CUDA runtime, its devices, NCCL.
-std::string device_support_report();
 
 }  // namespace unison

@@ -21,7 +21,7 @@
 #include <string>
 #include <vector>
 
-#include "../backend.h"
+#include "../data_plane.h"
 #include "../config.h"
 #include "../status.h"
 
@@ -53,7 +53,7 @@ class MpiCommunicator {
   Status allgather_strings(const std::string& mine, std::vector<std::string>* everyone);
   Status broadcast_string(std::string* message, int root);
 
-  // Data plane, with the options of backend.h.
+  // Data plane, with the options of data_plane.h.
   Status allreduce(const AllreduceOptions& options);
   Status allgather(const AllgatherOptions& options);
   Status broadcast(void* buffer, size_t bytes, int root);

@@ -23,6 +23,8 @@
 // through host memory onto the set's CPU backend. A cluster whose NCCL
 // reaches across hosts faster (RDMA) asks for the flat communicator with
 // UNISON_HIERARCHICAL_ALLREDUCE=0.
+#include "nccl_plane.h"
+
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
@@ -30,7 +32,6 @@
 #include <mutex>
 #include <thread>
 
-#include "../cuda/device_plane.h"
 #include "../dtype.h"
 #include "../log.h"
 #include "library.h"
