@@ -332,61 +332,100 @@ const Setting kSettings[] = {
     {"UNISON_SECRET_KEY", kNone, "secret", 16, 0, kNone, &Config::secret_key,
      "The job's secret, which every connection between ranks must prove (set by the launcher)."},
     {"UNISON_NETWORK_INTERFACE", "HOROVOD_GLOO_IFACE", "text", 0, 0, kNone, &Config::network_interface,
-     "The interface (name or IPv4 address) the ranks listen on; the one that reaches rank 0 where unset."},
+     "The interface (name or IPv4 address) the ranks listen on, 0.0.0.0 for all; where unset, the one that "
+     "reaches rank 0."},
     {"UNISON_HIERARCHICAL_ALLREDUCE", "HOROVOD_HIERARCHICAL_ALLREDUCE", "flag", 0, 0, kNone, &Config::hierarchical,
-     "Across hosts: shared memory within each host and MPI or TCP between hosts, or MPI or TCP between every "
-     "pair of ranks.", "--hierarchical-allreduce", kNone, "params.hierarchical_allreduce"},
+     "Across hosts: shared memory within each host and TCP or MPI between hosts (1), or TCP or MPI "
+     "between every pair of ranks (0). For GPU tensors: NCCL within each host and the CPU plane "
+     "between hosts (1), or one NCCL communicator over every rank (0).",
+     "--hierarchical-allreduce", kNone, "params.hierarchical_allreduce"},
     {"UNISON_FUSION_THRESHOLD", "HOROVOD_FUSION_THRESHOLD", "bytes", 0, 16 * kGiB, kNone,
-     &Config::fusion_threshold_bytes, "Tensors ready in one cycle are packed together up to this many bytes.", "--fusion-threshold-mb", "MiB", "params.fusion_threshold_mb"},
+     &Config::fusion_threshold_bytes,
+     "Ready allreduces are packed into one collective up to this many bytes.",
+     "--fusion-threshold-mb", "MiB", "params.fusion_threshold_mb"},
     {"UNISON_CYCLE_TIME", "HOROVOD_CYCLE_TIME", "number", 0, 10000, kNone, &Config::cycle_time_ms,
-     "Milliseconds between negotiation cycles; 0 starts one as soon as a request arrives.", "--cycle-time-ms", kNone, "params.cycle_time_ms"},
+     "Milliseconds between negotiation cycles: 0 starts one the moment work arrives; a positive value "
+     "batches like Horovod's cycle time.",
+     "--cycle-time-ms", kNone, "params.cycle_time_ms"},
     {"UNISON_CACHE_CAPACITY", "HOROVOD_CACHE_CAPACITY", "integer", 0, 1 << 20, kNone, &Config::cache_capacity,
-     "Negotiated responses remembered, so that a repeated tensor agrees by one bit; 0 turns the cache off.", "--cache-capacity", kNone, "params.cache_capacity"},
+     "Negotiated tensors remembered, so that steady-state steps agree through one bit each; 0 turns "
+     "the cache off.",
+     "--cache-capacity", kNone, "params.cache_capacity"},
     {"UNISON_STALL_CHECK_DISABLE", "HOROVOD_STALL_CHECK_DISABLE", "flag", 0, 0, kNone,
-     &Config::stall_check_disabled, "Turns the stall inspector off.", "--no-stall-check", kNone, "stall_check.enabled"},
+     &Config::stall_check_disabled, "Turns the stall inspector off.",
+     "--no-stall-check", kNone, "stall_check.enabled"},
     {"UNISON_STALL_CHECK_TIME_SECONDS", "HOROVOD_STALL_CHECK_TIME_SECONDS", "number", 0, 7 * kDay, kNone,
-     &Config::stall_warning_seconds, "Seconds a tensor may wait for other ranks before a warning names them.", "--stall-check-warning-time-seconds", kNone, "stall_check.warning_time_seconds"},
+     &Config::stall_warning_seconds,
+     "Seconds a tensor may wait for other ranks before a warning names them; when every rank is "
+     "blocked this long, they fail as a deadlock.",
+     "--stall-check-warning-time-seconds", kNone, "stall_check.warning_time_seconds"},
     {"UNISON_STALL_SHUTDOWN_TIME_SECONDS", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "number", 0, 7 * kDay, kNone,
-     &Config::stall_shutdown_seconds, "Seconds after which a stalled tensor fails; 0 never fails it.", "--stall-check-shutdown-time-seconds", kNone, "stall_check.shutdown_time_seconds"},
+     &Config::stall_shutdown_seconds,
+     "Seconds after which a stalled tensor fails; 0 never fails it.",
+     "--stall-check-shutdown-time-seconds", kNone, "stall_check.shutdown_time_seconds"},
     {"UNISON_PEER_TIMEOUT_SECONDS", kNone, "number", 0.1, kDay, kNone, &Config::peer_timeout_seconds,
-     "Seconds a peer may show no sign of life before it is declared failed.", "--peer-timeout-seconds", kNone, kNone},
+     "Seconds a peer may show no sign of life before it is declared failed; once a failure has stopped "
+     "a rank, GPU work it still has queued gets this long to finish before it is aborted.",
+     "--peer-timeout-seconds", kNone, kNone},
     {"UNISON_START_TIMEOUT", "HOROVOD_START_TIMEOUT", "number", 0.1, kDay, kNone, &Config::start_timeout_seconds,
-     "Seconds init waits for every rank to arrive.", "--start-timeout", kNone, "library_options.gloo_timeout_seconds"},
+     "Seconds init waits for every rank to arrive.",
+     "--start-timeout", kNone, "library_options.gloo_timeout_seconds"},
     {"UNISON_SHM_SLOT_BYTES", kNone, "bytes", 4096, kGiB, kNone, &Config::shm_slot_bytes,
-     "Shared-memory staging area per rank; larger collectives move in rounds."},
+     "Shared-memory staging per rank, in two halves: a larger collective moves in rounds of a half "
+     "(benchmarks/round_size.py compares sizes on your machine). With its two control mailboxes a "
+     "rank takes 4 MiB of /dev/shm by default, and as much again per process set it is in, reserved "
+     "at init: a /dev/shm too small is an error at init giving both figures, not a SIGBUS mid-training."},
     {"UNISON_CONTROL_MESSAGE_BYTES", kNone, "bytes", 4096, 64 * 1024 * 1024, kNone, &Config::control_message_bytes,
-     "Room for one rank's control messages (requests, responses) per cycle."},
+     "The largest negotiation message: requests and responses that do not fit wait for the next "
+     "cycles. Within a host each rank has two such mailboxes in shared memory."},
     {"UNISON_SMALL_ALLREDUCE_BYTES", kNone, "bytes", 0, kGiB, kNone, &Config::small_allreduce_bytes,
      "Reductions up to this size are done whole by every rank instead of split across them."},
     {"UNISON_SPIN_MICROSECONDS", kNone, "number", 0, 1e6, kNone, &Config::spin_microseconds,
-     "How long a waiting thread spins before it sleeps."},
+     "How long a waiting thread checks for its peers before it sleeps in the kernel."},
     {"UNISON_SPIN_YIELD", kNone, "auto-or-flag", 0, 0, kNone, &Config::spin_yield,
-     "Whether spinning yields the core; auto does where a host's ranks outnumber its cores."},
+     "Whether spinning yields the core at every check (sched_yield) rather than holding it (pause), "
+     "since the rank waited for may be queued on it; auto yields where a host's ranks outnumber the "
+     "cores a process may run on (3 ranks on 2 cores: a 4 KiB allreduce took 150 us holding, 34-49 us "
+     "yielding)."},
     {"UNISON_OVERLAP", kNone, "auto-or-flag", 0, 0, kNone, &Config::overlap,
-     "Whether an async op starts at once on the engine's thread; auto does where a core is free for it."},
+     "Whether an async op starts at once on the engine's thread, overlapping the caller's compute (1), "
+     "or waits for a caller's wait, which runs it on its own thread (0); auto starts at once where the "
+     "host has more usable cores than ranks (native/engine_driver.cc)."},
     {"UNISON_GPU_DATA_PLANE", kNone, "choice", 0, 0, "auto|nccl|staging", &Config::gpu_data_plane,
-     "How GPU tensors move: NCCL where it can (auto), NCCL or an error (nccl), or through host memory "
-     "(staging)."},
+     "How GPU tensors move: NCCL where every rank of a set has its own GPU and NCCL loads, else staged "
+     "through host memory (auto); NCCL or an error (nccl); always through host memory (staging)."},
     {"UNISON_LOG_LEVEL", "HOROVOD_LOG_LEVEL", "choice", 0, 0, "trace|debug|info|warning|error|fatal",
-     &Config::log_level, "The least severe message the core prints.", "--log-level", kNone, "logging.level"},
+     &Config::log_level,
+     "The least severe message the core prints, in Horovod's names and any case: trace, debug, info "
+     "and warning print its warnings (it has no info or debug messages), error silences them, fatal "
+     "its errors too; exceptions reach the caller either way.",
+     "--log-level", kNone, "logging.level"},
     {"UNISON_THREAD_AFFINITY", "HOROVOD_THREAD_AFFINITY", "core-list", 0, CPU_SETSIZE - 1, kNone,
-     &Config::thread_affinity, "Comma-separated cores, one per local rank, to pin each rank's engine thread to.", "--thread-affinity", kNone, kNone},
+     &Config::thread_affinity, "Comma-separated cores, one per local rank, to pin each rank's engine thread to.",
+     "--thread-affinity", kNone, kNone},
     {"UNISON_TIMELINE", "HOROVOD_TIMELINE", "path", 0, 0, kNone, &Config::timeline_path,
-     "Rank 0 writes a Chrome trace of every tensor's phases to this file.", "--timeline-filename", kNone, "timeline.filename"},
+     "Rank 0 writes a timeline (a Chrome trace of every tensor's phases) to this file.",
+     "--timeline-filename", kNone, "timeline.filename"},
     {"UNISON_TIMELINE_MARK_CYCLES", "HOROVOD_TIMELINE_MARK_CYCLES", "flag", 0, 0, kNone,
-     &Config::timeline_mark_cycles, "Marks each negotiation cycle on the timeline.", "--timeline-mark-cycles", kNone, "timeline.mark_cycles"},
+     &Config::timeline_mark_cycles, "Marks each negotiation cycle on the timeline.",
+     "--timeline-mark-cycles", kNone, "timeline.mark_cycles"},
     {"UNISON_AUTOTUNE", "HOROVOD_AUTOTUNE", "flag", 0, 0, kNone, &Config::autotune,
-     "Rank 0 searches the fusion threshold, cycle time, cache and hierarchy for the fastest.", "--autotune", kNone, "autotune.enabled"},
+     "Rank 0 searches the fusion threshold, cycle time, cache and hierarchical allreduce for the "
+     "fastest during the first steps, and every rank switches at one cycle.",
+     "--autotune", kNone, "autotune.enabled"},
     {"UNISON_AUTOTUNE_LOG", "HOROVOD_AUTOTUNE_LOG", "path", 0, 0, kNone, &Config::autotune_log,
-     "A CSV file of every setting the autotuner tried and its score.", "--autotune-log-file", kNone, "autotune.log_file"},
+     "A CSV file of every setting the autotuner tried and its score.",
+     "--autotune-log-file", kNone, "autotune.log_file"},
     {"UNISON_AUTOTUNE_WARMUP_SAMPLES", "HOROVOD_AUTOTUNE_WARMUP_SAMPLES", "integer", 0, 1000, kNone,
-     &Config::autotune_warmup_samples, "Samples the autotuner discards before scoring.", "--autotune-warmup-samples", kNone, "autotune.warmup_samples"},
+     &Config::autotune_warmup_samples, "Samples the autotuner discards before scoring.",
+     "--autotune-warmup-samples", kNone, "autotune.warmup_samples"},
     {"UNISON_AUTOTUNE_SAMPLES", kNone, "integer", 1, 1000, kNone, &Config::autotune_samples,
      "Samples the autotuner scores each setting by."},
     {"UNISON_AUTOTUNE_STEPS_PER_SAMPLE", "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE", "integer", 1, 1e6, kNone,
-     &Config::autotune_steps_per_sample, "Steps in one autotuner sample.", "--autotune-steps-per-sample", kNone, "autotune.steps_per_sample"},
+     &Config::autotune_steps_per_sample, "Steps in one autotuner sample.",
+     "--autotune-steps-per-sample", kNone, "autotune.steps_per_sample"},
     {"UNISON_AUTOTUNE_CACHE", kNone, "flag", 0, 0, kNone, &Config::autotune_cache,
-     "Whether the autotuner tries the response cache on and off."},
+     "Whether the autotuner tries the response cache on and off; 0 leaves it as it is."},
 };
 
 Status read_choice(const Variables& env, const Setting& s, std::string* word) {

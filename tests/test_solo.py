@@ -340,3 +340,20 @@ def test_every_variable_the_core_names_is_in_its_settings_table():
             named |= set(re.findall(r'"((?:UNISON|HOROVOD)_[A-Z_]+)"', f.read()))
     table = {name for row in setting_table() for name in (row["name"], row["horovod_name"]) if name}
     assert named and named <= table, sorted(named - table)
+
+
+def test_the_readme_settings_table_is_the_core_table():
+    """The docs' table of settings is made from the core's (python -m
+    unison.settings_page), so it cannot drift from the parser, the
+    launcher's options or the config file; this fails when the README was
+    not remade after a row changed."""
+    import os
+    from unison import basics, settings_page
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "README.md")) as f:
+        readme = f.read()
+    begin = readme.index("\n", readme.index("<!-- settings: the output of `python -m unison.settings_page`")) + 1
+    end = readme.index("<!-- end of settings -->")
+    assert readme[begin:end] == settings_page.markdown(), (
+        "README.md's settings table differs from the core's; remake it with python -m unison.settings_page")
+    assert len(settings_page.markdown().splitlines()) == 2 + len(basics.setting_table())
