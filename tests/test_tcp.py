@@ -420,8 +420,12 @@ def test_every_survivor_names_the_rank_that_died_not_one_that_left_after_it(tmp_
 HALF_SENT = """
 import os, subprocess, sys, numpy as np, unison, unison.numpy as unp
 unison.init()
+# 256 MB: the ring outlasts the 0.1 s before rank 0 stops. Filled before
+# the allgather, so that every rank starts the ring as soon as it returns;
+# filled after, rank 0 of a slow machine could still be filling when it
+# stopped, with nothing half sent.
+x = np.ones(64 << 20, np.float32)
 pids = unp.allgather(np.array([os.getpid()]), name="pids").tolist()
-x = np.ones(64 << 20, np.float32)  # 256 MB: the ring outlasts the 0.1 s before rank 0 stops
 if unison.rank() == 2:
     # Mid-ring, rank 0 stops reading, so this rank's frame to it stays half
     # sent; then rank 1, which this rank receives from, dies; then rank 0

@@ -489,6 +489,7 @@ class ShmBackend final : public Backend {
   // The barrier: announce this step, then wait until every rank has.
   Status arrive_and_wait() {
     if (!broken_.ok()) return broken_;
+    beat_everywhere_if_due();
     const uint64_t step = ++step_;
     me_->arrived.store(step, std::memory_order_release);
     segment_.header()->barrier_bell.ring();
@@ -517,6 +518,19 @@ class ShmBackend final : public Backend {
   }
 
   void beat() { me_->heartbeat_ns.store(monotonic_nanoseconds(), std::memory_order_relaxed); }
+
+  // Ranks that keep pace with each other never sleep in arrive_and_wait,
+  // and so never beat there. A long collective in one set (a large
+  // allreduce between two ranks of a loaded machine) then left them silent
+  // for the peer timeout to the ranks waiting on them in another set, which
+  // named them dead. So each arrival beats every plane, at most once per
+  // liveness interval: a clock read per round otherwise.
+  void beat_everywhere_if_due() {
+    const int64_t now = monotonic_nanoseconds();
+    if (now - last_beat_everywhere_ns_ < (int64_t)(kLivenessInterval * 1e9)) return;
+    last_beat_everywhere_ns_ = now;
+    beat_everywhere();
+  }
 
   // A peer that left: one that stopped on a failure is reported with it,
   // before one that shut down (perhaps on hearing of that failure).
@@ -570,6 +584,7 @@ class ShmBackend final : public Backend {
   uint64_t step_ = 0;
   uint64_t mailbox_calls_ = 0;
   uint64_t slot_rounds_ = 0;
+  int64_t last_beat_everywhere_ns_ = 0;
   Status broken_;
 };
 
