@@ -6,7 +6,12 @@ Reads tox's report at the end of the run's saved output (ENV_LINE), and
 each environment's JUnit report, which tox.ini has pytest write to
 .tox/<env>/junit.xml.
 
-    python3 .ci/summary.py OUTPUT_LOG WALL_SECONDS
+    python3 .ci/summary.py OUTPUT_LOG WALL_SECONDS [PROC_STAT_AT_START]
+
+PROC_STAT_AT_START, the first line of /proc/stat saved as the run began,
+adds how busy the machine's cores were over the run: a run whose cores
+idle much of the time could run more environments side by side; one whose
+cores are busy throughout gets faster only by doing less.
 """
 import os
 import re
@@ -75,11 +80,26 @@ def junit(env):
     return counts, cases, skips
 
 
+def busy_fraction(stat_at_start):
+    """The share of the cores' time spent running anything (user, nice,
+    system, interrupts, steal) since /proc/stat's first line read
+    `stat_at_start`, and the number of cores."""
+    def times(line):
+        fields = [int(v) for v in line.split()[1:]]
+        idle = fields[3] + fields[4]  # idle and iowait
+        return sum(fields[:8]), idle  # guest time is counted in user already
+    total_then, idle_then = times(stat_at_start)
+    with open("/proc/stat") as f:
+        total_now, idle_now = times(f.readline())
+    elapsed = total_now - total_then
+    return (1 - (idle_now - idle_then) / elapsed if elapsed > 0 else 0.0), os.cpu_count()
+
+
 def minutes(seconds):
     return "%d:%02d" % (seconds // 60, seconds % 60)
 
 
-def main(log_path, wall_seconds):
+def main(log_path, wall_seconds, stat_path=None):
     times = env_times(log_path)
     everything = []
     skipped = []
@@ -102,6 +122,10 @@ def main(log_path, wall_seconds):
     print("%-12s %-6s %8s %8s %8d %8d %8d %9d" % ("total", "", minutes(wall_seconds), "", totals["passed"],
                                                    totals["failed"], totals["skipped"], totals["in ranks"]))
     print("(in ranks: the tests that rank 0 of each job ran inside it, each job counting once above)")
+    if stat_path:
+        with open(stat_path) as f:
+            busy, cores = busy_fraction(f.readline())
+        print("the %d cores were busy %.0f%% of the run" % (cores, 100 * busy))
     # The environments run side by side, and tox shows an env's own output
     # only when it fails: what each skipped, and why, is said here instead.
     print("\nskipped, and why:")
@@ -113,4 +137,4 @@ def main(log_path, wall_seconds):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], float(sys.argv[2]))
+    main(sys.argv[1], float(sys.argv[2]), sys.argv[3] if len(sys.argv) > 3 else None)
