@@ -9,6 +9,7 @@ import threading
 from unison import elastic_worker, exceptions
 from unison import process_sets as sets
 from unison._native import ffi, lib
+from unison.runner import torchrun
 from unison.core import (  # noqa: F401  (passed on to the adapters)
     Adasum, Average, Max, Min, Product, Sum, backend_name, built_backends, ccl_built, check, cross_rank, cross_size,
     cuda_built, ddl_built, device_support, error_for, gloo_built, gloo_enabled, is_homogeneous, is_initialized,
@@ -61,6 +62,8 @@ def init(comm=None, process_sets=None):
         return  # the rank's state came with the fork; init() again is harmless, as Horovod's
     _refuse_an_inherited_rank()
     started_here = not lib.unison_is_initialized()
+    if started_here and torchrun.started_by_torchrun():
+        torchrun.adopt()
     with interruptible_start():  # Ctrl-C ends the wait for the peers
         if elastic_worker.in_elastic_job() and started_here:
             _start_in_an_elastic_round()

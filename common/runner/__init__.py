@@ -11,6 +11,7 @@
     hosts.py           -H and --hostfile
     rank_environment.py  what of the launcher's environment a rank gets
     function.py        unison.run(func): the launcher called from Python
+    torchrun.py        ranks that torchrun started: init() takes its variables
 
 Importing this package imports none of them: the rank-side entry points
 (`python -m unison.runner.ssh`, `...mpi`, `...function`) load only what they
