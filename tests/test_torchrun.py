@@ -118,8 +118,8 @@ def test_a_restart_by_torchrun_starts_a_clean_session(tmp_path):
                    env=without_unisonrun())
     out = proc.stdout.decode(errors="replace")
     assert proc.returncode == 0, out
-    # Found anywhere: the two workers share torchrun's stdout, and their
-    # lines can run together.
-    finished = sorted(re.findall(r"attempt (\d) rank (\d): \[([\d.]+)\], job (torchrun-\w+)", out))
+    # Found anywhere, the job id by its exact form: the two workers share
+    # torchrun's stdout, and their lines can run together.
+    finished = sorted(re.findall(r"attempt (\d) rank (\d): \[([\d.]+)\], job (torchrun-[0-9a-f]{16})", out))
     assert [(attempt, rank, total) for attempt, rank, total, _ in finished] == [("1", "0", "3.0"), ("1", "1", "3.0")], out
     assert finished[0][3] == finished[1][3], out  # one job, the restart's own
