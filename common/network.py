@@ -82,6 +82,15 @@ def bind_a_port_nobody_takes_by_chance(address):
         raise
 
 
+def a_port_nobody_takes_by_chance(address):
+    """The number of a port on `address` that is free now and outside the
+    kernel's ephemeral range, for a listener that another process starts
+    later (rank 0's rendezvous): held by nobody meanwhile, but taken only by
+    a program that names it."""
+    with bind_a_port_nobody_takes_by_chance(address) as probe:
+        return probe.getsockname()[1]
+
+
 def is_this_machine(host):
     """True when `host` names this machine: an address of it can be bound."""
     try:

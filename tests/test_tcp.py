@@ -26,6 +26,7 @@ import jobs
 import layouts
 from jobs import CORE_SUITES, EXITS, HERE, KILLED, assert_every_rank_passed, pytest_command
 from layouts import LAYOUTS
+from unison import network
 
 # This file's rows of tests/layouts.py, by their names there less "tcp-".
 ACROSS_HOSTS = ["1+1", "2+1", "2x2", "2x2-flat"]
@@ -585,9 +586,7 @@ class FakeRank:
 
 
 def free_port():
-    from unison import network
-    with network.bind_a_port_nobody_takes_by_chance("127.0.0.1") as s:
-        return s.getsockname()[1]
+    return network.a_port_nobody_takes_by_chance("127.0.0.1")
 
 
 @pytest.mark.timeout(120)

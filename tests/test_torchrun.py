@@ -12,7 +12,7 @@ import textwrap
 import pytest
 
 from jobs import HERE, assert_every_rank_passed, pytest_command, run_job
-from unison import exceptions
+from unison import exceptions, network
 from unison.runner import torchrun
 
 TORCH = {"RANK": "4", "WORLD_SIZE": "6", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "3", "GROUP_RANK": "1",
@@ -64,12 +64,6 @@ def torchrun_command(*options):
     return [sys.executable, "-m", "torch.distributed.run"] + list(options)
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("np_", [2, 3])
 def test_the_shared_grid_under_torchrun_on_one_node(np_):
@@ -84,7 +78,7 @@ def test_the_shared_grid_across_two_torchrun_agents():
     """Two agents on this machine, two workers each: shared memory within an
     agent, TCP between them, the rendezvous agreed in the agents' store."""
     pytest.importorskip("torch", reason="torch is not installed here; the tox env 'torch' runs this")
-    port = str(free_port())
+    port = str(network.a_port_nobody_takes_by_chance("127.0.0.1"))
     env = without_unisonrun(UNISON_TEST_EXPECT_BACKEND="hierarchical")
     agents = [subprocess.Popen(torchrun_command("--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "2",
                                                 "--master-addr", "127.0.0.1", "--master-port", port, "--no-python") +

@@ -33,7 +33,7 @@ import sys
 import threading
 import time
 
-from unison.network import bind_a_port_nobody_takes_by_chance, interface_address, is_this_machine, route_source
+from unison.network import a_port_nobody_takes_by_chance, interface_address, is_this_machine, route_source
 from unison.runner import rank_environment
 from unison.runner.hosts import parse_hosts, place
 from unison.runner.processes import (Launch, describe_exit, die_with_parent, remove_shared_memory,
@@ -70,9 +70,7 @@ def rendezvous(args, placed, local):
     if port is None:
         # A port free here now; on another host, most likely free there too
         # (rank 0 names it if not, with --rendezvous-port as the way out).
-        probe = bind_a_port_nobody_takes_by_chance(socket.gethostbyname(address) if local[first] else "")
-        port = probe.getsockname()[1]
-        probe.close()
+        port = a_port_nobody_takes_by_chance(socket.gethostbyname(address) if local[first] else "")
     return address, port
 
 

@@ -100,9 +100,7 @@ def rendezvous(env, ids, timeout_seconds):
     key = "unison/%s/rendezvous" % ids["UNISON_JOB_ID"]
     if ids["UNISON_RANK"] == "0":
         address = network.route_source(env["MASTER_ADDR"])
-        probe = network.bind_a_port_nobody_takes_by_chance(address)
-        port = probe.getsockname()[1]
-        probe.close()  # outside the ephemeral range: only a program that names it can take it meanwhile
+        port = network.a_port_nobody_takes_by_chance(address)
         store.set(key, "%s %d %s" % (address, port, secrets.token_hex(32)))
     address, port, secret = store.get(key).decode().split(" ")
     return {"UNISON_RENDEZVOUS_ADDR": address, "UNISON_RENDEZVOUS_PORT": port, "UNISON_SECRET_KEY": secret}
