@@ -36,7 +36,6 @@ import os
 import secrets
 import signal
 import subprocess
-import sys
 import threading
 import time
 
@@ -106,10 +105,10 @@ class ElasticDriver:
 
     def log(self, message):
         if self.args.verbose:
-            print("unisonrun: " + message, file=sys.stderr, flush=True)
+            processes.say(message)
 
     def say(self, message):
-        print("unisonrun: " + message, file=sys.stderr, flush=True)
+        processes.say(message)
 
     # ---- hosts -------------------------------------------------------------------
 

@@ -24,7 +24,8 @@ import time
 
 from unison.runner import rank_environment
 from unison.runner.hosts import parse_hostfile, slots
-from unison.runner.processes import describe_exit, die_with_parent, forward_output, new_job_id, remove_shared_memory
+from unison.runner.processes import (describe_exit, die_with_parent, forward_output, new_job_id,
+                                     remove_shared_memory, say)
 
 FAILURE = re.compile(r"unisonrun: rank (\d+) .*(exited with status|was killed by signal)")
 
@@ -108,7 +109,7 @@ def launch(args, settings):
     command = mpirun_command(mpirun, family, args.np, hosts, variables, wrapper + ["--"] + args.command,
                              args.mpi_args, args.binding_args)
     if args.verbose:
-        print("unisonrun: " + " ".join(command), file=sys.stderr, flush=True)
+        say(" ".join(command))
     proc = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
     failed = []
 
@@ -134,9 +135,9 @@ def launch(args, settings):
     reader.join(timeout=5)
     if code != 0:
         if not failed:
-            print("unisonrun: job failed: mpirun exited with status %d" % code, file=sys.stderr, flush=True)
+            say("job failed: mpirun exited with status %d" % code)
             return code if code > 0 else 128 - code
-        print("unisonrun: job failed: %s" % failed[0][len("unisonrun: "):], file=sys.stderr, flush=True)
+        say("job failed: %s" % failed[0][len("unisonrun: "):])
         status = re.search(r"exited with status (\d+)", failed[0])
         signum = re.search(r"killed by signal (\d+)", failed[0])
         return int(status.group(1)) if status else 128 + int(signum.group(1))
@@ -202,7 +203,7 @@ def rank_wrapper(argv):
     if code != 0 and "UNISON_JOB_ID" in env:
         remove_shared_memory(env["UNISON_JOB_ID"])
     if code != 0:
-        print("unisonrun: rank %d (host %s) %s" % (rank, host, describe_exit(code)), file=sys.stderr, flush=True)
+        say("rank %d (host %s) %s" % (rank, host, describe_exit(code)))
         # Hydra ends a job early only when a rank dies by a signal, not when
         # it exits with a status. So, after the same grace period the local
         # launcher gives the other ranks to report the failure themselves,

@@ -31,6 +31,15 @@ def die_with_parent():
 FAILURE = re.compile(rb"unisonrun: rank (\d+) .*?((?:exited with status|was killed by signal) \d+.*)$")
 
 
+def say(message):
+    """Writes "unisonrun: <message>" to the launcher's standard error as one
+    write. print() writes the text and its newline apart where Python is
+    unbuffered (PYTHONUNBUFFERED, which tox sets), and a rank's line
+    forwarded in between ran into the launcher's."""
+    sys.stderr.write("unisonrun: %s\n" % message)
+    sys.stderr.flush()
+
+
 def _forward(stream, rank, kind, sink, log_file, report=None, timestamped=False):
     prefix = ("[%s]<%s>:" % (rank, kind)).encode()  # a rank, or an elastic worker host:slot
     for line in iter(stream.readline, b""):
@@ -79,8 +88,7 @@ def start_process(command, env, stdin_text=None):
         # says it, with a shell's status (127, 126), not as a traceback of
         # the launcher's. The ranks started before it end with the launcher.
         missing = isinstance(e, FileNotFoundError) and os.sep not in command[0]
-        print("unisonrun: %s: %s" % (command[0], "command not found" if missing else e.strerror),
-              file=sys.stderr, flush=True)
+        say("%s: %s" % (command[0], "command not found" if missing else e.strerror))
         raise SystemExit(127 if isinstance(e, FileNotFoundError) else 126) from None
     if stdin_text is not None:
         try:
@@ -147,7 +155,7 @@ class Job:
 
     def log(self, message):
         if self.args.verbose:
-            print("unisonrun: " + message, file=sys.stderr, flush=True)
+            say(message)
 
     def describe(self, rank):
         return "rank %d (host %s)" % (rank, self.hosts[rank]) if rank in self.hosts else "rank %d" % rank
@@ -202,9 +210,7 @@ class Job:
             ended = {rank for rank, _ in self.exits}
         running = [self.describe(rank) for rank in range(len(self.procs)) if rank not in ended]
         if running:
-            print("unisonrun: %s still running %s; killing %s" % (", ".join(running), why,
-                                                                  "it" if len(running) == 1 else "them"),
-                  file=sys.stderr, flush=True)
+            say("%s still running %s; killing %s" % (", ".join(running), why, "it" if len(running) == 1 else "them"))
         self.signal_all(signal.SIGKILL)
 
     def wait(self):
@@ -221,8 +227,7 @@ class Job:
                 if code != 0 and failed is None:
                     failed = (rank, code)
                     deadline = time.monotonic() + self.args.failure_grace_seconds
-                    print("unisonrun: %s %s; stopping the other ranks" % (self.describe(rank), self._how(rank, code)),
-                          file=sys.stderr, flush=True)
+                    say("%s %s; stopping the other ranks" % (self.describe(rank), self._how(rank, code)))
             seen = len(ended)
             if seen == len(self.procs):
                 break
@@ -245,7 +250,7 @@ class Job:
             return 0
         rank, code = failed
         how = self._how(rank, code)
-        print("unisonrun: job failed: %s %s" % (self.describe(rank), how), file=sys.stderr, flush=True)
+        say("job failed: %s %s" % (self.describe(rank), how))
         status = re.search(r"exited with status (\d+)", how)
         signum = re.search(r"killed by signal (\d+)", how)
         return int(status.group(1)) if status else 128 + int(signum.group(1))

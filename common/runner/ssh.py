@@ -36,7 +36,7 @@ import time
 from unison.network import a_port_nobody_takes_by_chance, interface_address, is_this_machine, route_source
 from unison.runner import rank_environment
 from unison.runner.hosts import parse_hosts, place
-from unison.runner.processes import (Launch, describe_exit, die_with_parent, remove_shared_memory,
+from unison.runner.processes import (Launch, describe_exit, die_with_parent, remove_shared_memory, say,
                                      signal_process_group)
 
 # Variables that hold secrets: the job's, the key of unison.run()'s service
@@ -206,7 +206,7 @@ def remote_rank(argv):
             who = "worker %s" % env["UNISON_ELASTIC_WORKER"]
         else:
             who = "rank %s (host %s)" % (env.get("UNISON_RANK", "?"), env.get("UNISON_HOSTNAME", "?"))
-        print("unisonrun: %s %s" % (who, describe_exit(code)), file=sys.stderr, flush=True)
+        say("%s %s" % (who, describe_exit(code)))
     return code if code >= 0 else 128 - code
 
 
