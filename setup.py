@@ -197,7 +197,6 @@ setup(
     setup_requires=["cffi>=1.15"],
     install_requires=["cffi>=1.15", "numpy"],
     extras_require={
-        "examples": ["scikit-learn"],
         # unisonrun --config-file in YAML, as horovodrun's (JSON needs nothing).
         "yaml": ["pyyaml"],
         "test": ["pytest", "pytest-timeout", "hypothesis"],

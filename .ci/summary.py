@@ -1,6 +1,7 @@
-"""What a CI run cost, printed at its end: each tox environment's time and
-test count, the total, and the slowest tests of the whole run, so that a
-change that makes the suite slower shows in its own CI output.
+"""What a CI run cost, printed at its end: each tox environment's time,
+CPU time and test count, the total, and the slowest tests of the whole run,
+by wall time and by CPU time, so that a change that makes the suite slower
+shows in its own CI output.
 
 Reads tox's report at the end of the run's saved output (ENV_LINE), and
 each environment's JUnit report, which tox.ini has pytest write to
@@ -11,7 +12,9 @@ each environment's JUnit report, which tox.ini has pytest write to
 PROC_STAT_AT_START, the first line of /proc/stat saved as the run began,
 adds how busy the machine's cores were over the run: a run whose cores
 idle much of the time could run more environments side by side; one whose
-cores are busy throughout gets faster only by doing less.
+cores are busy throughout gets faster only by doing less, and its tests'
+CPU time (conftest.py records each one's, its jobs' ranks included) says
+where.
 """
 import os
 import re
@@ -54,18 +57,22 @@ def env_times(log_path):
 
 
 def junit(env):
-    """(counts by outcome, [(seconds, test id)], {skip reason: count}) from
-    the env's JUnit report."""
+    """(counts by outcome and CPU seconds, [(seconds, CPU seconds, test id)],
+    {skip reason: count}) from the env's JUnit report."""
     path = os.path.join(ROOT, ".tox", env, "junit.xml")
-    counts = {"passed": 0, "failed": 0, "skipped": 0, "in ranks": 0}
+    counts = {"passed": 0, "failed": 0, "skipped": 0, "in ranks": 0, "cpu": 0.0}
     cases = []
     skips = {}
     if not os.path.exists(path):
         return None, cases, skips
     for case in ElementTree.parse(path).getroot().iter("testcase"):
+        cpu = 0.0
         for prop in case.iter("property"):
             if prop.get("name") == "rank_tests":
                 counts["in ranks"] += int(prop.get("value"))
+            elif prop.get("name") == "cpu_seconds":
+                cpu = float(prop.get("value"))
+        counts["cpu"] += cpu
         outcome = "passed"
         for child in case:
             if child.tag in ("failure", "error"):
@@ -76,7 +83,7 @@ def junit(env):
                 skips[reason] = skips.get(reason, 0) + 1
         counts[outcome] += 1
         name = "%s::%s" % (case.get("classname", "").replace(".", "/") + ".py", case.get("name", ""))
-        cases.append((float(case.get("time", 0) or 0), "%s %s" % (env, name)))
+        cases.append((float(case.get("time", 0) or 0), cpu, "%s %s" % (env, name)))
     return counts, cases, skips
 
 
@@ -104,9 +111,9 @@ def main(log_path, wall_seconds, stat_path=None):
     everything = []
     skipped = []
     print("\n==== CI summary (single-core memcpy %.1f GB/s) ====" % memcpy_gigabytes_per_second())
-    print("%-12s %-6s %8s %8s %8s %8s %8s %9s" % ("env", "status", "time", "set-up", "passed", "failed", "skipped",
-                                                 "in ranks"))
-    totals = {"passed": 0, "failed": 0, "skipped": 0, "in ranks": 0}
+    print("%-12s %-6s %8s %8s %8s %8s %8s %8s %9s" % ("env", "status", "time", "set-up", "tests' CPU", "passed",
+                                                      "failed", "skipped", "in ranks"))
+    totals = {"passed": 0, "failed": 0, "skipped": 0, "in ranks": 0, "cpu": 0.0}
     for env, (status, seconds, before) in times.items():
         counts, cases, skips = junit(env)
         everything += cases
@@ -116,12 +123,14 @@ def main(log_path, wall_seconds, stat_path=None):
             continue
         for k in totals:
             totals[k] += counts[k]
-        print("%-12s %-6s %8s %8s %8d %8d %8d %9d" % (env, status, minutes(seconds), minutes(before),
-                                                       counts["passed"], counts["failed"], counts["skipped"],
-                                                       counts["in ranks"]))
-    print("%-12s %-6s %8s %8s %8d %8d %8d %9d" % ("total", "", minutes(wall_seconds), "", totals["passed"],
-                                                   totals["failed"], totals["skipped"], totals["in ranks"]))
-    print("(in ranks: the tests that rank 0 of each job ran inside it, each job counting once above)")
+        print("%-12s %-6s %8s %8s %8s %8d %8d %8d %9d" % (env, status, minutes(seconds), minutes(before),
+                                                           minutes(counts["cpu"]), counts["passed"], counts["failed"],
+                                                           counts["skipped"], counts["in ranks"]))
+    print("%-12s %-6s %8s %8s %8s %8d %8d %8d %9d" % ("total", "", minutes(wall_seconds), "", minutes(totals["cpu"]),
+                                                       totals["passed"], totals["failed"], totals["skipped"],
+                                                       totals["in ranks"]))
+    print("(tests' CPU: what the env's tests and their jobs' ranks ran on the cores, set-up not included;"
+          " in ranks: the tests that rank 0 of each job ran inside it, each job counting once above)")
     if stat_path:
         with open(stat_path) as f:
             busy, cores = busy_fraction(f.readline())
@@ -131,9 +140,12 @@ def main(log_path, wall_seconds, stat_path=None):
     print("\nskipped, and why:")
     for env, reason, n in sorted(skipped):
         print("  %-10s %3d x %s" % (env, n, reason))
-    print("\nthe %d slowest tests of the run:" % SLOWEST)
-    for seconds, name in sorted(everything, reverse=True)[:SLOWEST]:
-        print("%8.1f s  %s" % (seconds, name))
+    print("\nthe %d slowest tests of the run (wall time, CPU time):" % SLOWEST)
+    for seconds, cpu, name in sorted(everything, reverse=True)[:SLOWEST]:
+        print("%8.1f s %8.1f s  %s" % (seconds, cpu, name))
+    print("\nthe %d tests that took the most CPU time (wall time, CPU time):" % SLOWEST)
+    for seconds, cpu, name in sorted(everything, key=lambda case: -case[1])[:SLOWEST]:
+        print("%8.1f s %8.1f s  %s" % (seconds, cpu, name))
 
 
 if __name__ == "__main__":

@@ -11,15 +11,29 @@ import uuid
 import pytest
 
 
+def cpu_seconds_so_far():
+    """CPU time of this process and of the children it has waited for
+    (and theirs: a launcher waits for its ranks)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
 @pytest.fixture(autouse=True)
 def count_the_tests_run_inside_ranks(record_property):
     """A test that runs suites inside a job's ranks counts as one test
     here; jobs.assert_every_rank_passed adds what rank 0 ran to the JUnit
-    report as the property `rank_tests`, which .ci/summary.py adds up."""
+    report as the property `rank_tests`, which .ci/summary.py adds up.
+
+    Each test's CPU time, its jobs' ranks included, goes there too, as
+    `cpu_seconds`: CI runs its environments side by side on cores that are
+    busy nearly all the run, so a test costs the run its CPU time, which
+    its wall time (waits, sleeps, timeouts) does not show."""
     import jobs
     jobs.record_property = record_property
+    start = cpu_seconds_so_far()
     yield
     jobs.record_property = None
+    record_property("cpu_seconds", "%.1f" % (cpu_seconds_so_far() - start))
 
 
 class Namespaces(list):

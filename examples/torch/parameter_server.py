@@ -1,5 +1,5 @@
-"""A parameter server beside data-parallel trainers: the digits (the dataset
-bundled with scikit-learn), with an embedding table that lives on rank 0
+"""A parameter server beside data-parallel trainers: the digits (UCI's
+handwritten digits, examples/data/), with an embedding table that lives on rank 0
 only and a dense head that every trainer replicates.
 
     unisonrun -np 3 python examples/torch/parameter_server.py
@@ -15,16 +15,20 @@ unison.torch.rpc.DistributedOptimizer). Rank 0 waits in rpc.shutdown(),
 which fails fast if a trainer dies.
 """
 import argparse
+import os
 import threading
 
+import numpy as np
 import torch
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as torch_rpc
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 
 import unison.torch as hvd
 from unison.torch import rpc
+
+# UCI's handwritten digits (the set scikit-learn bundles), split 3:1 into
+# training and test rows once for every example: examples/data/README.md.
+DIGITS = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "data", "digits.npz")
 
 WIDTH = 32
 LEVELS = 5  # intensities 0..16 in five levels
@@ -77,8 +81,8 @@ def main():
         rpc.shutdown()  # serves RPC until every trainer is done
         return
 
-    x, y = load_digits(return_X_y=True)
-    x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.25, random_state=0)
+    digits = np.load(DIGITS)
+    x_train, x_test, y_train, y_test = digits["x_train"], digits["x_test"], digits["y_train"], digits["y_test"]
     me, k = trainers.rank(), trainers.size()
     x_train, y_train = torch.tensor(x_train)[me::k], torch.tensor(y_train)[me::k]
     x_test, y_test = torch.tensor(x_test), torch.tensor(y_test)
