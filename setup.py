@@ -189,9 +189,10 @@ setup(
         "unison.tensorflow": "tf_adapter",
         "unison.tensorflow.keras": "tf_adapter/keras",
         "unison.mxnet": "mxnet_adapter",
+        "unison.lightning": "lightning_adapter",
     },
     packages=["unison", "unison.common", "unison.elastic", "unison.runner", "unison.keras", "unison.torch",
-              "unison.tensorflow", "unison.tensorflow.keras", "unison.mxnet"],
+              "unison.tensorflow", "unison.tensorflow.keras", "unison.mxnet", "unison.lightning"],
     cffi_modules=["native/build_ffi.py:ffibuilder"],
     cmdclass={"build": BuildInAFolderOfItsOwn, "build_ext": BuildExtInParallel},
     setup_requires=["cffi>=1.15"],
@@ -208,6 +209,8 @@ setup(
         "mxnet": ["mxnet==1.9.1", "numpy==1.23.5", "cloudpickle"],
         # Keras 3 comes with it.
         "tensorflow": ["tensorflow-cpu==2.21.0", "cloudpickle"],
+        # unison.lightning's strategy, for Lightning 2.x.
+        "lightning": ["torch==2.13.0", "lightning>=2.0", "cloudpickle"],
     },
     entry_points={"console_scripts": ["unisonrun = unison.runner.launch:main"]},
     zip_safe=False,

@@ -48,6 +48,8 @@ EXAMPLES = [
     ("torch/elastic_digits.py", ["--epochs", "8"], ("torch",), r"test accuracy 0\.9\d+ on 2 ranks"),
     ("keras/elastic_digits.py", ["--epochs", "8"], ("tensorflow",),
      r"epoch 8: loss \d\.\d+, accuracy 0\.9\d+ on 2 ranks(.|\n)*test accuracy 0\.9\d+ on 2 ranks"),
+    ("lightning/digits.py", ["--epochs", "8", "--accumulate-grad-batches", "2"], ("lightning",),
+     r"epoch 8: loss \d\.\d+(.|\n)*test accuracy 0\.9\d+ on 2 ranks; weights identical on every rank: True"),
 ]
 
 
@@ -57,7 +59,8 @@ EXAMPLES = [
                               "torch-synthetic-syncbn-fp16", "torch-resnet-adasum-fp16-syncbn", "torch-process-sets", "torch-parameter-server",
                               "mxnet-digits", "mxnet-synthetic-fp16", "tensorflow-digits", "tensorflow-synthetic-fp16",
                               "tensorflow-session-digits",
-                              "keras-digits", "torch-elastic-digits", "keras-elastic-digits"])
+                              "keras-digits", "torch-elastic-digits", "keras-elastic-digits",
+                              "lightning-digits"])
 def test_example_runs_under_the_launcher(script, args, needs, expected):
     for module in needs:
         if importlib.util.find_spec(module) is None:

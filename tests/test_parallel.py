@@ -20,7 +20,7 @@ SUITES = sorted(f for f in os.listdir(os.path.join(HERE, "parallel")) if f.start
 # Suites for a framework run in that framework's tox env (tox.ini); an env
 # without the framework installed leaves them to it.
 FRAMEWORKS = {"test_torch_": "torch", "test_mxnet_": "mxnet", "test_tensorflow_": "tensorflow",
-              "test_keras_": "tensorflow"}
+              "test_keras_": "tensorflow", "test_lightning_": "lightning"}
 
 
 def framework_of(suite):

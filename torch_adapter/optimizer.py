@@ -326,9 +326,15 @@ class _DistributedOptimizer(_TrackedParameters):
     def step(self, closure=None):
         if closure is not None:
             closure = self._averaged(closure)
-            if not self._handles:
+            if not any(handle is not None for handle, _, _ in self._handles.values()):
                 # The closure makes this step's gradients: nothing to wait
                 # for before it (synchronize() would allreduce stale ones).
+                # So too with backward_passes_per_step > 1, where the
+                # passes before it left their counts short and started no
+                # allreduce (Lightning's accumulate_grad_batches steps so):
+                # the closure's pass completes the count. Averaging the
+                # partial sums first gave the same numbers, at twice the
+                # allreduces.
                 self._synchronized = False
                 return super().step(closure)
         if self._should_synchronize:

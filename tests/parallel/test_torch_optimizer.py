@@ -649,6 +649,34 @@ def test_a_step_with_a_closure_averages_each_evaluation_and_matches_one_process(
     assert hvd.allgather_object(losses) == [losses] * hvd.size()
 
 
+def test_a_closure_that_makes_the_last_of_accumulated_passes_matches_one_process():
+    # Lightning's accumulate_grad_batches: backward alone on the first
+    # micro-batches, then step(closure) whose closure makes the last pass,
+    # which starts the step's allreduces.
+    passes = 3
+    reference, model = make_model(), make_model()
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                         named_parameters=model.named_parameters(), backward_passes_per_step=passes)
+    for step in range(2):
+        reference_optimizer.zero_grad()
+        optimizer.zero_grad()
+        for k in range(passes):
+            x, y = batch(step * passes + k)
+            (torch.nn.functional.mse_loss(reference(x), y) / passes).backward()
+
+            def closure(x=my_rows(x), y=my_rows(y)):
+                loss = torch.nn.functional.mse_loss(model(x), y) / passes
+                loss.backward()
+                return loss
+            if k < passes - 1:
+                closure()
+            else:
+                optimizer.step(closure)
+        reference_optimizer.step()
+    assert_same(model, [p.detach() for p in reference.parameters()], atol=1e-10)
+
+
 class WithUnusedLayers(torch.nn.Module):
     """A model with a layer no step uses (as a BERT pooler under token
     classification) and one that only some rows use, some steps."""
