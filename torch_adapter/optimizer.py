@@ -15,7 +15,6 @@ import weakref
 
 import torch
 
-from unison import basics
 from unison.arguments import gradient_scaling, split_into_groups
 from unison.compression import check_compressor
 from unison.exceptions import InvalidArgumentError, UnisonError
