@@ -52,12 +52,20 @@ def pytest_command(*suites):
 record_property = None
 
 
+# pytest's closing line in a rank: "594 passed, 1 skipped in 3.41s", with
+# "2 failed, " first where tests failed.
+_SUMMARY = re.compile(r"(?:\d+ failed, )?\d+ passed[^\n]*? in [\d.]+s")
+
+
 def assert_every_rank_passed(proc, ranks):
     output = proc.stdout.decode(errors="replace")
-    summaries = [line for line in output.splitlines() if " passed" in line or " failed" in line]
+    # Found anywhere, not line by line: ranks that share one stdout without
+    # the launcher's prefixes (torchrun's) can write their closing lines
+    # into one ("594 passed, 1 skipped in 12.99s594 passed, ...").
+    summaries = _SUMMARY.findall(output)
     print("\n".join(summaries))
     assert proc.returncode == 0, failure_digest(output)
-    assert len([s for s in summaries if "passed" in s and "failed" not in s]) == ranks, failure_digest(output)
+    assert len([s for s in summaries if "failed" not in s]) == ranks, failure_digest(output)
     counts = [int(found.group(1)) for found in (re.search(r"(\d+) passed", s) for s in summaries) if found]
     if record_property is not None and counts:
         record_property("rank_tests", max(counts))
