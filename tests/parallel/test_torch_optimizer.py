@@ -652,12 +652,16 @@ def test_a_step_with_a_closure_averages_each_evaluation_and_matches_one_process(
 def test_a_closure_that_makes_the_last_of_accumulated_passes_matches_one_process():
     # Lightning's accumulate_grad_batches: backward alone on the first
     # micro-batches, then step(closure) whose closure makes the last pass,
-    # which starts the step's allreduces.
+    # which starts the step's allreduces: one per parameter per step (step()
+    # once averaged the partial sums before the closure too, then again).
     passes = 3
     reference, model = make_model(), make_model()
     reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                          named_parameters=model.named_parameters(), backward_passes_per_step=passes)
+    started = []
+    start_one = optimizer._allreduce_grad_async
+    optimizer._allreduce_grad_async = lambda p: (started.append(p), start_one(p))[1]
     for step in range(2):
         reference_optimizer.zero_grad()
         optimizer.zero_grad()
@@ -675,6 +679,7 @@ def test_a_closure_that_makes_the_last_of_accumulated_passes_matches_one_process
                 optimizer.step(closure)
         reference_optimizer.step()
     assert_same(model, [p.detach() for p in reference.parameters()], atol=1e-10)
+    assert len(started) == 2 * len(list(model.parameters()))
 
 
 class WithUnusedLayers(torch.nn.Module):
