@@ -190,9 +190,12 @@ setup(
         "unison.tensorflow.keras": "tf_adapter/keras",
         "unison.mxnet": "mxnet_adapter",
         "unison.lightning": "lightning_adapter",
+        "unison.ray": "ray_adapter",
+        "unison.spark": "spark_adapter",
     },
     packages=["unison", "unison.common", "unison.elastic", "unison.runner", "unison.keras", "unison.torch",
-              "unison.tensorflow", "unison.tensorflow.keras", "unison.mxnet", "unison.lightning"],
+              "unison.tensorflow", "unison.tensorflow.keras", "unison.mxnet", "unison.lightning",
+              "unison.ray", "unison.spark"],
     cffi_modules=["native/build_ffi.py:ffibuilder"],
     cmdclass={"build": BuildInAFolderOfItsOwn, "build_ext": BuildExtInParallel},
     setup_requires=["cffi>=1.15"],
@@ -211,6 +214,10 @@ setup(
         "tensorflow": ["tensorflow-cpu==2.21.0", "cloudpickle"],
         # unison.lightning's strategy, for Lightning 2.x.
         "lightning": ["torch==2.13.0", "lightning>=2.0", "cloudpickle"],
+        # unison.ray: RayExecutor and Ray Train's UnisonTrainer (Ray Train V2).
+        "ray": ["ray[train]>=2.50"],
+        # unison.spark.run; Spark needs Java 17 or later besides.
+        "spark": ["pyspark>=3.5", "cloudpickle"],
     },
     entry_points={"console_scripts": ["unisonrun = unison.runner.launch:main"]},
     zip_safe=False,

@@ -105,3 +105,16 @@ def is_this_machine(host):
         return False
     finally:
         probe.close()
+
+
+def one_interface(nics, caller):
+    """The network interface a job's TCP plane uses, from Horovod's `nics`
+    (a name, or a collection of one name), or None. unison's TCP plane runs
+    over one interface, so more are refused, naming the caller."""
+    if nics is None:
+        return None
+    names = [nics] if isinstance(nics, str) else sorted(nics)
+    if len(names) != 1:
+        raise ValueError("%s: nics=%r: unison's TCP plane runs over one network interface; name one (or none, "
+                         "for the route the system picks)" % (caller, nics))
+    return names[0]

@@ -28,7 +28,13 @@ std::mutex lifecycle_mutex;  // init and shutdown
 std::shared_ptr<Engine> engine;
 Config config;
 HandleTable handles;
-int generation = 0;  // counts inits, so a re-init gets fresh shared memory
+// Counts this process's inits in its current job (UNISON_JOB_ID), so that a
+// re-init in the job gets fresh shared memory and names. Counted per job: a
+// process that an engine reuses for job after job (a Spark Python worker, a
+// Ray actor) may have run more jobs than its new peers, and every rank of a
+// job must count alike.
+int generation = 0;
+std::string generation_job;
 thread_local std::string last_error;
 
 int report(const Status& s) {
@@ -114,6 +120,10 @@ int unison_init(void) {
       return report(Status::Error(UNISON_ERR_INVALID_ARGUMENT, "unison: rank " + std::to_string(c.rank) +
                                                                    " of size " + std::to_string(c.size) +
                                                                    " from the environment is impossible"));
+    if (c.job_id != generation_job) {
+      generation_job = c.job_id;
+      generation = 0;
+    }
     std::unique_ptr<Backend> backend;
     start_up_begins();
     Status made = make_backend(&c, c.elastic_round >= 0 ? c.elastic_round : generation, &backend);

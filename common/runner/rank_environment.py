@@ -78,3 +78,25 @@ def with_horovods_names(identity):
     both = dict(identity)
     both.update({horovods: identity[ours] for ours, horovods in HOROVODS_NAMES.items() if ours in identity})
     return both
+
+
+def placed_identities(hosts_by_rank):
+    """Each rank's identity in a job whose rank r runs on the host named
+    hosts_by_rank[r]: its local rank and size among the ranks of its host
+    (in rank order), and its cross rank and size among the hosts that have
+    a rank of that local rank (in order of each host's first rank), which
+    is what horovodrun gives a rank. Under Horovod's names too. Hosts may
+    hold different numbers of ranks."""
+    names = list(dict.fromkeys(hosts_by_rank))
+    ranks_on = {h: [r for r, p in enumerate(hosts_by_rank) if p == h] for h in names}
+    identities = []
+    for rank, host in enumerate(hosts_by_rank):
+        local_rank = ranks_on[host].index(rank)
+        holders = [h for h in names if len(ranks_on[h]) > local_rank]
+        identities.append(with_horovods_names({
+            "UNISON_RANK": str(rank), "UNISON_SIZE": str(len(hosts_by_rank)),
+            "UNISON_LOCAL_RANK": str(local_rank), "UNISON_LOCAL_SIZE": str(len(ranks_on[host])),
+            "UNISON_CROSS_RANK": str(holders.index(host)), "UNISON_CROSS_SIZE": str(len(holders)),
+            "UNISON_HOSTNAME": host,
+        }))
+    return identities

@@ -90,28 +90,18 @@ def launches(args, job_id, base):
     placed = place(parse_hosts(args), args.np)
     names = list(dict.fromkeys(placed))  # hosts in order of their first rank
     local = {h: is_this_machine(h) for h in names}
-    ranks_on = {h: [r for r, p in enumerate(placed) if p == h] for h in names}
     secret = secrets.token_hex(32)
-    job = {"UNISON_SIZE": str(args.np), "UNISON_JOB_ID": job_id}
+    job = {"UNISON_JOB_ID": job_id}
     if len(names) > 1:
         address, port = rendezvous(args, placed, local)
         job.update({"UNISON_RENDEZVOUS_ADDR": address, "UNISON_RENDEZVOUS_PORT": str(port)})
         if args.network_interface:
             job["UNISON_NETWORK_INTERFACE"] = args.network_interface
     result = []
-    for rank, host in enumerate(placed):
-        mine = ranks_on[host]
-        identity = dict(job)
-        identity.update({
-            "UNISON_RANK": str(rank),
-            "UNISON_LOCAL_RANK": str(mine.index(rank)), "UNISON_LOCAL_SIZE": str(len(mine)),
-            "UNISON_CROSS_RANK": str(sum(1 for h in names[:names.index(host)] if len(ranks_on[h]) > mine.index(rank))),
-            "UNISON_CROSS_SIZE": str(sum(1 for h in names if len(ranks_on[h]) > mine.index(rank))),
-            # The host as the user named it: two names for this machine are
-            # two hosts, with shared memory of their own.
-            "UNISON_HOSTNAME": host,
-        })
-        identity = rank_environment.with_horovods_names(identity)
+    # The hosts as the user named them: two names for this machine are two
+    # hosts, with shared memory of their own.
+    for rank, (host, place_of_rank) in enumerate(zip(placed, rank_environment.placed_identities(placed))):
+        identity = dict(job, **place_of_rank)
         if local[host]:
             env = dict(base)
             env.update(identity)

@@ -21,13 +21,9 @@ import unison.torch as hvd
 DIGITS = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "data", "digits.npz")
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--epochs", type=int, default=20)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=0.05)
-    args = parser.parse_args()
-
+def train(epochs=20, batch_size=32, lr=0.05):
+    """Trains on this rank's shard; returns the test accuracy (every rank's
+    is the same). examples/ray/digits_on_ray.py runs it on Ray's workers."""
     hvd.init()
     torch.set_num_threads(1)
     torch.manual_seed(hvd.rank())  # different on purpose: the broadcast below aligns them
@@ -41,25 +37,25 @@ def main():
 
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
     # Horovod's advice: scale the learning rate with the number of ranks.
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * hvd.size(), momentum=0.9)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr * hvd.size(), momentum=0.9)
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
 
     generator = torch.Generator().manual_seed(1234 + hvd.rank())
-    for epoch in range(args.epochs):
+    for epoch in range(epochs):
         model.train()
         order = torch.randperm(len(x_train), generator=generator)
         total, batches = 0.0, 0
-        for start in range(0, len(order), args.batch_size):
-            index = order[start:start + args.batch_size]
+        for start in range(0, len(order), batch_size):
+            index = order[start:start + batch_size]
             optimizer.zero_grad()
             loss = torch.nn.functional.cross_entropy(model(x_train[index]), y_train[index])
             loss.backward()
             optimizer.step()
             total, batches = total + loss.item(), batches + 1
         mean_loss = hvd.allreduce(torch.tensor(total / max(batches, 1)), name="epoch_loss").item()
-        if hvd.rank() == 0 and (epoch % 5 == 4 or epoch == args.epochs - 1):
+        if hvd.rank() == 0 and (epoch % 5 == 4 or epoch == epochs - 1):
             print("epoch %d: loss %.4f" % (epoch + 1, mean_loss), flush=True)
 
     model.eval()
@@ -67,6 +63,16 @@ def main():
         accuracy = (model(x_test).argmax(1) == y_test).float().mean().item()
     if hvd.rank() == 0:
         print("test accuracy %.3f on %d ranks" % (accuracy, hvd.size()), flush=True)
+    return accuracy
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--epochs", type=int, default=20)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=0.05)
+    args = parser.parse_args()
+    train(args.epochs, args.batch_size, args.lr)
 
 
 if __name__ == "__main__":
