@@ -133,3 +133,17 @@ def hosts_changed():
         return None
     answer = _ask({"op": "hosts", "since": _round["hosts_version"]})
     return answer["removed_only"] if answer["changed"] else None
+
+
+def forget_the_driver():
+    """Closes this worker's connection to the driver and forgets its round,
+    for a process that runs one worker after another (engine_worker.py):
+    each is a worker of its own to the driver."""
+    global _connection, _round
+    if _connection is not None:
+        try:
+            _connection.close()
+        except OSError:
+            pass
+    _connection = None
+    _round = None

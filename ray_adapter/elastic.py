@@ -108,7 +108,7 @@ class RayElasticDriver(ElasticDriver):
 
     def launch(self, name, host, identity):
         executor = self.executor
-        _, _, _, extra = executor._started_elastic
+        extra = executor._started_elastic
         env = dict(extra, UNISON_START_TIMEOUT=str(executor.settings.timeout_s), **identity)
         interface = network.one_interface(executor.settings.nics, "unison.ray")
         if interface:

@@ -97,7 +97,7 @@ class RayExecutor:
         self.job_id = None
         self._calls = 0  # the driver's calls into the actors so far: each is a job of its own
         self._placement_group = None  # the one start() made, removed by shutdown()
-        self._started_elastic = None  # start()'s arguments, for an elastic run()
+        self._started_elastic = None  # for an elastic job, once start() ran: extra_env_vars, for run()
 
     # ---- starting ------------------------------------------------------------------
 
@@ -147,8 +147,12 @@ class RayExecutor:
         if self.workers:
             raise RuntimeError("RayExecutor.start: already started; shutdown() first")
         if self.elastic:
+            if executable_cls is not None:
+                raise NotImplementedError(
+                    "RayExecutor.start: an elastic job's workers change from round to round, so it has no "
+                    "executable_cls objects to call: give run(fn) all it needs")
             # The actors of an elastic job come and go with its rounds: run() starts them.
-            self._started_elastic = (executable_cls, executable_args, executable_kwargs, dict(extra_env_vars or {}))
+            self._started_elastic = dict(extra_env_vars or {})  # the variables every worker gets
             return
         group, bundles = self._placement()
         actor = ray.remote(ray_workers.Worker)

@@ -18,15 +18,12 @@ actor on:
   `torch.cuda.set_device(hvd.local_rank())` picks the rank's own GPU and
   NCCL can see its neighbours'.
 """
-import contextlib
 import os
 import secrets
-import sys
-import traceback
 
 import ray
 
-from unison import network
+from unison import engine_worker, network
 from unison.runner import rank_environment
 from unison.runner.processes import new_job_id, remove_shared_memory
 
@@ -46,23 +43,6 @@ def stop_here(job_id):
     if basics.is_initialized():
         basics.shutdown()
     remove_shared_memory(job_id)
-
-
-@contextlib.contextmanager
-def leaving_the_job_on_error():
-    """Ends this rank's unison when what it runs raises, before the error
-    goes back to the driver. A rank's process that fails under unisonrun
-    exits, and the other ranks' collectives with it fail at once, naming it;
-    an actor outlives its call, and without this the others would wait in
-    their collectives for it for ever. The next call's init() starts
-    unison again."""
-    try:
-        yield
-    except BaseException:
-        from unison import basics
-        if basics.is_initialized():
-            basics.shutdown()
-        raise
 
 
 class Worker:
@@ -93,25 +73,11 @@ class Worker:
         call the driver makes is a job of its own (see RayExecutor), which
         an init() in fn joins."""
         os.environ["UNISON_JOB_ID"] = job_id
-        with leaving_the_job_on_error():
+        with engine_worker.leaving_the_job_on_error():
             return fn(self.executable)
 
     def run_as_elastic_worker(self, fn, args, kwargs):
-        """fn(*args, **kwargs) in an elastic job, as a worker process would
-        run its script: {"code": 0, "result": ...}, or the status a process
-        would have exited with and why. A worker the driver dismisses or
-        ends leaves init() with SystemExit, as a process would exit."""
-        try:
-            with leaving_the_job_on_error():
-                return {"code": 0, "result": fn(*args, **kwargs)}
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-            return {"code": code, "error": None if e.code in (None, 0) else str(e.code)}
-        except BaseException:
-            return {"code": 1, "error": traceback.format_exc()}
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
+        return engine_worker.run_as_elastic_worker(fn, args, kwargs)
 
     def stop(self, job_id):
         stop_here(job_id)

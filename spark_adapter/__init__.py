@@ -14,16 +14,13 @@ the tasks of a host, its TCP plane across hosts, with a secret made per run
 (task.py). No MPI, ssh or launcher is needed on the executors, only
 unison installed where their Python runs.
 
-What Horovod's Spark integration had and this does not:
+run_elastic (elastic.py) runs an elastic job on an ordinary stage, since a
+barrier stage is all or nothing.
 
-- run_elastic, not built yet. A barrier stage is all or nothing (one lost
-  task fails the stage, and Spark restarts all of it), so an elastic job
-  needs ordinary tasks instead, each an elastic worker of a driver in this
-  process, with Spark's task retries bringing lost workers back, as
-  Horovod's did;
-- the estimators (horovod.spark.keras/torch/lightning: KerasEstimator,
-  TorchEstimator), a data pipeline and model-fitting framework of their own
-  on top of Petastorm rather than a way of running ranks.
+What Horovod's Spark integration had and this does not: the estimators
+(horovod.spark.keras/torch/lightning: KerasEstimator, TorchEstimator), a
+data pipeline and model-fitting framework of their own on top of Petastorm
+rather than a way of running ranks.
 """
 import re
 import sys
@@ -32,7 +29,7 @@ import time
 from unison import network
 from unison.spark import task
 
-__all__ = ["run"]
+__all__ = ["run", "run_elastic"]
 
 
 def _active_context():
@@ -157,3 +154,78 @@ def _relay_output(outcomes, stdout, stderr, timestamped):
                 stamp = time.strftime("%a %b %d %H:%M:%S %Y ") if timestamped else ""
                 stream.write("%s[%d]<%s>:%s\n" % (stamp, outcome["rank"], stream_name, line))
         stream.flush()
+
+
+def run_elastic(fn, args=(), kwargs=None, num_proc=None, min_num_proc=None, max_num_proc=None, start_timeout=None,
+                elastic_timeout=None, reset_limit=None, cooldown_range=None, env=None, stdout=None, stderr=None,
+                verbose=1, nics=None, prefix_output_with_timestamp=False, min_np=None, max_np=None):
+    """Runs fn(*args, **kwargs) as an elastic job of Spark tasks (elastic.py)
+    and returns what the ranks of its last round returned, in rank order.
+    fn trains under hvd.elastic.run, as under `unisonrun --min-np`.
+
+    num_proc: the ranks to start with (default: the context's
+    defaultParallelism); min_num_proc/max_num_proc (Horovod's min_np/max_np
+    too): the fewest the job trains with and the most it grows to (the
+    stage has max_num_proc tasks). elastic_timeout, reset_limit and
+    cooldown_range are unisonrun's --elastic-timeout, --reset-limit and
+    --blacklist-cooldown-range. A failed rank's task is started again by
+    Spark only while spark.task.maxFailures allows. stdout and stderr are
+    accepted for Horovod's scripts; the workers' output stays where Spark
+    puts a task's. A job that cannot go on raises RuntimeError with the
+    reason and the first failed worker's traceback."""
+    import threading
+    from unison.spark import elastic
+
+    context = _active_context()
+    min_num_proc = min_num_proc if min_num_proc is not None else min_np
+    max_num_proc = max_num_proc if max_num_proc is not None else max_np
+    num_proc = context.defaultParallelism if num_proc is None else num_proc
+    min_num_proc = num_proc if min_num_proc is None else min_num_proc
+    max_num_proc = max(num_proc, min_num_proc) if max_num_proc is None else max_num_proc
+    argv = ["-np", str(num_proc), "--min-np", str(min_num_proc), "--max-np", str(max_num_proc)]
+    for flag, value in (("--elastic-timeout", elastic_timeout), ("--reset-limit", reset_limit)):
+        if value is not None:
+            argv += [flag, str(value)]
+    if cooldown_range is not None:
+        argv += ["--blacklist-cooldown-range"] + [str(s) for s in cooldown_range]
+    variables = {str(k): str(v) for k, v in (env or {}).items()}
+    if start_timeout is not None:
+        variables["UNISON_START_TIMEOUT"] = str(start_timeout)
+    interface = network.one_interface(nics, "unison.spark.run_elastic")
+    if interface:
+        variables["UNISON_NETWORK_INTERFACE"] = interface
+    local = context.master.startswith("local")
+    driver = elastic.SparkElasticDriver(argv, variables, "127.0.0.1" if local else "0.0.0.0")
+    driver_host = "127.0.0.1" if local else context.getConf().get("spark.driver.host")
+    pool, secret = (driver_host, driver.pool.address[1]), driver.secret
+    kwargs, args = dict(kwargs or {}), tuple(args)
+
+    def worker_task(_partition):
+        elastic.task_loop(pool, secret, driver_host, fn, args, kwargs)
+        return iter(())
+
+    def stage():
+        try:
+            context.parallelize(range(max_num_proc), max_num_proc).mapPartitions(worker_task).collect()
+        except Exception as e:
+            with driver.lock:
+                driver.end(1, "the Spark stage of the job's tasks failed: %s" % _why_spark_failed(e))
+                driver.lock.notify_all()
+
+    if verbose:
+        print("unison.spark: running %s as an elastic job of %d to %d ranks" % (
+            getattr(fn, "__name__", fn), min_num_proc, max_num_proc), file=sys.stderr, flush=True)
+    context.setJobDescription("unison.spark.run_elastic(%s)" % getattr(fn, "__name__", fn))
+    tasks = threading.Thread(target=stage, name="unison-spark-elastic-stage", daemon=True)
+    tasks.start()
+    try:
+        status = driver.run()
+    finally:
+        driver.end_tasks()
+        context.setJobDescription(None)
+    tasks.join(timeout=60)
+    if status != 0:
+        failed = [(name, o) for name, o in driver.outcomes.items() if o["code"] != 0 and o.get("error")]
+        detail = "" if not failed else "\nworker %s: %s" % (failed[0][0], failed[0][1]["error"])
+        raise RuntimeError("unison.spark.run_elastic: the job failed: %s%s" % (driver.failure[1], detail))
+    return [driver.outcomes[name]["result"] for name in driver.members]

@@ -36,7 +36,8 @@ def _messages(context, mine):
 
 
 @contextlib.contextmanager
-def _environment(variables):
+def environment(variables):
+    """`variables` set while the block runs; the environment as it was after."""
     before = {name: os.environ.get(name) for name in variables}
     os.environ.update(variables)
     try:
@@ -90,7 +91,7 @@ def run_rank(fn, args, kwargs, settings):
         identity.update(UNISON_RENDEZVOUS_ADDR=first["address"], UNISON_RENDEZVOUS_PORT=str(first["port"]),
                         UNISON_SECRET_KEY=first["secret"])
     outcome = {"rank": rank}
-    with _environment(identity), _captured(settings["capture"]) as output:
+    with environment(identity), _captured(settings["capture"]) as output:
         try:
             outcome["result"] = fn(*args, **kwargs)
         except BaseException:

@@ -179,3 +179,4 @@ def elastic_train_as_nodes_change(folder):
     loop(state)
     return {"rank": hvd.rank(), "size": hvd.size(), "rounds": sizes, "step": state.step,
             "host": os.environ["UNISON_HOSTNAME"], "params": _parameters(model)}
+

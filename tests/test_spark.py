@@ -1,6 +1,7 @@
 """unison.spark.run on Spark in local mode: ranks as the tasks of a barrier
 stage, results in rank order, training that ends with one process's
-parameters, and failures that reach the driver with their cause."""
+parameters, and failures that reach the driver with their cause; and
+run_elastic, whose job loses a task and goes on."""
 import io
 import os
 import sys
@@ -14,7 +15,7 @@ import unison.spark  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 import engine_work  # noqa: E402
-from engine_work import assert_reference_parameters  # noqa: E402
+from engine_work import STEPS, assert_reference_parameters  # noqa: E402
 from spark_java import java_home  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
@@ -23,7 +24,8 @@ pytestmark = pytest.mark.timeout(300)
 @pytest.fixture(scope="module", autouse=True)
 def spark(tmp_path_factory):
     """One local Spark application of 3 task slots for the module (starting
-    one takes seconds). Its Python workers run this Python, and import
+    one takes seconds), which tries a failed task twice (local[3,2]), as a
+    cluster's spark.task.maxFailures would. Its Python workers run this Python, and import
     tests/engine_work.py, as Spark pickles its functions by name."""
     home = java_home(tmp_path_factory.mktemp("spark"))
     if home is None:
@@ -32,7 +34,7 @@ def spark(tmp_path_factory):
     os.environ.update(JAVA_HOME=home, PYSPARK_PYTHON=sys.executable, OMP_NUM_THREADS="1",
                       PYTHONPATH=os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH")) if p))
     from pyspark.sql import SparkSession
-    session = (SparkSession.builder.master("local[3]").appName("unison-tests")
+    session = (SparkSession.builder.master("local[3,2]").appName("unison-tests")
                .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
                .getOrCreate())
     session.sparkContext.setLogLevel("ERROR")
@@ -77,6 +79,7 @@ def test_a_failing_ranks_error_reaches_the_driver_and_the_next_run_works():
 
 
 def test_a_rank_whose_process_dies_fails_the_run_with_sparks_reason():
+    # Spark tries the whole stage again (a new job), and fails the same way.
     with pytest.raises(RuntimeError, match="barrier stage of 3 ranks failed"):
         unison.spark.run(engine_work.dies_on, args=(2,), num_proc=3)
     assert [r["rank"] for r in unison.spark.run(engine_work.collectives, args=(1.0,), num_proc=3)] == [0, 1, 2]
@@ -95,3 +98,30 @@ def test_more_ranks_than_slots_fail_at_once_naming_both():
         unison.spark.run(engine_work.collectives, num_proc=0)
     with pytest.raises(ValueError, match="one network interface"):
         unison.spark.run(engine_work.collectives, num_proc=2, nics=["eth0", "eth1"])
+
+
+def test_an_elastic_job_loses_a_task_and_ends_with_the_parameters_of_one_process(tmp_path):
+    """The last of 3 ranks kills its own process at step 9; the others roll
+    back to their last commit, the host waits out its cooldown on the
+    blacklist, and Spark's second try of the task takes the lost slot."""
+    victim = tmp_path / "victim"
+    results = unison.spark.run_elastic(engine_work.elastic_train, args=(str(victim),), num_proc=3, min_num_proc=2,
+                                       max_num_proc=3, cooldown_range=(1, 2))
+    assert victim.exists()
+    assert [r["rank"] for r in results] == [0, 1, 2]
+    for r in results:
+        assert r["step"] == STEPS and r["size"] == 3
+        assert_reference_parameters(r["params"])
+    survivors = [r for r in results if len(r["rounds"]) == 2]
+    assert len(survivors) == 2, results  # the retried task joined in the second round only
+    assert {r["rounds"][1][1] for r in survivors} <= {9, 10}  # resumed from the last commit
+    # The stage ended with the job: the next run gets every slot.
+    assert [r["rank"] for r in unison.spark.run(engine_work.collectives, args=(1.0,), num_proc=3)] == [0, 1, 2]
+
+
+def test_an_elastic_job_that_cannot_go_on_fails_with_the_reason(tmp_path):
+    with pytest.raises(RuntimeError, match="reset-limit 0"):
+        unison.spark.run_elastic(engine_work.elastic_train, args=(str(tmp_path / "victim"),),
+                                 kwargs={"victim_step": 3}, num_proc=2, min_num_proc=2, reset_limit=0,
+                                 cooldown_range=(1, 1))
+    assert [r["rank"] for r in unison.spark.run(engine_work.collectives, args=(1.0,), num_proc=3)] == [0, 1, 2]
