@@ -60,15 +60,7 @@ def run(fn, args=(), kwargs=None, num_proc=None, start_timeout=None, env=None, s
     num_proc = context.defaultParallelism if num_proc is None else num_proc
     if not isinstance(num_proc, int) or isinstance(num_proc, bool) or num_proc < 1:
         raise ValueError("unison.spark.run: num_proc=%r: give a number of ranks, at least 1" % (num_proc,))
-    if start_timeout is not None and not start_timeout > 0:
-        raise ValueError("unison.spark.run: start_timeout=%r: give a number of seconds, more than 0"
-                         % (start_timeout,))
-    variables = {str(k): str(v) for k, v in (env or {}).items()}
-    if start_timeout is not None:
-        variables["UNISON_START_TIMEOUT"] = str(start_timeout)
-    interface = network.one_interface(nics, "unison.spark.run")
-    if interface:
-        variables["UNISON_NETWORK_INTERFACE"] = interface
+    variables = _rank_variables(env, start_timeout, nics, "unison.spark.run")
     settings = {"env": variables, "driver_host": context.getConf().get("spark.driver.host", "localhost"),
                 "capture": stdout is not None or stderr is not None}
     kwargs = dict(kwargs or {})
@@ -98,6 +90,20 @@ def run(fn, args=(), kwargs=None, num_proc=None, start_timeout=None, env=None, s
             failed[0]["rank"], num_proc, " (then ranks %s, which lost it)" % others if others else "",
             failed[0]["error"]))
     return [o["result"] for o in outcomes]
+
+
+def _rank_variables(env, start_timeout, nics, caller):
+    """The variables every rank gets: the caller's env, with start_timeout
+    and nics as the core's settings; a bad one is refused, naming it."""
+    if start_timeout is not None and not start_timeout > 0:
+        raise ValueError("%s: start_timeout=%r: give a number of seconds, more than 0" % (caller, start_timeout))
+    variables = {str(k): str(v) for k, v in (env or {}).items()}
+    if start_timeout is not None:
+        variables["UNISON_START_TIMEOUT"] = str(start_timeout)
+    interface = network.one_interface(nics, caller)
+    if interface:
+        variables["UNISON_NETWORK_INTERFACE"] = interface
+    return variables
 
 
 # How long run() waits for the cluster to have num_proc task slots when no
@@ -188,12 +194,7 @@ def run_elastic(fn, args=(), kwargs=None, num_proc=None, min_num_proc=None, max_
             argv += [flag, str(value)]
     if cooldown_range is not None:
         argv += ["--blacklist-cooldown-range"] + [str(s) for s in cooldown_range]
-    variables = {str(k): str(v) for k, v in (env or {}).items()}
-    if start_timeout is not None:
-        variables["UNISON_START_TIMEOUT"] = str(start_timeout)
-    interface = network.one_interface(nics, "unison.spark.run_elastic")
-    if interface:
-        variables["UNISON_NETWORK_INTERFACE"] = interface
+    variables = _rank_variables(env, start_timeout, nics, "unison.spark.run_elastic")
     local = context.master.startswith("local")
     driver = elastic.SparkElasticDriver(argv, variables, "127.0.0.1" if local else "0.0.0.0")
     driver_host = "127.0.0.1" if local else context.getConf().get("spark.driver.host")

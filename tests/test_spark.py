@@ -98,6 +98,8 @@ def test_more_ranks_than_slots_fail_at_once_naming_both():
         unison.spark.run(engine_work.collectives, num_proc=0)
     with pytest.raises(ValueError, match="one network interface"):
         unison.spark.run(engine_work.collectives, num_proc=2, nics=["eth0", "eth1"])
+    with pytest.raises(ValueError, match=r"unison.spark.run_elastic: start_timeout=0:"):
+        unison.spark.run_elastic(engine_work.collectives, num_proc=2, start_timeout=0)
 
 
 def test_an_elastic_job_loses_a_task_and_ends_with_the_parameters_of_one_process(tmp_path):
