@@ -23,7 +23,7 @@ import ray
 from ray.util.placement_group import get_current_placement_group, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from unison import network
+from unison import exceptions, network
 from unison.ray import workers as ray_workers
 
 
@@ -249,20 +249,40 @@ class RayExecutor:
 
 def _results(refs):
     """The values of `refs` (one per rank, in rank order), or the error of
-    the rank that failed first. A rank that fails leaves the job
-    (workers.leaving_the_job_on_error), so the others' collectives then fail
-    too, each naming it: the first failure is the cause, and is the one
-    raised, with a note naming its rank. The others' calls end on their
-    own."""
+    the rank whose failure is the cause. A rank that fails leaves the job
+    (engine_worker.leaving_the_job_on_error), so the others' collectives
+    then fail too, each naming it, and their errors can reach the driver
+    before its own: once one call has failed, the others get a few seconds
+    to end, and the error raised is the first that is not a peer's loss
+    (ShutDownError, RankFailedError), with a note naming its rank."""
     pending = list(refs)
     while pending:
         done, pending = ray.wait(pending, num_returns=1)
         try:
             ray.get(done[0])
+        except ray.exceptions.RayError:
+            break
+    else:
+        return ray.get(refs)
+    ray.wait(pending, num_returns=len(pending), timeout=_PEERS_GRACE_SECONDS)
+    failures = []
+    for rank, ref in enumerate(refs):
+        try:
+            ray.get(ref, timeout=0)
+        except ray.exceptions.GetTimeoutError:
+            continue  # still running: not what failed
         except ray.exceptions.RayError as e:
-            e.add_note("unison.ray: rank %d of %d failed first" % (refs.index(done[0]), len(refs)))
-            raise
-    return ray.get(refs)
+            failures.append((isinstance(e, (exceptions.ShutDownError, exceptions.RankFailedError)), rank, e))
+    _, rank, error = min(failures, key=lambda f: (f[0], f[1]))
+    error.add_note("unison.ray: rank %d of %d failed%s" % (
+        rank, len(refs), "" if len(failures) == 1 else "; ranks %s failed after losing it"
+        % [r for _, r, _ in sorted(failures, key=lambda f: f[1]) if r != rank]))
+    raise error
+
+
+# How long the other ranks get to end once one has failed (their
+# collectives fail at once, naming it) before run() raises.
+_PEERS_GRACE_SECONDS = 10
 
 
 class _Call:

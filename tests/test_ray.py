@@ -90,7 +90,7 @@ def test_a_failing_rank_fails_the_run_and_the_executor_runs_on():
     try:
         with pytest.raises(ValueError, match="rank 1 fails on purpose") as raised:
             executor.run(engine_work.fails_on, args=[1])
-        assert "rank 1 of 3 failed first" in str(raised.value.__notes__)
+        assert "unison.ray: rank 1 of 3 failed; ranks [0, 2] failed after losing it" in raised.value.__notes__
         refs = executor.run_remote(engine_work.fails_on, args=[1])
         for rank, ref in enumerate(refs):
             with pytest.raises(Exception, match="rank 1 fails on purpose" if rank == 1 else "rank 1 has shut down"):
