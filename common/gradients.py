@@ -49,7 +49,8 @@ class GradientOps:
         raise NotImplementedError
 
 
-def _differentiable(op, collective):
+def check_differentiable(op, collective):
+    """Raises unless `op`'s reduction has a gradient (Sum, Average, Adasum)."""
     if op not in (Sum, Average, Adasum):
         raise UnsupportedError("unison: the gradient of %s is defined for Sum, Average and Adasum; got %s"
                                % (collective, op_name(op)))
@@ -61,7 +62,7 @@ def grad_name(name):
 
 
 def allreduce(ops, grads, op, prescale_factor, postscale_factor, process_set, name=None):
-    _differentiable(op, "allreduce")
+    check_differentiable(op, "allreduce")
     return ops.grouped_allreduce(grads, op, prescale_factor, postscale_factor, process_set, grad_name(name))
 
 
@@ -86,7 +87,7 @@ def alltoall(ops, grad, received_splits, process_set, name=None):
 
 
 def reducescatter(ops, grads, op, prescale_factor, postscale_factor, process_set, name=None):
-    _differentiable(op, "reducescatter")
+    check_differentiable(op, "reducescatter")
     if op == Adasum:
         raise UnsupportedError("unison: reducescatter does not take Adasum")
     gathered = ops.grouped_allgather(grads, process_set, grad_name(name))

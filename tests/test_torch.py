@@ -58,7 +58,7 @@ def test_use_before_init_is_a_clear_error():
 
 
 @pytest.mark.parametrize("dynamo_first", [False, True], ids=["unison-first", "dynamo-first"])
-def test_torch_compile_skips_unison_whichever_is_imported_first(dynamo_first):
+def test_torch_compile_skips_all_of_unison_but_its_traced_files_whichever_is_imported_first(dynamo_first):
     # Dynamo is loaded by torch.compile, 1.5 s into a program's life or
     # never: importing unison.torch must not load it, and the skip must be
     # in place whenever it does load.
@@ -68,9 +68,13 @@ import sys
 import unison.torch, unison.torch.ops, unison.frontend
 assert ("torch._dynamo" in sys.modules) == %s, "importing unison.torch loaded Dynamo"
 from torch._dynamo import trace_rules
-for module in (unison.torch.ops, unison.frontend):
+from unison.torch import graph_ops, ops, optimizer, registered_ops, sync_batch_norm
+for module in (unison.frontend, unison.handles, unison.basics, optimizer, registered_ops):
     result = trace_rules.check_file(module.__file__)
     assert result.skipped, (module.__file__, result.reason)
+for module in (ops, graph_ops, sync_batch_norm):   # what Dynamo traces to the unison:: operators
+    result = trace_rules.check_file(module.__file__)
+    assert not result.skipped, (module.__file__, result.reason)
 print("skipped")
 """ % ("import torch._dynamo" if dynamo_first else "", dynamo_first)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)

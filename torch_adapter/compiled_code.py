@@ -1,28 +1,30 @@
-"""torch.compile and unison: a collective runs between compiled graphs.
+"""torch.compile and unison: which of unison's files TorchDynamo traces.
 
-A collective cannot be a node of a compiled graph. It calls the core
-through cffi, which TorchDynamo cannot trace, and it must run when the
-program reaches it, in the same order on every rank. Left to itself,
-Dynamo inlines unison's Python up to each C call and compiles the pieces
-in between, and what it makes of them is wrong: a model holding
-hvd.SyncBatchNorm failed its first compiled step in a view of the buffer
-the core hands back.
+A collective inside a compiled function is a `unison::` operator, one node
+of the graph (registered_ops.py). Dynamo reaches it by tracing the public
+function the program called (ops.py), which hands over to graph_ops.py
+while Dynamo traces; SyncBatchNorm's forward (sync_batch_norm.py) and the
+compressors (compression.py) are traced the same way. Those files are all
+Dynamo may read of unison.
 
-So Dynamo is told to skip unison's files, as it skips the standard
-library's. A call into unison from compiled code ends the graph there
-(a graph break), runs as plain Python, and the next graph starts after
-it. Under torch.compile(fullgraph=True) that break is Dynamo's error
-naming the unison function. torch.compiler.disable on every entry point
-would do the same through a public API, but it imports Dynamo (1.5 s at
-`import unison.torch` on the 2-core VM) and wraps each call (0.6 us
-more per collective, measured); this costs neither. Dynamo is imported
-lazily by torch.compile, so the skip is registered when it loads."""
+Every other unison file is on Dynamo's skip list, as the standard
+library's are: the core is reached through cffi, which Dynamo cannot
+trace, and what it made of the Python up to each C call was wrong (a
+model holding SyncBatchNorm failed its first compiled step in a view of
+the buffer the core hands back). A call into a skipped file from compiled
+code is a graph break: it runs as plain Python between two graphs, or is
+Dynamo's error under fullgraph=True. Dynamo is imported lazily by
+torch.compile, and importing it at `import unison.torch` costs 1.5 s on the
+2-core VM, so the list is registered when it loads."""
 import importlib.abc
 import importlib.machinery
+import pkgutil
 import sys
 
 _TRACE_RULES = "torch._dynamo.trace_rules"
-_PACKAGES = ("unison", "unison.torch")   # two folders in a source checkout
+# The files Dynamo traces, by module name.
+TRACED = frozenset({"unison.torch.ops", "unison.torch.graph_ops", "unison.torch.sync_batch_norm",
+                    "unison.torch.compression"})
 
 
 def keep_unison_out_of_compiled_graphs():
@@ -32,13 +34,29 @@ def keep_unison_out_of_compiled_graphs():
         sys.meta_path.insert(0, _WhenDynamoLoads())
 
 
+def skipped_modules():
+    """unison's modules and subpackages that Dynamo skips: all but TRACED.
+    The root package holds unison.torch in an installed wheel, so the list
+    names what is beside it, not the root's folder, which would cover it."""
+    names = []
+    # From sys.modules: called at the end of unison.torch's own import when
+    # Dynamo is already loaded, before `unison.torch` is an attribute of `unison`.
+    for package in (sys.modules["unison"], sys.modules["unison.torch"]):
+        for module in pkgutil.iter_modules(package.__path__, package.__name__ + "."):
+            if module.name not in TRACED and module.name != "unison.torch":
+                names.append(module.name)
+    return names
+
+
 def _skip_unison(trace_rules):
-    # trace_rules.add is how torch itself registers a package to skip. A
-    # torch without it compiles as before: graph breaks at each C call.
+    # trace_rules.add is how torch itself registers a module or package to
+    # skip, by the path of its file or folder. A torch without it compiles
+    # as before: graph breaks at each C call.
     add = getattr(trace_rules, "add", None)
-    if add is not None:
-        for package in _PACKAGES:
-            add(package)
+    if add is None:
+        return
+    for name in skipped_modules():
+        add(name)
 
 
 class _WhenDynamoLoads(importlib.abc.MetaPathFinder):

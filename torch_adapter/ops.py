@@ -11,6 +11,10 @@ the checks, the core calls and the handles; this module says what a torch
 tensor is and adds autograd: the blocking forms of allreduce, allgather,
 broadcast, alltoall and reducescatter (grouped ones too) are autograd
 functions whose gradients are unison.gradients', Horovod's definitions.
+
+While TorchDynamo traces (torch.compile), each collective hands over to
+its namesake in graph_ops.py, which makes it a `unison::` operator of the
+compiled graph (registered_ops.py); eagerly, that costs one check.
 """
 import functools
 import threading
@@ -22,7 +26,8 @@ from unison.arguments import member_name as _member_name
 from unison.compression import compress_all
 from unison.dtypes import label as _label
 from unison.exceptions import InvalidArgumentError, UnsupportedError
-from unison.handles import GraphNode, Handle, HandleGroup, poll, synchronize  # noqa: F401
+from unison.handles import GraphNode, Handle, HandleGroup, poll  # noqa: F401
+from unison.handles import synchronize as _synchronize
 from unison.process_sets import global_process_set
 from unison._native import ffi
 from unison.torch.compression import Compression
@@ -30,6 +35,9 @@ from unison.torch.compression import Compression
 Sum, Average, Min, Max, Product, Adasum = (basics.Sum, basics.Average, basics.Min, basics.Max,
                                            basics.Product, basics.Adasum)
 _HOST, _STRIDED, _VOID_P = collective.HOST, torch.strided, ffi.typeof("void*")
+# True while TorchDynamo traces: the public collectives then hand over to
+# graph_ops, whose calls become unison:: operators in the compiled graph.
+_compiling = torch.compiler.is_compiling
 
 
 class _DeviceResult:
@@ -149,7 +157,7 @@ class _TorchGradients(gradients.GradientOps):
         return _Alltoall.apply(tensor.contiguous(), splits, name, process_set)[0]
 
     def my_rows(self, tensor, process_set, name):
-        rows = synchronize(_front.allgather_async(torch.tensor([tensor.shape[0]], dtype=torch.int64), name,
+        rows = _synchronize(_front.allgather_async(torch.tensor([tensor.shape[0]], dtype=torch.int64), name,
                                                   process_set))
         return int(rows[:process_set.rank()].sum()), tensor.shape[0]
 
@@ -195,7 +203,7 @@ class _GroupedAllreduce(torch.autograd.Function):
     @remembers_its_caller
     def forward(ctx, name, op, prescale_factor, postscale_factor, process_set, *tensors):
         ctx.settings = (op, prescale_factor, postscale_factor, process_set)
-        return tuple(synchronize(_front.grouped_allreduce_async(tensors, name, op, prescale_factor,
+        return tuple(_synchronize(_front.grouped_allreduce_async(tensors, name, op, prescale_factor,
                                                                 postscale_factor, process_set)))
 
     @staticmethod
@@ -213,7 +221,7 @@ class _GroupedAllgather(torch.autograd.Function):
         # backward (g.backward() for each g returned) must work, as in Horovod.
         ctx.process_set = process_set
         ctx.shapes = [t.shape for t in tensors]
-        return tuple(synchronize(_front.grouped_allgather_async(tensors, name, process_set)))
+        return tuple(_synchronize(_front.grouped_allgather_async(tensors, name, process_set)))
 
     @staticmethod
     @runs_for_its_caller
@@ -227,7 +235,7 @@ class _Broadcast(torch.autograd.Function):
     @remembers_its_caller
     def forward(ctx, tensor, root_rank, name, process_set):
         ctx.root_rank, ctx.process_set = root_rank, process_set
-        return synchronize(_front.broadcast_async(tensor, root_rank, name, process_set))
+        return _synchronize(_front.broadcast_async(tensor, root_rank, name, process_set))
 
     @staticmethod
     @runs_for_its_caller
@@ -239,7 +247,7 @@ class _Alltoall(torch.autograd.Function):
     @staticmethod
     @remembers_its_caller
     def forward(ctx, tensor, splits, name, process_set):
-        output, received = synchronize(_front.alltoall_async(tensor, splits, name, process_set))
+        output, received = _synchronize(_front.alltoall_async(tensor, splits, name, process_set))
         received = torch.tensor(received, dtype=torch.int32)
         ctx.received, ctx.process_set = received, process_set
         ctx.mark_non_differentiable(received)
@@ -256,7 +264,7 @@ class _GroupedReducescatter(torch.autograd.Function):
     @remembers_its_caller
     def forward(ctx, name, op, prescale_factor, postscale_factor, process_set, *tensors):
         ctx.settings = (op, prescale_factor, postscale_factor, process_set)
-        return tuple(synchronize(_front.grouped_reducescatter_async(tensors, name, op, prescale_factor,
+        return tuple(_synchronize(_front.grouped_reducescatter_async(tensors, name, op, prescale_factor,
                                                                     postscale_factor, process_set)))
 
     @staticmethod
@@ -270,6 +278,8 @@ class _GroupedReducescatter(torch.autograd.Function):
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                     postscale_factor=1.0, process_set=global_process_set):
     """Starts an allreduce of `tensor` into a new tensor; returns a handle."""
+    if _compiling():
+        return _graph.allreduce_async(tensor, average, name, op, prescale_factor, postscale_factor, process_set)
     op = arguments.resolve_op(op, average)
     return _front.allreduce_async(tensor, name, op, prescale_factor, postscale_factor, process_set)
 
@@ -277,6 +287,9 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                      postscale_factor=1.0, process_set=global_process_set):
     """Starts an in-place allreduce of `tensor`; returns a handle."""
+    if _compiling():
+        return _graph.allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor,
+                                       process_set)
     op = arguments.resolve_op(op, average)
     return _front.allreduce_async_(tensor, name, op, prescale_factor, postscale_factor, process_set)
 
@@ -285,12 +298,17 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
               prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
     """Reduces `tensor` across ranks (Average by default) into a new tensor.
     Differentiable: the gradient is the same reduction of the gradients."""
+    if _compiling():
+        return _graph.allreduce(tensor, average, name, compression, op, prescale_factor, postscale_factor,
+                                process_set)
     return grouped_allreduce([tensor], average, name, compression, op, prescale_factor, postscale_factor,
                              process_set)[0]
 
 
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                postscale_factor=1.0, process_set=global_process_set):
+    if _compiling():
+        return _graph.allreduce_(tensor, average, name, op, prescale_factor, postscale_factor, process_set)
     op = arguments.resolve_op(op, average)
     return _front.allreduce_(tensor, name, op, prescale_factor, postscale_factor, process_set)
 
@@ -299,12 +317,18 @@ def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_
                             postscale_factor=1.0, process_set=global_process_set):
     """One handle for the allreduce of every tensor in the list; they are
     enqueued together, so the core fuses them."""
+    if _compiling():
+        return _graph.grouped_allreduce_async(tensors, average, name, op, prescale_factor, postscale_factor,
+                                              process_set)
     op = arguments.resolve_op(op, average)
     return _front.grouped_allreduce_async(tensors, name, op, prescale_factor, postscale_factor, process_set)
 
 
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                              postscale_factor=1.0, process_set=global_process_set):
+    if _compiling():
+        return _graph.grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor,
+                                               process_set)
     op = arguments.resolve_op(op, average)
     return _front.grouped_allreduce_async(tensors, name, op, prescale_factor, postscale_factor, process_set,
                                           in_place=True)
@@ -331,6 +355,9 @@ def grouped_gradient_allreduce_async_(tensors, name, op, prescale_factor, postsc
 def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
                       prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
     """Each tensor reduced across ranks; enqueued together so they fuse. Differentiable."""
+    if _compiling():
+        return _graph.grouped_allreduce(tensors, average, name, compression, op, prescale_factor,
+                                        postscale_factor, process_set)
     op = arguments.resolve_op(op, average)
     compressed, contexts = compress_all(compression, tensors)
     reduced = _GroupedAllreduce.apply(name, op, prescale_factor, postscale_factor, process_set, *compressed)
@@ -339,7 +366,10 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
 
 def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                        postscale_factor=1.0, process_set=global_process_set):
-    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
+    if _compiling():
+        return _graph.grouped_allreduce_(tensors, average, name, op, prescale_factor, postscale_factor,
+                                         process_set)
+    return _synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
                                                 postscale_factor, process_set))
 
 
@@ -349,7 +379,7 @@ class _SparseHandle(HandleGroup):
     __slots__ = ()
 
     def __call__(self):
-        return synchronize(self)
+        return _synchronize(self)
 
 
 def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
@@ -381,21 +411,31 @@ def allgather_async(tensor, name=None, process_set=global_process_set, output=No
     (which may differ between ranks); returns a handle. With `output` (a
     contiguous tensor of the same dtype with room for every rank's rows),
     the rows land there; `tensor` may be this rank's own rows of it."""
+    if _compiling():
+        if output is not None:
+            _no_output()
+        return _graph.allgather_async(tensor, name, process_set)
     return _front.allgather_async(tensor, name, process_set, output)
 
 
 def allgather(tensor, name=None, process_set=global_process_set):
     """Concatenates every rank's tensor along the first dimension.
     Differentiable: this rank's rows of the rank-averaged gradient."""
+    if _compiling():
+        return _graph.allgather(tensor, name, process_set)
     return _GroupedAllgather.apply(name, process_set, tensor)[0]
 
 
 def grouped_allgather_async(tensors, name=None, process_set=global_process_set):
+    if _compiling():
+        return _graph.grouped_allgather_async(tensors, name, process_set)
     return _front.grouped_allgather_async(tensors, name, process_set)
 
 
 def grouped_allgather(tensors, name=None, process_set=global_process_set):
     """Each tensor allgathered; enqueued together so they fuse. Differentiable."""
+    if _compiling():
+        return _graph.grouped_allgather(tensors, name, process_set)
     return list(_GroupedAllgather.apply(name, process_set, *tensors))
 
 
@@ -403,20 +443,28 @@ def grouped_allgather(tensors, name=None, process_set=global_process_set):
 
 def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set):
     """Starts copying root_rank's `tensor` into a new tensor on every rank."""
+    if _compiling():
+        return _graph.broadcast_async(tensor, root_rank, name, process_set)
     return _front.broadcast_async(tensor, root_rank, name, process_set)
 
 
 def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set):
+    if _compiling():
+        return _graph.broadcast_async_(tensor, root_rank, name, process_set)
     return _front.broadcast_async_(tensor, root_rank, name, process_set)
 
 
 def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
     """root_rank's `tensor`, on every rank, as a new tensor. Differentiable."""
+    if _compiling():
+        return _graph.broadcast(tensor, root_rank, name, process_set)
     return _Broadcast.apply(tensor, root_rank, name, process_set)
 
 
 def broadcast_(tensor, root_rank, name=None, process_set=global_process_set):
-    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+    if _compiling():
+        return _graph.broadcast_(tensor, root_rank, name, process_set)
+    return _synchronize(broadcast_async_(tensor, root_rank, name, process_set))
 
 
 # ---- alltoall -----------------------------------------------------------------
@@ -424,6 +472,8 @@ def broadcast_(tensor, root_rank, name=None, process_set=global_process_set):
 def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set):
     """Starts sending rows splits[i] of `tensor` to rank i. synchronize()
     returns (output, received_splits)."""
+    if _compiling():
+        return _graph.alltoall_async(tensor, splits, name, process_set)
     handle = _front.alltoall_async(tensor, splits, name, process_set)
     gathered = handle._finish
 
@@ -438,6 +488,8 @@ def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
     """Scatters rows of `tensor` to the ranks and gathers what they sent
     here. Returns the output, and with `splits` also the received splits.
     Differentiable: the gradient goes back by the reverse alltoall."""
+    if _compiling():
+        return _graph.alltoall(tensor, splits, name, process_set)
     output, received = _Alltoall.apply(tensor, splits, name, process_set)
     return output if splits is None else (output, received)
 
@@ -452,6 +504,10 @@ def reducescatter_async(tensor, name=None, op=Average, process_set=global_proces
     same list on every rank) gives each rank's count. With `output` (a
     contiguous tensor of the same dtype with room for them) the rows land
     there instead of in a new tensor."""
+    if _compiling():
+        if output is not None:
+            _no_output()
+        return _graph.reducescatter_async(tensor, name, op, process_set, prescale_factor, postscale_factor, splits)
     return _front.reducescatter_async(tensor, name, op, prescale_factor, postscale_factor, process_set, splits,
                                       output)
 
@@ -460,12 +516,18 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
                   process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
     """This rank's rows of the reduction of `tensor` across ranks.
     Differentiable: the gradient is the allgather of the gradients."""
+    if _compiling():
+        return _graph.reducescatter(tensor, name, compression, op, process_set, prescale_factor,
+                                    postscale_factor)
     return grouped_reducescatter([tensor], name, compression, op, process_set, prescale_factor,
                                  postscale_factor)[0]
 
 
 def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=global_process_set,
                                 prescale_factor=1.0, postscale_factor=1.0):
+    if _compiling():
+        return _graph.grouped_reducescatter_async(tensors, name, op, process_set, prescale_factor,
+                                                  postscale_factor)
     return _front.grouped_reducescatter_async(tensors, name, op, prescale_factor, postscale_factor,
                                               process_set)
 
@@ -473,6 +535,9 @@ def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=glob
 def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
                           process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
     """Each tensor reduce-scattered; enqueued together so they fuse. Differentiable."""
+    if _compiling():
+        return _graph.grouped_reducescatter(tensors, name, compression, op, process_set, prescale_factor,
+                                            postscale_factor)
     compressed, contexts = compress_all(compression, tensors)
     reduced = _GroupedReducescatter.apply(name, op, prescale_factor, postscale_factor, process_set, *compressed)
     return [compression.decompress(t, c) for t, c in zip(reduced, contexts)]
@@ -482,6 +547,8 @@ def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=A
 
 def barrier(process_set=global_process_set):
     """Returns once every rank has called barrier()."""
+    if _compiling():
+        return _graph.barrier(process_set)
     collective.barrier(process_set)
 
 
@@ -489,3 +556,20 @@ def join(device=-1):
     """Declares this rank out of data: until every rank has joined, it takes
     part in the others' allreduces with zeros. Returns the last rank to join."""
     return collective.join()
+
+
+def synchronize(handle):
+    """Waits for the op and returns its result; raises if it failed."""
+    if _compiling():
+        return _graph.synchronize(handle)
+    return _synchronize(handle)
+
+
+def _no_output():
+    # Reached only while Dynamo traces, so the error names torch.compile.
+    raise UnsupportedError("unison: under torch.compile, allgather_async and reducescatter_async take no output "
+                           "(a compiled node's result is a tensor of its own); call them outside the compiled "
+                           "function, or copy the result into your tensor")
+
+
+from unison.torch import graph_ops as _graph  # noqa: E402  (graph_ops' operators call this module's front end)

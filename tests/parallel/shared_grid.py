@@ -51,6 +51,7 @@ class Shim:
     function}; the grid runs every form."""
     name = "?"
     api = None               # the front-end module: the ops, Sum, Average, ..., Adasum and process sets
+    program_seeds = None     # the random programs to run (None: every one of PROGRAM_SEEDS)
     dtypes = []              # dtype names every byte-moving op takes
     reduce_dtypes = []       # dtype names allreduce and reducescatter take
 
@@ -169,7 +170,8 @@ def pytest_generate_tests(metafunc):
             "float_dtype": ([d for d in FLOATS if d in shim.reduce_dtypes], None),
             "complex_dtype": ([d for d in COMPLEX if d in shim.dtypes], None),
             # One seed for a front end without asynchronous forms: the test says why it skips, once.
-            "program_seed": (PROGRAM_SEEDS if shim._has("allreduce_async", "synchronize") else [0], None)}
+            "program_seed": ((shim.program_seeds or PROGRAM_SEEDS) if shim._has("allreduce_async", "synchronize")
+                             else [0], None)}
     for argument, (values, ids) in axes.items():
         if argument not in metafunc.fixturenames:
             continue

@@ -119,8 +119,8 @@ def test_convert_sync_batchnorm_keeps_state():
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "torch.compile"])
 def test_training_with_distributed_optimizer_matches_one_process(compiled):
-    # Compiled, each SyncBatchNorm runs between the graphs torch.compile
-    # makes of the layers around it (it failed inside Dynamo's graph before).
+    # Compiled, each SyncBatchNorm is one unison::sync_batch_norm node of
+    # the model's one graph (fullgraph fails the test otherwise).
     rows = 4
 
     def make():
@@ -133,7 +133,7 @@ def test_training_with_distributed_optimizer_matches_one_process(compiled):
     model = hvd.SyncBatchNorm.convert_sync_batchnorm(make())
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                    named_parameters=model.named_parameters())
-    forward = torch.compile(model, backend="aot_eager") if compiled else model
+    forward = torch.compile(model, backend="aot_eager", fullgraph=True) if compiled else model
     mine = slice(hvd.rank() * rows, (hvd.rank() + 1) * rows)
     for step in range(4):
         g = torch.Generator().manual_seed(step)
@@ -164,7 +164,7 @@ def test_a_compiled_convolutional_model_matches_the_eager_one():
                                    torch.nn.Conv2d(8, 4, 3), hvd.SyncBatchNorm(4))
 
     eager, compiled_copy = make(), make()
-    compiled = torch.compile(compiled_copy, backend="aot_eager")
+    compiled = torch.compile(compiled_copy, backend="aot_eager", fullgraph=True)
     for step in range(2):
         x = torch.randn(hvd.rank() + 2, 3, 7, 7, generator=torch.Generator().manual_seed(10 * step + hvd.rank()))
         y_eager, y = eager(x), compiled(x)

@@ -1,0 +1,84 @@
+"""The shared grid (shared_grid.py) inside torch.compile(fullgraph=True):
+each collective of Horovod's API, called from a compiled function, must
+compile into the graph with no break (fullgraph fails the test otherwise)
+and give the eager results.
+
+Each call compiles anew where a guard changes (each test names its
+collectives, and the name is a constant of the graph), about 0.1 s a call
+on the 2-core VM. So that the suite stays affordable at 1, 2 and 3 ranks:
+- the eager backend keeps each compile to Dynamo's trace, the part that
+  decides graph breaks and runs the operators' fake kernels (what
+  AOTAutograd and Inductor do with them, test_torch_compile.py shows on
+  whole training steps);
+- the grid's dtype axes are cut to one of each kind the fake kernels and
+  the graph treat apart (narrow and wide integers, bfloat16, float64, bool,
+  complex), and its random programs to three of the sixteen (each compiles
+  some eighty starts and waits). Every dtype and every program goes
+  through the same operators in test_torch_operators_grid.py, which runs
+  the whole grid through them eagerly.
+Under torch.compile, allgather_async and reducescatter_async take no
+output= (ops.py refuses it, saying why): the grid's tests of it skip.
+"""
+import functools
+import inspect
+import logging
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch._dynamo  # noqa: E402
+
+import unison.torch as hvd  # noqa: E402
+from unison.torch import graph_ops  # noqa: E402
+
+from shared_grid import *  # noqa: F401,F403,E402  (the grid's tests and pytest_generate_tests)
+from test_torch_grid import TorchShim  # noqa: E402
+
+# Every test compiles its own calls: Dynamo's default of 8 graphs per
+# function would fall back to eager after the eighth.
+torch._dynamo.config.recompile_limit = 1 << 20
+torch._dynamo.config.accumulated_recompile_limit = 1 << 20
+# Dynamo's structured trace records, formatted for pytest's log capture
+# at every compile, are not what these tests read.
+logging.getLogger("torch.__trace").propagate = False
+
+
+class CompiledAPI:
+    """hvd, each of its collectives run as torch.compile(fullgraph=True) of itself."""
+
+    def __init__(self):
+        self._compiled = {}
+
+    def __getattr__(self, name):
+        if name not in graph_ops.__all__:
+            return getattr(hvd, name)
+        if name not in self._compiled:
+            self._compiled[name] = _without_output(torch.compile(getattr(hvd, name), fullgraph=True,
+                                                                 backend="eager"))
+        return self._compiled[name]
+
+
+def _without_output(function):
+    """`function`, whose signature says it takes no output= where it has
+    one: the grid then skips its tests of output=, naming why."""
+    signature = inspect.signature(function)
+    if "output" not in signature.parameters:
+        return function
+
+    @functools.wraps(function)
+    def without(*args, **kwargs):
+        return function(*args, **kwargs)
+    without.__signature__ = signature.replace(parameters=[p for n, p in signature.parameters.items()
+                                                          if n != "output"])
+    return without
+
+
+class TorchCompiledShim(TorchShim):
+    name = "torch_compiled"
+    api = CompiledAPI()
+    dtypes = ["uint8", "int32", "int64", "bfloat16", "float64", "bool", "complex64"]
+    reduce_dtypes = ["uint8", "int32", "bfloat16", "float64"]
+    program_seeds = [0, 1, 2]
+
+
+SHIM = TorchCompiledShim()
