@@ -3,6 +3,7 @@ actor's call, a Spark task in a reused Python worker), not in a process of
 its own: what unison.ray and unison.spark do around the user's function,
 where under unisonrun the process's exit would do it."""
 import contextlib
+import os
 import sys
 import traceback
 
@@ -30,8 +31,14 @@ def run_as_elastic_worker(fn, args, kwargs):
     process runs its script: {"code": 0, "result": ...}, or the status a
     process would have exited with and why ({"code", "error"}). A worker the
     driver dismisses or ends leaves init() with SystemExit, as a process
-    would exit. Afterwards unison is shut down and the driver's connection
-    forgotten, so that the process can run another worker later."""
+    would exit. Afterwards unison is shut down, the driver's connection
+    forgotten and the environment put back as it was, so that the process
+    can run another worker, or another job's rank, later: each round's
+    settings from the driver (UNISON_ELASTIC_ROUND among them) go into
+    os.environ, and a Spark task's next rank in the same Python worker
+    named its shared memory after the stale round, where its peers never
+    looked (CI saw unison.spark.run fail after a failed elastic job)."""
+    environment = dict(os.environ)
     try:
         return {"code": 0, "result": fn(*args, **kwargs)}
     except SystemExit as e:
@@ -43,5 +50,8 @@ def run_as_elastic_worker(fn, args, kwargs):
         if basics.is_initialized():
             basics.shutdown()
         elastic_worker.forget_the_driver()
+        if dict(os.environ) != environment:
+            os.environ.clear()
+            os.environ.update(environment)
         sys.stdout.flush()
         sys.stderr.flush()

@@ -140,6 +140,26 @@ def _wait_for_slots(context, num_proc, timeout):
         time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
 
 
+def _end_group(context, group, timeout=60.0):
+    """Cancels what is left of a job group's stages (a failed task's retry,
+    started after the job's end, which would fail anyway) and returns once
+    none of their tasks runs: the application's next stage (the next run,
+    a barrier stage that needs every slot) then starts with every task slot
+    and Python worker free, not beside a task Spark is still ending."""
+    context.cancelJobGroup(group)
+    tracker = context.statusTracker()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stages = []
+        for job_id in tracker.getJobIdsForGroup(group):
+            job = tracker.getJobInfo(job_id)
+            stages += list(job.stageIds) if job is not None else []
+        infos = [tracker.getStageInfo(stage_id) for stage_id in stages]
+        if not any(info is not None and info.numActiveTasks > 0 for info in infos):
+            return
+        time.sleep(0.1)
+
+
 def _why_spark_failed(error):
     """The lines of a failed Spark job's error that say why: Spark's reason
     for ending the stage, and the last exception a Python worker raised
@@ -205,7 +225,12 @@ def run_elastic(fn, args=(), kwargs=None, num_proc=None, min_num_proc=None, max_
         elastic.task_loop(pool, secret, driver_host, fn, args, kwargs)
         return iter(())
 
+    group = "unison-elastic-%s" % driver.secret[:16]
+
     def stage():
+        # A job group of its own, so that the job's end can cancel the
+        # stage's retries (setJobGroup is per thread).
+        context.setJobGroup(group, "unison.spark.run_elastic(%s)" % getattr(fn, "__name__", fn), True)
         try:
             context.parallelize(range(max_num_proc), max_num_proc).mapPartitions(worker_task).collect()
         except Exception as e:
@@ -216,15 +241,14 @@ def run_elastic(fn, args=(), kwargs=None, num_proc=None, min_num_proc=None, max_
     if verbose:
         print("unison.spark: running %s as an elastic job of %d to %d ranks" % (
             getattr(fn, "__name__", fn), min_num_proc, max_num_proc), file=sys.stderr, flush=True)
-    context.setJobDescription("unison.spark.run_elastic(%s)" % getattr(fn, "__name__", fn))
     tasks = threading.Thread(target=stage, name="unison-spark-elastic-stage", daemon=True)
     tasks.start()
     try:
         status = driver.run()
     finally:
         driver.end_tasks()
-        context.setJobDescription(None)
-    tasks.join(timeout=60)
+        tasks.join(timeout=60)
+        _end_group(context, group)
     if status != 0:
         failed = [(name, o) for name, o in driver.outcomes.items() if o["code"] != 0 and o.get("error")]
         detail = "" if not failed else "\nworker %s: %s" % (failed[0][0], failed[0][1]["error"])

@@ -3,6 +3,7 @@ numpy): a job that survives a failure ends with the exact sum of its
 committed steps; repeated failures past --reset-limit, and too few slots
 for longer than --elastic-timeout, end the job with the reason; bad
 elastic options are refused by name."""
+import os
 import re
 import time
 
@@ -227,3 +228,28 @@ def test_a_worker_offers_a_rendezvous_port_the_kernel_never_hands_out_by_itself(
         assert address == "127.0.0.1" and not low <= port <= high and held.getsockname() == (address, port)
     finally:
         held.close()
+
+
+def test_an_engine_worker_leaves_the_environment_as_it_found_it(monkeypatch):
+    # A Ray actor or a Spark Python worker runs one job's rank after
+    # another: a round's settings from the elastic driver must not outlive
+    # the worker (a stale UNISON_ELASTIC_ROUND named the next rank's shared
+    # memory where its peers never looked).
+    from unison import engine_worker
+    monkeypatch.delenv("UNISON_ELASTIC_ROUND", raising=False)
+    monkeypatch.setenv("UNISON_TEST_KEPT", "as it was")
+
+    def worker():
+        os.environ["UNISON_ELASTIC_ROUND"] = "2"   # as elastic_worker writes a round's settings
+        os.environ["UNISON_TEST_KEPT"] = "changed"
+        return "done"
+
+    def failing():
+        os.environ["UNISON_ELASTIC_ROUND"] = "3"
+        raise RuntimeError("lost a peer")
+
+    assert engine_worker.run_as_elastic_worker(worker, (), {}) == {"code": 0, "result": "done"}
+    assert "UNISON_ELASTIC_ROUND" not in os.environ and os.environ["UNISON_TEST_KEPT"] == "as it was"
+    outcome = engine_worker.run_as_elastic_worker(failing, (), {})
+    assert outcome["code"] == 1 and "lost a peer" in outcome["error"]
+    assert "UNISON_ELASTIC_ROUND" not in os.environ and os.environ["UNISON_TEST_KEPT"] == "as it was"

@@ -105,9 +105,12 @@ def test_more_ranks_than_slots_fail_at_once_naming_both():
 def test_an_elastic_job_loses_a_task_and_ends_with_the_parameters_of_one_process(tmp_path):
     """The last of 3 ranks kills its own process at step 9; the others roll
     back to their last commit, the host waits out its cooldown on the
-    blacklist, and Spark's second try of the task takes the lost slot."""
+    blacklist, and Spark's second try of the task takes the lost slot. The
+    job needs all 3 (min_num_proc=3), so it waits for that try however long
+    Spark takes to start it: at 2 ranks, on a loaded machine, it finished
+    before Spark had."""
     victim = tmp_path / "victim"
-    results = unison.spark.run_elastic(engine_work.elastic_train, args=(str(victim),), num_proc=3, min_num_proc=2,
+    results = unison.spark.run_elastic(engine_work.elastic_train, args=(str(victim),), num_proc=3, min_num_proc=3,
                                        max_num_proc=3, cooldown_range=(1, 2))
     assert victim.exists()
     assert [r["rank"] for r in results] == [0, 1, 2]
