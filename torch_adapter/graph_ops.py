@@ -20,7 +20,8 @@ torch.compile they run the same operators eagerly.
 """
 import torch
 
-from unison.basics import Average, Sum
+from unison.arguments import resolve_op
+from unison.basics import Average
 from unison.exceptions import InvalidArgumentError
 from unison.handles import synchronize as _wait_for
 from unison.process_sets import global_process_set
@@ -44,17 +45,6 @@ def run(operator, *args):
         return None
     SEQUENCE = out[-1]
     return out[0] if len(out) == 2 else out[:-1]
-
-
-def _op(op, average, default=Average):
-    # arguments.resolve_op's rules, here so that Dynamo traces them.
-    if op is not None and average is not None:
-        raise InvalidArgumentError("unison: give op or the deprecated average, not both")
-    if op is not None:
-        return op
-    if average is not None:
-        return Average if average else Sum
-    return default
 
 
 def _set_id(process_set):
@@ -137,7 +127,7 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
 def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None, prescale_factor=1.0,
                       postscale_factor=1.0, process_set=global_process_set):
     wires, contexts = _compress(compression, tensors)
-    op = _op(op, average)
+    op = resolve_op(op, average)
     if len(wires) == 1:
         reduced = [run(_ops.allreduce, wires[0], name, op, prescale_factor, postscale_factor,
                         _set_id(process_set))]
@@ -149,13 +139,13 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
 
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                process_set=global_process_set):
-    run(_ops.allreduce_, tensor, name, _op(op, average), prescale_factor, postscale_factor, _set_id(process_set))
+    run(_ops.allreduce_, tensor, name, resolve_op(op, average), prescale_factor, postscale_factor, _set_id(process_set))
     return tensor
 
 
 def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                        process_set=global_process_set):
-    op, set_id = _op(op, average), _set_id(process_set)
+    op, set_id = resolve_op(op, average), _set_id(process_set)
     for tensor, member in zip(tensors, _members(name, len(tensors))):
         run(_ops.allreduce_, tensor, member, op, prescale_factor, postscale_factor, set_id)
     return list(tensors)
@@ -163,14 +153,14 @@ def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_facto
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                     process_set=global_process_set):
-    handle = run(_ops.allreduce_start, tensor, name, _op(op, average), prescale_factor, postscale_factor,
+    handle = run(_ops.allreduce_start, tensor, name, resolve_op(op, average), prescale_factor, postscale_factor,
                   _set_id(process_set))
     return Started(handle, tensor)
 
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                      process_set=global_process_set):
-    handle = run(_ops.allreduce_start, tensor, name, _op(op, average), prescale_factor, postscale_factor,
+    handle = run(_ops.allreduce_start, tensor, name, resolve_op(op, average), prescale_factor, postscale_factor,
                   _set_id(process_set))
     return Started(handle, tensor, target=tensor)
 
