@@ -11,11 +11,13 @@ on the 2-core VM. So that the suite stays affordable at 1, 2 and 3 ranks:
   AOTAutograd and Inductor do with them, test_torch_compile.py shows on
   whole training steps);
 - the grid's dtype axes are cut to one of each kind the fake kernels and
-  the graph treat apart (narrow and wide integers, bfloat16, float64, bool,
-  complex), and its random programs to three of the sixteen (each compiles
-  some eighty starts and waits). Every dtype and every program goes
-  through the same operators in test_torch_operators_grid.py, which runs
-  the whole grid through them eagerly.
+  the graph treat apart (an integer, a 16-bit float, bool, complex; and
+  the three dtypes of its mixed groups), and its random programs to one of
+  the sixteen (each compiles some eighty starts and waits). Every dtype
+  and every program goes through the same operators in
+  test_torch_operators_grid.py, which runs the whole grid through them
+  eagerly. (With four reduce dtypes and three programs, the torch env's
+  launches took 5 minutes more in CI.)
 Under torch.compile, allgather_async and reducescatter_async take no
 output= (ops.py refuses it, saying why): the grid's tests of it skip.
 """
@@ -76,9 +78,9 @@ def _without_output(function):
 class TorchCompiledShim(TorchShim):
     name = "torch_compiled"
     api = CompiledAPI()
-    dtypes = ["uint8", "int32", "int64", "bfloat16", "float64", "bool", "complex64"]
-    reduce_dtypes = ["uint8", "int32", "bfloat16", "float64"]
-    program_seeds = [0, 1, 2]
+    dtypes = ["uint8", "int32", "bfloat16", "float64", "bool", "complex64"]
+    reduce_dtypes = ["int32", "bfloat16"]
+    program_seeds = [0]
 
 
 SHIM = TorchCompiledShim()
