@@ -5,15 +5,16 @@ function it reaches (ops.py) hands over to its namesake here, and Dynamo
 traces this file: plain Python on the call's constant arguments (the op,
 the name, the process set's id), ending in one of the `unison::`
 operators (registered_ops.py), which becomes a node of the graph. The
-rest of unison stays on Dynamo's skip list (compiled_code.py); nothing
-here calls into it.
+rest of unison, but for the argument rules (unison.arguments), stays on
+Dynamo's skip list (compiled_code.py).
 
-Horovod's async forms work inside a compiled function too: an allreduce
-started there is a node that starts it (unison::allreduce_start), and
-synchronize() is the node that waits for it and gives its result
-(unison::wait), so the graph runs whatever lies between the two while
-the collective is in flight; an in-place one is copied back at the wait. The other async forms run to completion where they are started:
-their results' shapes are known only afterwards. poll() is not traced.
+Horovod's async forms work inside a compiled function too: a collective
+started there is a node that starts it (unison::allreduce_start and its
+kin), and synchronize() is the node that waits for it and gives its
+result (unison::wait), so the graph runs whatever lies between the two
+while the collective is in flight, and ranks may start and wait in
+different orders, as in eager code; an in-place one is copied back at the
+wait. poll() is not traced.
 
 The functions take Horovod's arguments, as ops.py's do; called outside
 torch.compile they run the same operators eagerly.
