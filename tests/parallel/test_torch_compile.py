@@ -71,12 +71,13 @@ def test_gradients_through_compiled_collectives_are_the_eager_ones():
         root = hvd.broadcast(y, root_rank=0, name="grad.bc")
         spread, _ = hvd.alltoall(y.repeat(n), splits=[3] * n, name="grad.a2a")
         share = hvd.reducescatter(y.repeat(n), op=hvd.Sum, name="grad.rs")
+        first, second = hvd.grouped_allreduce([y * 2, y[:2] * 3], op=hvd.Sum, name="grad.gar")
         weights = torch.arange(1.0, 4.0, dtype=torch.float64) * (r + 1)
         return ((total * weights).sum() + (rows ** 2).sum() + (root * weights).sum() + (spread ** 2).sum()
-                + (share * weights).sum())
+                + (share * weights).sum() + (first * weights).sum() + (second * (r + 2)).sum())
 
     compiled = torch.compile(loss, backend="aot_eager", fullgraph=True)
-    for step in range(2):
+    for step in range(2):   # the grouped allreduce's backward gets a list of gradients
         x = torch.arange(3, dtype=torch.float64) + r + step
         w = torch.full((3,), 0.5 + r, dtype=torch.float64, requires_grad=True)
         w_eager = w.detach().clone().requires_grad_()
