@@ -4,8 +4,9 @@ A collective inside a compiled function is a `unison::` operator, one node
 of the graph (registered_ops.py). Dynamo reaches it by tracing the public
 function the program called (ops.py), which hands over to graph_ops.py
 while Dynamo traces; SyncBatchNorm's forward (sync_batch_norm.py), the
-compressors (compression.py) and the argument rules (unison.arguments,
-plain Python) are traced the same way. Those files are all Dynamo may
+compressors (unison.compression and unison.torch.compression) and the
+argument rules (unison.arguments), all plain Python, are traced the same
+way. Those files are all Dynamo may
 read of unison.
 
 Every other unison file is on Dynamo's skip list, as the standard
@@ -25,7 +26,7 @@ import sys
 _TRACE_RULES = "torch._dynamo.trace_rules"
 # The files Dynamo traces, by module name.
 TRACED = frozenset({"unison.torch.ops", "unison.torch.graph_ops", "unison.torch.sync_batch_norm",
-                    "unison.torch.compression", "unison.arguments"})
+                    "unison.torch.compression", "unison.arguments", "unison.compression"})
 
 
 def keep_unison_out_of_compiled_graphs():

@@ -5,8 +5,8 @@ function it reaches (ops.py) hands over to its namesake here, and Dynamo
 traces this file: plain Python on the call's constant arguments (the op,
 the name, the process set's id), ending in one of the `unison::`
 operators (registered_ops.py), which becomes a node of the graph. The
-rest of unison, but for the argument rules (unison.arguments), stays on
-Dynamo's skip list (compiled_code.py).
+rest of unison, but for the argument rules and the compressors (plain
+Python), stays on Dynamo's skip list (compiled_code.py).
 
 Horovod's async forms work inside a compiled function too: a collective
 started there is a node that starts it (unison::allreduce_start and its
@@ -21,8 +21,9 @@ torch.compile they run the same operators eagerly.
 """
 import torch
 
-from unison.arguments import resolve_op
+from unison.arguments import member_names, resolve_op, split_counts
 from unison.basics import Average
+from unison.compression import compress_all
 from unison.exceptions import InvalidArgumentError
 from unison.handles import synchronize as _wait_for
 from unison.process_sets import global_process_set
@@ -57,23 +58,7 @@ def _set_id(process_set):
     return process_set.process_set_id
 
 
-def _members(name, count):
-    # arguments.member_names' rule: a group of one is the lone op's name.
-    if count == 1 or name is None:
-        return [name] * count
-    return ["%s.%d" % (name, i) for i in range(count)]
-
-
-def _compress(compression, tensors):
-    if compression is Compression.none:
-        return list(tensors), [None] * len(tensors)
-    pairs = [compression.compress(t) for t in tensors]
-    return [p[0] for p in pairs], [p[1] for p in pairs]
-
-
 def _decompress(compression, tensors, contexts):
-    if compression is Compression.none:
-        return tensors
     return [compression.decompress(t, c) for t, c in zip(tensors, contexts)]
 
 
@@ -127,7 +112,7 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
 
 def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None, prescale_factor=1.0,
                       postscale_factor=1.0, process_set=global_process_set):
-    wires, contexts = _compress(compression, tensors)
+    wires, contexts = compress_all(compression, tensors)
     op = resolve_op(op, average)
     if len(wires) == 1:
         reduced = [run(_ops.allreduce, wires[0], name, op, prescale_factor, postscale_factor,
@@ -147,7 +132,7 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, po
 def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                        process_set=global_process_set):
     op, set_id = resolve_op(op, average), _set_id(process_set)
-    for tensor, member in zip(tensors, _members(name, len(tensors))):
+    for tensor, member in zip(tensors, member_names(name, len(tensors))):
         run(_ops.allreduce_, tensor, member, op, prescale_factor, postscale_factor, set_id)
     return list(tensors)
 
@@ -169,13 +154,13 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                             process_set=global_process_set):
     return StartedGroup([allreduce_async(t, average, member, op, prescale_factor, postscale_factor, process_set)
-                         for t, member in zip(tensors, _members(name, len(tensors)))])
+                         for t, member in zip(tensors, member_names(name, len(tensors)))])
 
 
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                              process_set=global_process_set):
     return StartedGroup([allreduce_async_(t, average, member, op, prescale_factor, postscale_factor, process_set)
-                         for t, member in zip(tensors, _members(name, len(tensors)))])
+                         for t, member in zip(tensors, member_names(name, len(tensors)))])
 
 
 def synchronize(handle):
@@ -194,7 +179,7 @@ def allgather(tensor, name=None, process_set=global_process_set):
 
 def grouped_allgather(tensors, name=None, process_set=global_process_set):
     set_id = _set_id(process_set)
-    return [run(_ops.allgather, t, member, set_id) for t, member in zip(tensors, _members(name, len(tensors)))]
+    return [run(_ops.allgather, t, member, set_id) for t, member in zip(tensors, member_names(name, len(tensors)))]
 
 
 def allgather_async(tensor, name=None, process_set=global_process_set):
@@ -203,7 +188,7 @@ def allgather_async(tensor, name=None, process_set=global_process_set):
 
 def grouped_allgather_async(tensors, name=None, process_set=global_process_set):
     return StartedGroup([allgather_async(t, member, process_set)
-                         for t, member in zip(tensors, _members(name, len(tensors)))])
+                         for t, member in zip(tensors, member_names(name, len(tensors)))])
 
 
 def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
@@ -225,23 +210,15 @@ def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_se
 
 
 def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
-    output, received = run(_ops.alltoall, tensor, _splits(splits), name, _set_id(process_set))
+    output, received = run(_ops.alltoall, tensor, split_counts(splits, name), name, _set_id(process_set))
     return output if splits is None else (output, received)
 
 
 def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set):
     """synchronize() gives (output, received splits), as the Python API's."""
     set_id = _set_id(process_set)
-    handle = run(_ops.alltoall_start, tensor, _splits(splits), name, set_id)
+    handle = run(_ops.alltoall_start, tensor, split_counts(splits, name), name, set_id)
     return Started(handle, tensor, alltoall_set=set_id, with_splits=True)
-
-
-def _splits(splits):
-    if splits is None:
-        return None
-    if isinstance(splits, torch.Tensor):
-        splits = splits.tolist()
-    return [int(s) for s in splits]
 
 
 def reducescatter(tensor, name=None, compression=Compression.none, op=Average, process_set=global_process_set,
@@ -249,18 +226,18 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average, p
     if splits is None:
         return grouped_reducescatter([tensor], name, compression, op, process_set, prescale_factor,
                                      postscale_factor)[0]
-    wires, contexts = _compress(compression, [tensor])
+    wires, contexts = compress_all(compression, [tensor])
     scattered = run(_ops.reducescatter, wires[0], name, op, prescale_factor, postscale_factor,
-                     _set_id(process_set), _splits(splits))
+                     _set_id(process_set), split_counts(splits, name, "reducescatter"))
     return _decompress(compression, [scattered], contexts)[0]
 
 
 def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
                           process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
-    wires, contexts = _compress(compression, tensors)
+    wires, contexts = compress_all(compression, tensors)
     set_id = _set_id(process_set)
     scattered = [run(_ops.reducescatter, w, member, op, prescale_factor, postscale_factor, set_id)
-                 for w, member in zip(wires, _members(name, len(wires)))]
+                 for w, member in zip(wires, member_names(name, len(wires)))]
     return _decompress(compression, scattered, contexts)
 
 
@@ -269,14 +246,14 @@ def reducescatter_async(tensor, name=None, op=Average, process_set=global_proces
     # This rank's share of the rows depends on its rank in the set, which
     # only the core knows: the wait's result has a dynamic first dimension.
     handle = run(_ops.reducescatter_start, tensor, name, op, prescale_factor, postscale_factor,
-                  _set_id(process_set), _splits(splits))
+                  _set_id(process_set), split_counts(splits, name, "reducescatter"))
     return Started(handle, tensor, rows=-1)
 
 
 def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=global_process_set, prescale_factor=1.0,
                                 postscale_factor=1.0):
     return StartedGroup([reducescatter_async(t, member, op, process_set, prescale_factor, postscale_factor)
-                         for t, member in zip(tensors, _members(name, len(tensors)))])
+                         for t, member in zip(tensors, member_names(name, len(tensors)))])
 
 
 def barrier(process_set=global_process_set):

@@ -114,7 +114,7 @@ def _(sequence, tensors, name, op, prescale_factor, postscale_factor, process_se
 
 def _allreduce_settings(ctx, inputs, output):
     ctx.settings = inputs[2:]
-    ctx.like = [t for t in (output[:-1] if isinstance(output, list) else output[:1])]
+    ctx.like = list(output[:-1] if isinstance(output, list) else output[:1])
 
 
 def _allreduce_backward(ctx, grad, _sequence):

@@ -28,12 +28,17 @@ def _channel_view(t, ndim):
     return t.view((1, -1) + (1,) * (ndim - 2))
 
 
+def _stats_dtype(x):
+    # Statistics in float32 at least: a float16 sum over a large batch overflows.
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
 def _statistics(x, weight, bias, eps, process_set, name):
     """(y, global mean, global variance, global count, x_hat, invstd) of
-    a training-mode forward over every rank's batch."""
+    a training-mode forward over every rank's batch; over this rank's
+    alone where process_set is None (a job of one rank, or before init)."""
     dims = [0] + list(range(2, x.dim()))
-    # Statistics in float32 at least: a float16 sum over a large batch overflows.
-    stats_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    stats_dtype = _stats_dtype(x)
     xs = x.to(stats_dtype)
     count = x.numel() // x.size(1)
     if count:
@@ -43,7 +48,8 @@ def _statistics(x, weight, bias, eps, process_set, name):
         mean = xs.new_zeros(x.size(1))
         m2 = xs.new_zeros(x.size(1))
     mine = torch.cat([xs.new_tensor([float(count)]), mean, m2]).unsqueeze(0)
-    every = allgather(mine, name=name + ".stats" if name else None, process_set=process_set)
+    every = mine if process_set is None else allgather(mine, name=name + ".stats" if name else None,
+                                                       process_set=process_set)
     counts, means, m2s = every[:, :1], every[:, 1:1 + x.size(1)], every[:, 1 + x.size(1):]
     total = counts.sum()
     if total.item() == 0:
@@ -64,13 +70,15 @@ def _statistics(x, weight, bias, eps, process_set, name):
 
 def _input_gradient(grad_y, x_hat, weight, invstd, total, process_set, name, x_dtype):
     """(grad_x, this rank's grad_weight sum, this rank's grad_bias sum), the
-    last two in x_hat's dtype."""
+    last two in x_hat's dtype; this rank's batch alone where process_set is
+    None, as in _statistics."""
     dims = [0] + list(range(2, x_hat.dim()))
     dy = grad_y.to(x_hat.dtype)
     local_dy = dy.sum(dims)
     local_dy_xhat = (dy * x_hat).sum(dims)
-    sums = allreduce(torch.stack([local_dy, local_dy_xhat]), op=Sum,
-                     name=name + ".grad" if name else None, process_set=process_set)
+    sums = torch.stack([local_dy, local_dy_xhat])
+    if process_set is not None:
+        sums = allreduce(sums, op=Sum, name=name + ".grad" if name else None, process_set=process_set)
     mean_dy = _channel_view(sums[0] / total, x_hat.dim())
     mean_dy_xhat = _channel_view(sums[1] / total, x_hat.dim())
     scale = invstd if weight is None else invstd * weight.to(x_hat.dtype)
@@ -112,14 +120,17 @@ def _sync_batch_norm(sequence: Tensor, x: Tensor, weight: Optional[Tensor], bias
     """(y, mean, var, total, invstd, the next sequence). In a job of one
     rank, or before init(), the statistics are this rank's own, as in
     plain batch norm."""
-    members = process_sets.find(process_set) if basics.is_initialized() else None
-    members = members if members is not None and members.size() > 1 else None
-    y, mean, var, total, _, invstd = _statistics(x, weight, bias, eps, members, name)
+    y, mean, var, total, _, invstd = _statistics(x, weight, bias, eps, _synced(process_set), name)
     return y, mean, var, total, invstd, registered_ops.new_sequence()
 
 
-def _stats_dtype(x):
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
+def _synced(process_set_id):
+    """The set whose batches the statistics cover, or None for this rank's
+    own: in a job of one rank, or before init(), as plain batch norm."""
+    if not basics.is_initialized():
+        return None
+    members = process_sets.find(process_set_id)
+    return members if members.size() > 1 else None
 
 
 @_sync_batch_norm.register_fake
@@ -134,24 +145,10 @@ def _sync_batch_norm_backward(grad_y: Tensor, x: Tensor, mean: Tensor, invstd: T
                               total: Tensor, process_set: int, name: Optional[str]) -> tuple[Tensor, Tensor, Tensor]:
     """(grad_x, grad_weight, grad_bias); the last two in weight's dtype (x's without one)."""
     x_hat = (x.to(mean.dtype) - _channel_view(mean, x.dim())) * _channel_view(invstd, x.dim())
-    members = process_sets.find(process_set) if basics.is_initialized() else None
-    if members is not None and members.size() > 1:
-        grad_x, grad_weight, grad_bias = _input_gradient(grad_y, x_hat, weight, invstd, total, members, name,
-                                                         x.dtype)
-    else:
-        grad_x, grad_weight, grad_bias = _local_input_gradient(grad_y, x_hat, weight, invstd, total, x.dtype)
+    grad_x, grad_weight, grad_bias = _input_gradient(grad_y, x_hat, weight, invstd, total, _synced(process_set),
+                                                     name, x.dtype)
     like = weight if weight is not None else x
     return grad_x, grad_weight.to(like.dtype), grad_bias.to(like.dtype)
-
-
-def _local_input_gradient(grad_y, x_hat, weight, invstd, total, x_dtype):
-    dims = [0] + list(range(2, x_hat.dim()))
-    dy = grad_y.to(x_hat.dtype)
-    local_dy, local_dy_xhat = dy.sum(dims), (dy * x_hat).sum(dims)
-    scale = invstd if weight is None else invstd * weight.to(x_hat.dtype)
-    grad_x = _channel_view(scale, x_hat.dim()) * (dy - _channel_view(local_dy / total, x_hat.dim())
-                                                  - x_hat * _channel_view(local_dy_xhat / total, x_hat.dim()))
-    return grad_x.to(x_dtype), local_dy_xhat, local_dy
 
 
 @_sync_batch_norm_backward.register_fake
@@ -218,34 +215,33 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
             self.num_batches_tracked.add_(1)
         y, mean, var, total = _SyncBatchNormFunction.apply(input, self.weight, self.bias, self.eps,
                                                            self.process_set, self.name)
-        if self.track_running_stats:
-            momentum = self._momentum()
-            unbiased = var * (total / (total - 1)) if total > 1 else var
-            with torch.no_grad():
-                self.running_mean.mul_(1 - momentum).add_(mean.to(self.running_mean.dtype), alpha=momentum)
-                self.running_var.mul_(1 - momentum).add_(unbiased.to(self.running_var.dtype),
-                                                         alpha=momentum)
+        self._track(mean, var, total)
         return y
+
+    def _track(self, mean, var, total):
+        """Updates the running statistics with this step's global ones; the
+        variance unbiased over the global count, as tensor arithmetic, so
+        that Dynamo traces it whole."""
+        if not self.track_running_stats:
+            return
+        momentum = self._momentum()
+        unbiased = var * torch.where(total > 1, total / (total - 1), torch.ones_like(total))
+        with torch.no_grad():
+            self.running_mean.mul_(1 - momentum).add_(mean.to(self.running_mean.dtype), alpha=momentum)
+            self.running_var.mul_(1 - momentum).add_(unbiased.to(self.running_var.dtype), alpha=momentum)
 
     def _compiled_forward(self, input):
         """forward() as TorchDynamo traces it: one unison::sync_batch_norm
         node, which also takes the place of plain batch norm in a job of one
         rank (Dynamo cannot ask the core how many ranks there are, and the
-        answer must not be baked into the graph), and the running
-        statistics' update as tensor arithmetic."""
+        answer must not be baked into the graph)."""
         if not self.training:
             return super().forward(input)
         if self.track_running_stats and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
         y, mean, var, total, _ = graph_ops.run(torch.ops.unison.sync_batch_norm, input, self.weight, self.bias,
                                                self.eps, self.process_set.process_set_id, self.name)
-        if self.track_running_stats:
-            momentum = self._momentum()
-            unbiased = var * torch.where(total > 1, total / (total - 1), torch.ones_like(total))
-            with torch.no_grad():
-                self.running_mean.mul_(1 - momentum).add_(mean.to(self.running_mean.dtype), alpha=momentum)
-                self.running_var.mul_(1 - momentum).add_(unbiased.to(self.running_var.dtype),
-                                                         alpha=momentum)
+        self._track(mean, var, total)
         return y
 
     @classmethod

@@ -160,7 +160,7 @@ def _loss_and_metric(forward, x, y, metrics):
     return loss
 
 
-def test_a_started_allreduce_overlaps_the_work_between_its_start_and_its_wait():
+def test_a_started_allreduce_and_the_work_before_its_wait_give_the_eager_values_in_one_graph():
     r, n = hvd.rank(), hvd.size()
 
     def step(x, w):
