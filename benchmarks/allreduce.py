@@ -105,6 +105,52 @@ def alternate(fns, iterations, blocks):
     return [statistics.median(t) for t in times]
 
 
+def torch_paths(tensors, one_large, blocks, say):
+    """The 200 small tensors from unison.torch, each started by
+    allreduce_async_ as a gradient's hook starts it, through the compiled
+    path (torch_adapter/fast_path.cc) and through the Python path, in
+    alternating blocks with one large allreduce of the same bytes. Prints
+    both and returns the compiled path's start per tensor (None where it
+    is not in use)."""
+    import unison.torch as hvd
+    from unison import adapter_extension
+    from unison.torch import ops
+    count = len(tensors)
+    compiled = (ops._fast, ops._front.fast)
+    paths = {"compiled": compiled, "Python": (None, None)}
+    starts = {label: [] for label in paths}
+
+    def many(label):
+        names = ["bench.torch.%s.%d" % (label, i) for i in range(count)]
+
+        def run():
+            ops._fast, ops._front.fast = paths[label]
+            started = time.perf_counter()
+            handles = [hvd.allreduce_async_(t, name=n, op=hvd.Sum) for t, n in zip(tensors, names)]
+            starts[label].append(time.perf_counter() - started)
+            for h in handles:
+                hvd.synchronize(h)
+        return run
+
+    say()
+    if compiled[0] is None:
+        say("unison.torch's compiled path is not in use: %s" % adapter_extension.ACTIVE.get("PyTorch"))
+        return None
+    try:
+        fast, python, one = alternate([many("compiled"), many("Python"), one_large], 10, blocks)
+    finally:
+        ops._fast, ops._front.fast = compiled
+    start = {label: statistics.median(samples) / count for label, samples in starts.items()}
+    say("200 x 40 KB from unison.torch, allreduce_async_ a tensor (a gradient hook's call):")
+    say("| path | 200 x 40 KB | / one 8 MB | starting one tensor's allreduce |")
+    say("| --- | --- | --- | --- |")
+    for label, total in (("compiled (fast_path.cc)", fast), ("Python", python)):
+        say("| %s | %.2f ms | %.2fx | %.2f us |" % (label, total * 1e3, total / one, start[label.split()[0]] * 1e6))
+    say("compiled / Python: %.2fx the time for the 200, %.2fx the start of one"
+        % (fast / python, start["compiled"] / start["Python"]))
+    return start["compiled"]
+
+
 def gloo_only(fn, iterations, blocks):
     fn()
     samples = []
@@ -305,7 +351,11 @@ def main():
     # beforehand: a Python loop of two cffi calls a tensor, unison.h's
     # unison_enqueue and unison_wait_release. The core's share of the case,
     # apart from the front end's per-tensor Python.
-    core_many = core_allreduces(small, ["bench.core.%d" % i for i in range(count)])
+    core_run = core_allreduces(small, ["bench.core.%d" % i for i in range(count)])
+    core_enqueue_seconds = []   # its loop of enqueues alone, per call
+
+    def core_many():
+        core_enqueue_seconds.append(core_run())
 
     many, core, one = alternate([unison_many, core_many,
                                  lambda: unp.allreduce_(big, op=unison.Sum, name="bench.one")], 10, args.blocks)
@@ -317,12 +367,17 @@ def main():
     say("  of which starting them (allreduce_async_ in a Python loop): %.2f us a tensor" % (starting / count * 1e6))
     say("  the same 200 through the C API alone (the core's share): %.2f ms, %.2fx one large"
         % (core * 1e3, core / one))
+    say("  of which the core's enqueue (unison_enqueue from a cffi loop, its options filled beforehand): "
+        "%.2f us a tensor, the floor under any front end's start" % (statistics.median(core_enqueue_seconds) / count * 1e6))
     # The 1.5x target leaves half of one large allreduce for everything the
     # 200 cost beyond it; the Python loop that starts them is part of that.
     budget = 0.5 * one
     say("  starting the 200 from Python alone takes %.2f ms, %.2fx the %.2f ms that 1.5x one large leaves "
         "for all their per-tensor work%s" % (starting * 1e3, starting / budget, budget * 1e3,
                                              " (out of reach with a call per tensor)" if starting > budget else ""))
+
+    torch_starts = torch_paths(small_t, lambda: unp.allreduce_(big, op=unison.Sum, name="bench.one"), args.blocks,
+                               say)
 
     say()
     say("targets: 16 and 64 MiB >= 3x gloo bandwidth; 4 KiB <= 1/4 of gloo latency; 200 small within 1.5x "
@@ -344,6 +399,10 @@ def main():
     ratio = many / one
     say("  200 small vs one large: %.2fx (target <= 1.5): %s"
         % (ratio, "met" if ratio <= 1.5 else "MISSED by %.0f%%" % (100 * (ratio / 1.5 - 1))))
+    if torch_starts is not None:
+        say("  starting a torch tensor's in-place allreduce: %.2f us (target <= 1.0): %s"
+            % (torch_starts * 1e6, "met" if torch_starts <= 1e-6 else
+               "MISSED by %.0f%%" % (100 * (torch_starts / 1e-6 - 1))))
     if args.plot and rank == 0:
         plot_latency(results, libraries, size, args.plot)
     dist.destroy_process_group()

@@ -158,6 +158,14 @@ def start(options):
     return handle[0]
 
 
+def started(handle_id):
+    """Notes an op that an adapter's compiled path enqueued itself, as
+    start() notes its own: inside enqueued_together(), the group's."""
+    group = _scratch.group
+    if group is not None:
+        group.append(handle_id)
+
+
 def start_in_place(key, pointer, stream, prepared=None):
     """Starts this thread's prepared in-place allreduce `key` on the memory
     at `pointer`, produced on `stream` (NULL for host memory), and returns

@@ -99,8 +99,16 @@ class Prepared:
 
 
 class FrontEnd:
-    def __init__(self, tensors):
+    """`fast`, where an adapter has one, is its compiled starter of in-place
+    allreduces (torch_adapter/fast_path.cc): start_in_place(tensor, name,
+    op, prescale, postscale, process set id) gives the core's handle id, or
+    None for an op it has not learned (learn(), with the same arguments and
+    the dtype's code, after this front end has checked and started the op
+    once) or a tensor it does not take; the front end then goes its own way."""
+
+    def __init__(self, tensors, fast=None):
         self.tensors = tensors
+        self.fast = fast
         self._codes = {}  # dtype key -> core code
 
     # ---- shared checks ---------------------------------------------------------
@@ -182,12 +190,20 @@ class FrontEnd:
         reduces, its finisher or None: see Tensors.writable)."""
         if name is None:
             name = collective.name_of_unnamed()
-        buffer, finish, dtype_key, shape, pointer, placement = self.tensors.in_place(tensor, name)
         set_id = 0 if process_set is None or process_set is global_process_set else process_set_id(process_set)
+        fast = self.fast
+        if fast is not None:
+            handle_id = fast.start_in_place(tensor, name, op, prescale_factor, postscale_factor, set_id)
+            if handle_id is not None:
+                collective.started(handle_id)
+                return handle_id, tensor, None
+        buffer, finish, dtype_key, shape, pointer, placement = self.tensors.in_place(tensor, name)
         key = (name, dtype_key, shape, op, prescale_factor, postscale_factor, set_id, placement[0])
         handle_id = collective.start_in_place(key, pointer, placement[1])
         if handle_id is None:  # this thread's first op of this kind: checked once, kept
             handle_id = collective.start_in_place(key, pointer, placement[1], self._in_place_allreduce(buffer, key))
+            if fast is not None and buffer is tensor:  # its repeats go the compiled way
+                fast.learn(tensor, name, op, prescale_factor, postscale_factor, set_id, self._codes[dtype_key])
         return handle_id, buffer, finish
 
     def _in_place_allreduce(self, buffer, key):

@@ -426,6 +426,14 @@ const Setting kSettings[] = {
      "--autotune-steps-per-sample", kNone, "autotune.steps_per_sample"},
     {"UNISON_AUTOTUNE_CACHE", kNone, "flag", 0, 0, kNone, &Config::autotune_cache,
      "Whether the autotuner tries the response cache on and off; 0 leaves it as it is."},
+    {"UNISON_TORCH_FAST_PATH", kNone, "auto-or-flag", 0, 0, kNone, &Config::torch_fast_path,
+     "Whether unison.torch starts in-place allreduces (every gradient's) through its compiled extension, built "
+     "against the installed torch at first import and cached: auto uses it where it builds and warns once, "
+     "saying why, where it does not; 1 makes a failed build an error; 0 keeps to the Python path."},
+    {"UNISON_CACHE_DIR", kNone, "path", 0, 0, kNone, &Config::cache_dir,
+     "The folder where compiled adapter extensions are kept, one per framework version and compiler flags; "
+     "unset: $XDG_CACHE_HOME/unison, else ~/.cache/unison. It must belong to this user and be writable by no "
+     "one else, since what it holds is loaded into the process."},
 };
 
 Status read_choice(const Variables& env, const Setting& s, std::string* word) {

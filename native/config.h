@@ -172,6 +172,12 @@ struct Config {
   // UNISON_TIMELINE: rank 0 writes a Chrome trace here from init on (timeline.h).
   std::string timeline_path;
   bool timeline_mark_cycles = false;
+  // Read by a framework adapter, not by the core (torch_adapter/fast_path.py,
+  // common/adapter_extension.py): they are rows of the one table so that
+  // unisonrun checks them before any rank starts and the settings page
+  // lists them with the rest.
+  int torch_fast_path = -1;  // UNISON_TORCH_FAST_PATH: -1 auto, 0 the Python path, 1 the compiled one or an error
+  std::string cache_dir;     // UNISON_CACHE_DIR: where compiled adapter extensions are kept
 
   // Every value is either understood or rejected with an error naming the
   // variable and its value; nothing set is silently ignored.

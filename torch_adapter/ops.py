@@ -30,6 +30,7 @@ from unison.handles import GraphNode, Handle, HandleGroup, poll  # noqa: F401
 from unison.handles import synchronize as _synchronize
 from unison.process_sets import global_process_set
 from unison._native import ffi
+from unison.torch import fast_path
 from unison.torch.compression import Compression
 
 Sum, Average, Min, Max, Product, Adasum = (basics.Sum, basics.Average, basics.Min, basics.Max,
@@ -137,7 +138,10 @@ class TorchTensors(frontend.Tensors):
         return raw.view(like.dtype).reshape(shape)
 
 
-_front = frontend.FrontEnd(TorchTensors())
+# In-place allreduces (every gradient's) start through the compiled path
+# where it builds (fast_path.py): the per-tensor work in C++.
+_fast = fast_path.load()
+_front = frontend.FrontEnd(TorchTensors(), _fast)
 
 
 # ---- autograd ------------------------------------------------------------------
@@ -290,7 +294,12 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
     if _compiling():
         return _graph.allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor,
                                        process_set)
-    op = arguments.resolve_op(op, average)
+    if op is None or average is not None:  # a gradient's call names its op: no call for it
+        op = arguments.resolve_op(op, average)
+    if _fast is not None and process_set is global_process_set:  # every gradient's call, in C++
+        handle = _fast.allreduce_async_(tensor, name, op, prescale_factor, postscale_factor, 0)
+        if handle is not None:
+            return handle
     return _front.allreduce_async_(tensor, name, op, prescale_factor, postscale_factor, process_set)
 
 

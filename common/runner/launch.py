@@ -23,6 +23,22 @@ from unison.runner.processes import Job, new_job_id
 from unison.version import VERSION
 
 
+def compiled_paths():
+    """{framework: the path its per-tensor work takes here, in words} for
+    the installed frameworks whose adapter has a compiled one. Importing
+    the adapter builds its extension where no cached build fits, as the
+    first training script would."""
+    from unison import adapter_extension
+    for module, adapter, label in [("torch", "unison.torch", "PyTorch")]:
+        if importlib.util.find_spec(module) is None:
+            continue
+        try:
+            importlib.import_module(adapter)
+        except Exception as e:  # noqa: BLE001 - reported, not raised: this is a diagnosis
+            adapter_extension.ACTIVE.setdefault(label, "%s does not import: %s" % (adapter, e))
+    return dict(adapter_extension.ACTIVE)
+
+
 def check_build():
     def mark(present):
         return "[X]" if present else "[ ]"
@@ -39,6 +55,10 @@ def check_build():
               "    %s NCCL (GPUs)" % mark(basics.nccl_built()),
               "    %s Host staging (GPUs without NCCL)" % mark(basics.cuda_built()),
               "", "GPU support (found at run time): " + basics.device_support()]
+    paths = compiled_paths()
+    if paths:
+        lines += ["", "Per-tensor paths (compiled against the installed framework at first import):"]
+        lines += ["    %s %s: %s" % (mark(path.startswith("compiled")), label, path) for label, path in paths.items()]
     print("\n".join(lines))
     return 0
 

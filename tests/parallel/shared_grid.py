@@ -334,6 +334,25 @@ def test_allreduce_every_form(fw, reduce_dtype):
             assert_exact(fw, out, reduced(op, inputs, reduce_dtype, n))
 
 
+def test_in_place_allreduce_repeated_step_after_step(fw, reduce_dtype):
+    """A training step allreduces each gradient in place under the same
+    name as the step before, so a front end starts a repeat from what it
+    kept of the op's first call (the prepared options of
+    frontend.FrontEnd.allreduce_async_; in unison.torch, the compiled
+    path of fast_path.cc): every repeat must reduce this step's values, in
+    this call's tensor."""
+    n, me = unison.size(), unison.rank()
+    forms = {form: f for form, f in fw.allreduce_forms().items() if "in_place" in form}
+    for shape in [(), (0,), (7,), (2, 3)]:
+        for form, allreduce in forms.items():
+            for op in ["Sum", "Max"]:
+                for step in range(3):
+                    inputs = [rank_values(shape, reduce_dtype, r + step) for r in range(n)]
+                    out = allreduce(fw.tensor(inputs[me]), getattr(fw.api, op),
+                                    tag("step", form, op, reduce_dtype, shape), 1.0, 1.0, None)
+                    assert_exact(fw, out, reduced(op, inputs, reduce_dtype, n))
+
+
 def test_one_name_reused_with_another_dtype_shape_op_scale_or_set(fw, part):
     """Front ends keep each distinct op's checked options for its repeats
     (frontend.FrontEnd.allreduce_async_): a name reused with anything else

@@ -1,0 +1,190 @@
+"""unison.torch's compiled per-tensor path (torch_adapter/fast_path.cc):
+which in-place allreduces it starts, that they give what the Python path
+gives, exactly, and that whatever it does not take goes the Python way and
+fails there as it always did. The shared grid's repeated-step test runs
+every dtype through it; tests/test_torch.py builds, caches and refuses it.
+
+CI builds it (the build must work there), so a run without it fails here
+rather than passing on the Python path alone; UNISON_TORCH_FAST_PATH=0 is
+the one way to run these on the Python path."""
+import os
+import threading
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import unison  # noqa: E402
+import unison.torch as hvd  # noqa: E402
+from unison import adapter_extension  # noqa: E402
+from unison.torch import ops  # noqa: E402
+
+torch.set_num_threads(1)
+CHOSEN_OFF = os.environ.get("UNISON_TORCH_FAST_PATH", "auto").strip().lower() in ("0", "false", "no", "off")
+
+
+@pytest.fixture
+def fast():
+    if CHOSEN_OFF:
+        assert ops._fast is None and adapter_extension.ACTIVE["PyTorch"].startswith("the Python path (")
+        pytest.skip("UNISON_TORCH_FAST_PATH=0 chose the Python path")
+    assert ops._fast is not None, adapter_extension.ACTIVE.get("PyTorch")
+    assert adapter_extension.ACTIVE["PyTorch"].startswith("compiled ("), adapter_extension.ACTIVE
+    return ops._fast
+
+
+def values(shape, dtype, rank, step=0):
+    return (torch.arange(int(np.prod(shape)), dtype=torch.float64).reshape(shape) % 5 + rank + step + 1).to(dtype)
+
+
+def summed(shape, dtype, step=0):
+    return sum(values(shape, dtype, r, step).double() for r in range(hvd.size())).to(dtype)
+
+
+def started_through(fast, call):
+    """What `call` returns, and how many ops the compiled path started in it."""
+    before = fast.started()
+    result = call()
+    return result, fast.started() - before
+
+
+def test_repeats_of_an_in_place_allreduce_start_in_cpp_and_reduce_each_steps_values(fast):
+    for dtype in [torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.uint8]:
+        for step in range(3):
+            x = values((4, 3), dtype, hvd.rank(), step)
+            handle, count = started_through(fast, lambda: hvd.allreduce_async_(x, name="fp.%s" % dtype, op=hvd.Sum))
+            assert hvd.synchronize(handle) is x
+            torch.testing.assert_close(x, summed((4, 3), dtype, step), rtol=0, atol=0)
+            # The first call goes the Python way, which checks the op and teaches it to the compiled path.
+            assert count == (0 if step == 0 else 1), (dtype, step, count)
+
+
+def test_every_in_place_form_and_the_optimizers_hook_take_it(fast):
+    x = values((5,), torch.float32, hvd.rank())
+    for step in range(2):
+        y = x.clone()
+        _, count = started_through(fast, lambda: hvd.allreduce_(y, name="fp.blocking", op=hvd.Sum))
+        torch.testing.assert_close(y, summed((5,), torch.float32), rtol=0, atol=0)
+        assert count == step
+        ys = [x.clone(), x.clone() * 2]
+        _, count = started_through(fast, lambda: hvd.grouped_allreduce_(ys, name="fp.grouped", op=hvd.Sum))
+        torch.testing.assert_close(ys[1], 2 * summed((5,), torch.float32), rtol=0, atol=0)
+        assert count == 2 * step
+    model = torch.nn.Linear(3, 2)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                         named_parameters=model.named_parameters())
+    counts = []
+    for step in range(3):
+        optimizer.zero_grad()
+        before = fast.started()
+        model(torch.full((2, 3), float(hvd.rank() + step))).sum().backward()
+        optimizer.step()
+        counts.append(fast.started() - before)
+    assert counts == [0, 2, 2], counts   # the weight's and the bias's, from the second step on
+
+
+def test_it_gives_what_the_python_path_gives(fast, monkeypatch):
+    """The same ops with the compiled path and with the Python path forced
+    (as UNISON_TORCH_FAST_PATH=0 forces it): equal bit for bit, with scale
+    factors, every reduce op and a process set."""
+    part = hvd.add_process_set(list(range(hvd.size() - 1))) if hvd.size() > 2 else hvd.global_process_set
+    try:
+        def run(prefix):
+            results = []
+            for op in [hvd.Sum, hvd.Average, hvd.Min, hvd.Max, hvd.Product, hvd.Adasum]:
+                for pre, post in [(1.0, 1.0), (0.5, 3.0)]:
+                    if op == hvd.Adasum and (pre, post) != (1.0, 1.0):
+                        continue
+                    for process_set in {hvd.global_process_set: 1, part: 1}:   # one of each
+                        if not process_set.included():
+                            continue
+                        for step in range(2):
+                            x = values((6,), torch.float32, hvd.rank(), step) / 3
+                            hvd.synchronize(hvd.allreduce_async_(
+                                x, name="%s.%d.%g.%d" % (prefix, op, pre, process_set.process_set_id), op=op,
+                                prescale_factor=pre, postscale_factor=post, process_set=process_set))
+                            results.append(x)
+            return results
+
+        compiled, count = started_through(fast, lambda: run("fp.same"))
+        assert count == len(compiled) // 2
+        monkeypatch.setattr(ops, "_fast", None)
+        monkeypatch.setattr(ops._front, "fast", None)
+        before = fast.started()
+        python = run("fp.same.python")
+        assert fast.started() == before   # none of these went through it
+        for a, b in zip(compiled, python):
+            assert torch.equal(a, b), (a, b)
+    finally:
+        if part is not hvd.global_process_set:
+            hvd.remove_process_set(part)
+
+
+def test_tensors_whose_memory_is_not_the_tensor_go_the_python_way(fast):
+    """Non-contiguous tensors, views whose sign is in a flag (z.conj(),
+    and its imaginary part, negated) and subclasses: the compiled path
+    takes none of them, and the Python path reduces each by its values."""
+    cases = {
+        "strided": lambda r: values((4, 6), torch.float32, r)[:, ::2],
+        "conj": lambda r: torch.complex(values((3,), torch.float32, r), torch.full((3,), float(r))).conj(),
+        "neg": lambda r: torch.complex(values((3,), torch.float32, r), torch.full((3,), float(r))).conj().imag,
+        "subclass": lambda r: values((3,), torch.float32, r).as_subclass(_Subclass),
+    }
+
+    def plain(t):
+        return t.resolve_conj().resolve_neg().as_subclass(torch.Tensor)
+    for label, make in cases.items():
+        expected = sum(plain(make(r)) for r in range(hvd.size()))
+        for step in range(2):
+            x = make(hvd.rank())
+            _, count = started_through(fast, lambda: hvd.synchronize(
+                hvd.allreduce_async_(x, name="fp.declined." + label, op=hvd.Sum)))
+            assert count == 0, label
+            torch.testing.assert_close(plain(x), expected, rtol=0, atol=0)
+
+
+class _Subclass(torch.Tensor):
+    pass
+
+
+def test_a_mismatch_of_a_learned_op_fails_on_every_rank_naming_it_and_the_job_goes_on(fast):
+    x = torch.ones(4)
+    hvd.allreduce_(x, name="fp.mismatch", op=hvd.Sum)   # learned on every rank
+    # Rank 0 repeats the learned op (the compiled path starts it); the
+    # others change its shape (the Python path starts theirs).
+    y = torch.ones(4 if hvd.rank() == 0 else 5)
+    with pytest.raises(unison.MismatchError, match=r"fp\.mismatch.*shape"):
+        hvd.synchronize(hvd.allreduce_async_(y, name="fp.mismatch", op=hvd.Sum))
+    z = torch.ones(4)
+    assert hvd.allreduce_(z, name="fp.mismatch", op=hvd.Sum) is z
+    assert z.tolist() == [hvd.size()] * 4
+
+
+def test_a_name_already_in_flight_is_refused_by_the_python_path_s_error(fast):
+    x, y = torch.ones(3), torch.ones(3)
+    hvd.allreduce_(x, name="fp.twice", op=hvd.Sum)
+    first = hvd.allreduce_async_(x, name="fp.twice", op=hvd.Sum)
+    with pytest.raises(unison.InvalidArgumentError, match="fp.twice"):
+        hvd.allreduce_async_(y, name="fp.twice", op=hvd.Sum)
+    hvd.synchronize(first)
+    assert x.tolist() == [hvd.size() ** 2] * 3
+
+
+def test_each_thread_learns_its_own_ops(fast):
+    """As the Python path's prepared options, the compiled path's learned
+    ops are per thread: a thread's first call of an op goes the Python
+    way even where another thread has learned it."""
+    counts = []
+
+    def in_a_thread():
+        for step in range(2):
+            x = torch.ones(2)
+            counts.append(started_through(fast, lambda: hvd.allreduce_(x, name="fp.thread", op=hvd.Sum))[1])
+            assert x.tolist() == [hvd.size()] * 2
+    for _ in range(2):
+        t = threading.Thread(target=in_a_thread)
+        t.start()
+        t.join()
+    assert counts == [0, 1, 0, 1], counts
