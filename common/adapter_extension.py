@@ -136,6 +136,24 @@ def _compile(command, target, log):
         raise Unavailable("the compiler %s exited without writing %s" % (command[0], target))
 
 
+def cache_key(source, headers, compiler, flags, versions, framework_root):
+    """What a build is cached under: the contents of `source` and of
+    unison.h (in `headers`), the compiler, Python, the flags and the
+    framework's `versions`. Where unison and the framework are installed
+    is left out (their files' contents are in the key), so that one build
+    serves every virtual environment with the same framework."""
+    key = hashlib.sha256()
+    for path in (source, os.path.join(headers, "unison.h")):
+        with open(path, "rb") as f:
+            key.update(f.read())
+    places = [(source, "<source>"), (headers, "<unison>"), (framework_root, "<framework>")]
+    for part in [compiler, sys.version, _SUFFIX] + list(flags) + list(versions):
+        for place, name in places:
+            part = part.replace(place, name)
+        key.update(b"\0" + part.encode())
+    return key.hexdigest()[:24]
+
+
 def load(module_name, source, compile_flags, link_flags, versions, framework_root):
     """The extension `module_name` (its init function PyInit_<module_name>,
     in the C++ file `source`), compiled with $CXX (else g++) and the given
@@ -144,11 +162,11 @@ def load(module_name, source, compile_flags, link_flags, versions, framework_roo
     saying why, where it cannot be had.
 
     `framework_root` is the folder the framework is installed in, whose
-    headers and libraries the flags name: it is left out of the key, so
-    that virtual environments holding the same build of the framework
-    share one extension (CI's environments each have their own copy of the
-    same torch), and `versions` must then say which build it is (version,
-    commit, CUDA). The extension is loaded after the framework, whose
+    headers and libraries the flags name: it is left out of the key, as
+    unison's own place is, so that virtual environments holding the same
+    build of the framework share one extension (CI's environments each
+    have their own copy of the same torch), and `versions` must then say
+    which build it is (version, commit, CUDA). The extension is loaded after the framework, whose
     libraries it then finds already loaded, so it needs no path to them."""
     compiler = shutil.which(os.environ.get("CXX") or "g++")
     if compiler is None:
@@ -158,16 +176,11 @@ def load(module_name, source, compile_flags, link_flags, versions, framework_roo
         raise Unavailable("Python's headers are not installed (no Python.h in %s)" % python_headers)
     flags = (["-O2", "-fPIC", "-shared", "-fvisibility=hidden", "-I" + HEADERS, "-I" + python_headers]
              + list(compile_flags) + [source] + list(link_flags))
-    key = hashlib.sha256()
-    for path in (source, os.path.join(HEADERS, "unison.h")):
-        with open(path, "rb") as f:
-            key.update(f.read())
-    for part in [compiler, sys.version, _SUFFIX] + flags + list(versions):
-        key.update(b"\0" + part.replace(framework_root, "<framework>").encode())
     folder = os.path.join(cache_folder(), "extensions")
     _private_folder(os.path.dirname(folder))
     _private_folder(folder)
-    entry = os.path.join(folder, "%s-%s" % (module_name, key.hexdigest()[:24]))
+    entry = os.path.join(folder, "%s-%s" % (module_name, cache_key(source, HEADERS, compiler, flags, versions,
+                                                                    framework_root)))
     library = entry + _SUFFIX
     if os.path.exists(library):
         return _import(module_name, library), "cached", library

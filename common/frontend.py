@@ -165,9 +165,17 @@ class FrontEnd:
         adapter call, one lookup and the core's enqueue: each distinct op
         (name, dtype, shape, op, factors, process set, device) is checked
         and its options filled once per thread, then only pointed at this
-        call's memory and stream."""
+        call's memory and stream. An adapter's compiled path (`fast`)
+        makes the Handle itself."""
+        set_id = 0 if process_set is None or process_set is global_process_set else process_set_id(process_set)
+        fast = self.fast
+        if fast is not None:
+            handle = fast.allreduce_async_(tensor, name, op, prescale_factor, postscale_factor, set_id)
+            if handle is not None:
+                collective.started(handle.id)
+                return handle
         handle_id, buffer, finish = self._start_in_place(tensor, name, op, prescale_factor, postscale_factor,
-                                                         process_set)
+                                                         set_id, fast_tried=True)
         # Usually the buffer is the caller's tensor: then it is all the handle keeps.
         return Handle(handle_id, name, tensor if buffer is tensor else (tensor, buffer), finish,
                       tensor if finish is None else None)
@@ -178,21 +186,23 @@ class FrontEnd:
         needs no Handle: nobody else can wait for the op or drop it, so it
         waits on the core's handle id directly (handles.wait_in_place),
         which saves about a fifth of a small allreduce's Python cost."""
-        handle_id, buffer, finish = self._start_in_place(tensor, name, op, prescale_factor, postscale_factor,
-                                                         process_set)
+        set_id = 0 if process_set is None or process_set is global_process_set else process_set_id(process_set)
+        handle_id, buffer, finish = self._start_in_place(tensor, name, op, prescale_factor, postscale_factor, set_id)
         if finish is not None:  # the buffer is a copy, to be copied back
             return _handles.synchronize(Handle(handle_id, name, (tensor, buffer), finish))
         _handles.wait_in_place(handle_id, name, (tensor, buffer))
         return tensor
 
-    def _start_in_place(self, tensor, name, op, prescale_factor, postscale_factor, process_set):
-        """Enqueues an in-place allreduce: (handle id, the buffer the core
-        reduces, its finisher or None: see Tensors.writable)."""
+    def _start_in_place(self, tensor, name, op, prescale_factor, postscale_factor, set_id, fast_tried=False):
+        """Enqueues an in-place allreduce in the process set of id `set_id`:
+        (handle id, the buffer the core reduces, its finisher or None: see
+        Tensors.writable). fast_tried: the caller's compiled path has
+        declined this call already."""
         if name is None:
             name = collective.name_of_unnamed()
-        set_id = 0 if process_set is None or process_set is global_process_set else process_set_id(process_set)
+            fast_tried = False   # a name of numbered_within's, which the compiled path may know
         fast = self.fast
-        if fast is not None:
+        if fast is not None and not fast_tried:
             handle_id = fast.start_in_place(tensor, name, op, prescale_factor, postscale_factor, set_id)
             if handle_id is not None:
                 collective.started(handle_id)
