@@ -15,8 +15,9 @@ alternating blocks in the same processes, each call followed by a wait for
 the stream (what a training step pays), median of the blocks.
 
 Last, many small tensors: 200 tensors of 40 KB in one grouped allreduce
-(fused on the device: batched copies in and out of the fusion buffer)
-against one allreduce of the same bytes.
+(fused on the device: batched copies in and out of the fusion buffer) and
+as 200 allreduce_async_ calls, against one allreduce of the same bytes,
+each through unison.torch's compiled per-tensor path and its Python path.
 """
 import argparse
 import statistics
@@ -101,35 +102,79 @@ def main():
 
 
 def many_small_tensors(device, blocks, say):
+    """200 tensors of 40 KB, in one grouped allreduce and as 200
+    allreduce_async_ calls (a gradient hook's), against one allreduce of
+    the same bytes; each both through unison.torch's compiled per-tensor
+    path (torch_adapter/fast_path.cc) and through its Python path, in the
+    same alternating blocks. Prints what starting them cost per tensor,
+    the host's share: a group is one fused collective on the device."""
+    from unison import adapter_extension
+    from unison.torch import ops
     small = [torch.ones(10240, device=device) for _ in range(200)]
     whole = torch.ones(10240 * 200, device=device)
+    compiled = (ops._fast, ops._front.fast)
+    paths = {"Python": (None, None)}
+    if compiled[0] is not None:
+        paths = {"compiled": compiled, **paths}
+    else:
+        say("\nunison.torch's compiled path is not in use: %s" % adapter_extension.ACTIVE.get("PyTorch"))
+    starts = {}   # (form, path) -> seconds to start the 200, each time
 
-    enqueue_seconds = []   # the call that starts the group, each time
+    def grouped(label):
+        def run():
+            ops._fast, ops._front.fast = paths[label]
+            started = time.perf_counter()
+            handle = hvd.grouped_allreduce_async_(small, op=hvd.Sum, name="gpu.bench.small." + label)
+            starts.setdefault(("grouped", label), []).append(time.perf_counter() - started)
+            hvd.synchronize(handle)
+        return run
 
-    def grouped():
-        started = time.perf_counter()
-        handle = hvd.grouped_allreduce_async_(small, op=hvd.Sum, name="gpu.bench.small")
-        enqueue_seconds.append(time.perf_counter() - started)
-        hvd.synchronize(handle)
+    def singles(label):
+        names = ["gpu.bench.single.%s.%d" % (label, i) for i in range(len(small))]
+
+        def run():
+            ops._fast, ops._front.fast = paths[label]
+            started = time.perf_counter()
+            handles = [hvd.allreduce_async_(t, op=hvd.Sum, name=n) for t, n in zip(small, names)]
+            starts.setdefault(("single", label), []).append(time.perf_counter() - started)
+            for h in handles:
+                hvd.synchronize(h)
+        return run
 
     def one():
         hvd.allreduce_(whole, op=hvd.Sum, name="gpu.bench.whole")
 
-    grouped(), one()
-    samples = [[], []]
-    for _ in range(blocks):
-        for fn, out in ((grouped, samples[0]), (one, samples[1])):
-            hvd.barrier()
+    variants = [(("grouped", label), grouped(label)) for label in paths]
+    variants += [(("single", label), singles(label)) for label in paths] + [(("one", ""), one)]
+    samples = {key: [] for key, _ in variants}
+    try:
+        for _, fn in variants:
             fn()
-            out.append(agree(timed(fn, 20)))
-    a, b = statistics.median(samples[0]), statistics.median(samples[1])
-    say("\n| 200 x 40 KB, grouped | one allreduce of 8000 KB | grouped / one time |")
-    say("| --- | --- | --- |")
-    say("| %.3f ms | %.3f ms | %.2fx |" % (a * 1e3, b * 1e3, a / b))
-    # The host's share: a group is one fused collective on the device, so
-    # what the 200 cost beyond one tensor is mostly starting them.
-    say("  of which starting the group (grouped_allreduce_async_): %.3f ms, %.1f us a tensor"
-        % (statistics.median(enqueue_seconds) * 1e3, statistics.median(enqueue_seconds) / len(small) * 1e6))
+        for _ in range(blocks):
+            for key, fn in variants:
+                hvd.barrier()
+                fn()
+                samples[key].append(agree(timed(fn, 20)))
+    finally:
+        ops._fast, ops._front.fast = compiled
+    median = {key: statistics.median(values) for key, values in samples.items()}
+    whole_time = median[("one", "")]
+    say("\n200 x 40 KB against one allreduce of 8000 KB (%.3f ms):" % (whole_time * 1e3))
+    say("| form | path | time | / one | starting them, per tensor |")
+    say("| --- | --- | --- | --- | --- |")
+    for form, label in [key for key, _ in variants[:-1]]:
+        took = median[(form, label)]
+        say("| %s | %s | %.3f ms | %.2fx | %.2f us |" % (
+            "grouped_allreduce_async_" if form == "grouped" else "200 x allreduce_async_", label, took * 1e3,
+            took / whole_time, statistics.median(starts[(form, label)]) / len(small) * 1e6))
+    if "compiled" in paths:
+        start = statistics.median(starts[("single", "compiled")]) / len(small)
+        say("target: starting a CUDA tensor's allreduce <= 2 us: %.2f us, %s"
+            % (start * 1e6, "met" if start <= 2e-6 else "MISSED by %.0f%%" % (100 * (start / 2e-6 - 1))))
+        if hvd.size() == 1:
+            ratio = median[("grouped", "compiled")] / whole_time
+            say("target: at 1 rank, 200 grouped within 3x of one allreduce: %.2fx, %s"
+                % (ratio, "met" if ratio <= 3 else "MISSED by %.0f%%" % (100 * (ratio / 3 - 1))))
 
 
 if __name__ == "__main__":

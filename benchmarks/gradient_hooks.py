@@ -6,10 +6,11 @@ A model of many small parameters (200 of 1,000 floats, so that the
 per-gradient work shows and the bytes do not): backward alone, with a plain
 optimizer, against backward with unison's DistributedOptimizer, whose hook
 starts each gradient's allreduce as autograd produces it; the hooks' cost
-is the difference, over the 200. The hook runs both ways in the same
-processes, in alternating blocks: starting its allreduce through the
-compiled path (torch_adapter/fast_path.cc) and through the Python path.
-Rank 0 prints the medians over blocks.
+is the difference, over the 200. Three ways, in alternating blocks in the
+same processes: the C hook with the compiled start (both of
+torch_adapter/fast_path.cc, the default), the Python hook with the
+compiled start, and the Python hook with the Python start (as without the
+extension). Rank 0 prints the medians over blocks.
 """
 import argparse
 import statistics
@@ -31,15 +32,27 @@ def main():
     torch.set_num_threads(1)
     hvd.init()
     x = torch.ones(args.elements)
-    # Two copies of the parameters: hooks, once registered, stay on a tensor.
-    bare = [torch.nn.Parameter(torch.zeros(args.elements)) for _ in range(args.tensors)]
-    params = [torch.nn.Parameter(torch.zeros(args.elements)) for _ in range(args.tensors)]
-    plain = torch.optim.SGD(bare, lr=0.0)
-    hooked = hvd.DistributedOptimizer(torch.optim.SGD(params, lr=0.0),
-                                      named_parameters=[("p%d" % i, p) for i, p in enumerate(params)])
     compiled = (ops._fast, ops._front.fast)
-    variants = {"backward alone": (plain, bare, compiled), "hooks, compiled path": (hooked, params, compiled),
-                "hooks, Python path": (hooked, params, (None, None))}
+
+    def copy(hooks, label):
+        """A copy of the parameters (hooks, once registered, stay on a
+        tensor) and its optimizer: a DistributedOptimizer whose hooks are
+        C ("C") or Python ("Python"), or a plain one (None)."""
+        params = [torch.nn.Parameter(torch.zeros(args.elements)) for _ in range(args.tensors)]
+        if hooks is None:
+            return torch.optim.SGD(params, lr=0.0), params
+        ops._fast, ops._front.fast = compiled if hooks == "C" else (None, None)   # what _make_hook sees
+        try:
+            return hvd.DistributedOptimizer(torch.optim.SGD(params, lr=0.0),
+                                            named_parameters=[("%s.%d" % (label, i), p)
+                                                              for i, p in enumerate(params)]), params
+        finally:
+            ops._fast, ops._front.fast = compiled
+
+    variants = {"backward alone": (*copy(None, "bare"), compiled),
+                "C hook, compiled start": (*copy("C", "c"), compiled),
+                "Python hook, compiled start": (*copy("Python", "mixed"), compiled),
+                "Python hook, Python start": (*copy("Python", "python"), (None, None))}
     times = {label: [] for label in variants}
 
     def block(optimizer, tensors, path):

@@ -17,7 +17,11 @@
  * enqueue the core refused (the Python path asks again and raises the
  * core's error). So no check lives here, and none can disagree.
  *
- * It reaches the core through unison.h, by a function pointer that
+ * The same holds for DistributedOptimizer's gradient hook (GradientHook,
+ * below): it does in C what optimizer.py's hook does in its common case,
+ * and calls that hook for everything else.
+ *
+ * It reaches the core through unison.h, by function pointers that
  * fast_path.py hands it (bind()): the core lives in unison._native, which
  * Python loads privately, so there is nothing to link against.
  */
@@ -40,8 +44,12 @@ namespace {
 
 using Enqueue = int (*)(const unison_op_options*, unison_handle*);
 using WaitRelease = int (*)(unison_handle, double);
+using GraphNodeBegin = int (*)(int64_t);
+using GraphNodeEnd = int (*)(void);
 Enqueue enqueue = nullptr;
 WaitRelease wait_release = nullptr;
+GraphNodeBegin graph_node_begin = nullptr;
+GraphNodeEnd graph_node_end = nullptr;
 
 // As the Python path's per-thread cache (common/collective.py): a program
 // with more distinct ops than this builds the rest per call.
@@ -74,6 +82,7 @@ thread_local size_t learned_count = 0;
 // Ops started here, for the tests that show which path an op took (every
 // call holds the GIL, so a plain counter is exact).
 uint64_t started_count = 0;
+uint64_t hooked_count = 0;  // and of those, gradients the C hook started itself
 
 // The tensor of a Python object, when its memory is the tensor itself and
 // the core may read and write it through a pointer: a dense, strided,
@@ -291,12 +300,20 @@ PyObject* learn(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   }
 }
 
-// bind(address of unison_enqueue, address of unison_wait_release,
-// unison.handles.Handle, unison.handles._in_flight): the core to start
-// ops in, and what a started op's handle is.
+// bind(addresses of unison_enqueue and unison_wait_release,
+// unison.handles.Handle, unison.handles._in_flight, addresses of
+// unison_graph_node_begin and _end): the core to start ops in, and what a
+// started op's handle is.
 PyObject* bind(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 4 || !PyType_Check(args[2]) || !PyDict_CheckExact(args[3])) {
-    PyErr_SetString(PyExc_TypeError, "unison: bind(enqueue, wait_release, Handle, in_flight)");
+  if (nargs != 6 || !PyType_Check(args[2]) || !PyDict_CheckExact(args[3])) {
+    PyErr_SetString(PyExc_TypeError, "unison: bind(enqueue, wait_release, Handle, in_flight, graph_node_begin, "
+                                     "graph_node_end)");
+    return nullptr;
+  }
+  void* begin_at = PyLong_AsVoidPtr(args[4]);
+  void* end_at = begin_at == nullptr ? nullptr : PyLong_AsVoidPtr(args[5]);
+  if (begin_at == nullptr || end_at == nullptr) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "unison: bind() needs the core's functions");
     return nullptr;
   }
   void* enqueue_at = PyLong_AsVoidPtr(args[0]);
@@ -336,10 +353,202 @@ PyObject* bind(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   handle_class = found;
   enqueue = reinterpret_cast<Enqueue>(enqueue_at);
   wait_release = reinterpret_cast<WaitRelease>(wait_release_at);
+  graph_node_begin = reinterpret_cast<GraphNodeBegin>(begin_at);
+  graph_node_end = reinterpret_cast<GraphNodeEnd>(end_at);
   Py_RETURN_NONE;
 }
 
 PyObject* started(PyObject*, PyObject*) { return PyLong_FromUnsignedLongLong(started_count); }
+PyObject* hooked(PyObject*, PyObject*) { return PyLong_FromUnsignedLongLong(hooked_count); }
+
+// ---- DistributedOptimizer's gradient hook ----------------------------------------
+//
+// torch_adapter/optimizer.py's hook (_make_hook), in C for its common case:
+// a parameter's last backward pass before step(), its dense gradient sent
+// as it is (no compression, no group, the global process set, no predivide
+// factor). In Python the hook cost 5.5-6.5 us a gradient beyond the start
+// of its allreduce (benchmarks/gradient_hooks.py). Whatever else, and any
+// start this path declines, calls the optimizer's Python hook, which does
+// the whole of it; nothing is changed before the allreduce has started, so
+// the Python hook always begins from where it would have.
+
+struct GradientHook {
+  PyObject_HEAD
+  PyObject* optimizer;      // a weak reference: the hook must not keep it alive
+  PyObject* name;           // "allreduce.<the parameter's name>"
+  PyObject* python_hook;    // the optimizer's own hook
+  PyObject* no_compression; // Compression.none
+  PyObject* global_set;     // unison's global process set
+  PyObject* methods;        // the optimizer's own _allreduce_grad_async, _wire_tensor and _scale_factors
+};
+
+PyTypeObject* gradient_hook_type = nullptr;
+PyObject *s_delay, *s_group_of, *s_compression, *s_predivide, *s_process_set, *s_op, *s_stepping, *s_handles,
+    *s_grad, *s_version, *s_allreduce_grad_async, *s_wire_tensor, *s_scale_factors, *one_float, *zero_long;
+
+// A new reference to `name` of `object`, or nullptr (no error left set).
+PyObject* attribute(PyObject* object, PyObject* name) {
+  PyObject* value = PyObject_GetAttr(object, name);
+  if (value == nullptr) PyErr_Clear();
+  return value;
+}
+
+// Whether this optimizer, or its class, has its own version of a method
+// the Python hook calls (a subclass, a wrapper, a test counting starts):
+// then the Python hook runs, and calls it.
+bool overridden(GradientHook* hook, PyObject* optimizer) {
+  PyObject** dict = _PyObject_GetDictPtr(optimizer);
+  PyObject* const names[] = {s_allreduce_grad_async, s_wire_tensor, s_scale_factors};
+  for (int i = 0; i < 3; ++i) {
+    if (dict != nullptr && *dict != nullptr &&
+        (PyDict_GetItemWithError(*dict, names[i]) != nullptr || PyErr_Occurred()))
+      return true;
+    if (_PyType_Lookup(Py_TYPE(optimizer), names[i]) != PyTuple_GET_ITEM(hook->methods, i)) return true;
+  }
+  return false;
+}
+
+// Starts the gradient's allreduce and records it as the Python hook would:
+// 1 when done; 0 where the Python hook must do it, with nothing changed;
+// -1 with a Python error set where the allreduce started but could not be
+// recorded (out of memory), which the hook raises.
+int hook_gradient(GradientHook* hook, PyObject* optimizer, PyObject* parameter) {
+  int result = 0;
+  PyObject *delays = nullptr, *groups = nullptr, *compression = nullptr, *predivide = nullptr, *set = nullptr,
+           *op = nullptr, *stepping = nullptr, *handles = nullptr, *grad = nullptr, *version = nullptr,
+           *entry = nullptr, *handle = nullptr;
+  do {
+    delays = attribute(optimizer, s_delay);
+    groups = attribute(optimizer, s_group_of);
+    compression = attribute(optimizer, s_compression);
+    predivide = attribute(optimizer, s_predivide);
+    set = attribute(optimizer, s_process_set);
+    op = attribute(optimizer, s_op);
+    stepping = attribute(optimizer, s_stepping);
+    handles = attribute(optimizer, s_handles);
+    grad = attribute(parameter, s_grad);
+    if (!delays || !groups || !compression || !predivide || !set || !op || !stepping || !handles || !grad) break;
+    if (overridden(hook, optimizer)) break;
+    if (!PyDict_CheckExact(delays) || !PyDict_CheckExact(groups) || !PyDict_CheckExact(handles)) break;
+    // The last pass before step() (a countdown at 1), in no group.
+    PyObject* delay = PyDict_GetItemWithError(delays, parameter);  // borrowed
+    if (delay == nullptr || !PyLong_CheckExact(delay) || PyLong_AsLong(delay) != 1) break;
+    if (PyDict_GetItemWithError(groups, parameter) != Py_None) break;
+    if (compression != hook->no_compression || set != hook->global_set || !PyLong_CheckExact(op) ||
+        !PyLong_CheckExact(stepping))
+      break;
+    if (!(PyFloat_CheckExact(predivide) || PyLong_CheckExact(predivide)) || PyFloat_AsDouble(predivide) != 1.0)
+      break;
+    const int64_t waiting_thread = PyLong_AsLongLong(stepping);
+    if (PyErr_Occurred()) break;
+    // What the record needs, made before the start, so that once the
+    // allreduce is under way nothing but the record itself can fail:
+    // (handle, no compression context, (the gradient, its version)).
+    version = attribute(grad, s_version);
+    PyObject* sent = version == nullptr ? nullptr : PyTuple_Pack(2, grad, version);
+    entry = sent == nullptr ? nullptr : PyTuple_New(3);
+    if (entry == nullptr) {
+      Py_XDECREF(sent);
+      break;
+    }
+    Py_INCREF(Py_None);
+    PyTuple_SET_ITEM(entry, 1, Py_None);
+    PyTuple_SET_ITEM(entry, 2, sent);
+    PyObject* args[6] = {grad, hook->name, op, one_float, one_float, zero_long};
+    graph_node_begin(waiting_thread);
+    handle = allreduce_async_(nullptr, args, 6);
+    graph_node_end();
+    if (handle == Py_None) break;  // declined: the Python hook starts it, or says why not
+    if (handle == nullptr) {
+      // Started and waited for, but no Handle could be made (out of
+      // memory): the op has run, so the Python hook must not start it again.
+      result = -1;
+      break;
+    }
+    Py_INCREF(handle);
+    PyTuple_SET_ITEM(entry, 0, handle);  // the tuple is this function's alone until recorded
+    result = PyDict_SetItem(handles, parameter, entry) == 0 && PyDict_SetItem(delays, parameter, zero_long) == 0
+                 ? 1
+                 : -1;
+  } while (false);
+  Py_XDECREF(delays); Py_XDECREF(groups); Py_XDECREF(compression); Py_XDECREF(predivide); Py_XDECREF(set);
+  Py_XDECREF(op); Py_XDECREF(stepping); Py_XDECREF(handles); Py_XDECREF(grad); Py_XDECREF(version);
+  Py_XDECREF(entry); Py_XDECREF(handle);
+  if (result == 0) PyErr_Clear();
+  return result;
+}
+
+PyObject* gradient_hook_call(PyObject* self, PyObject* args, PyObject* kwargs) {
+  auto* hook = reinterpret_cast<GradientHook*>(self);
+  if (kwargs == nullptr && PyTuple_GET_SIZE(args) == 1 && graph_node_begin != nullptr) {
+    PyObject* optimizer = PyWeakref_GetObject(hook->optimizer);  // borrowed
+    if (optimizer != nullptr && optimizer != Py_None) {
+      Py_INCREF(optimizer);
+      const int done = hook_gradient(hook, optimizer, PyTuple_GET_ITEM(args, 0));
+      Py_DECREF(optimizer);
+      if (done == 1) {
+        ++hooked_count;
+        Py_RETURN_NONE;
+      }
+      if (done < 0) return nullptr;
+    }
+    PyErr_Clear();
+  }
+  return PyObject_Call(hook->python_hook, args, kwargs);
+}
+
+int gradient_hook_traverse(PyObject* self, visitproc visit, void* arg) {
+  auto* hook = reinterpret_cast<GradientHook*>(self);
+  Py_VISIT(Py_TYPE(self));
+  Py_VISIT(hook->optimizer);
+  Py_VISIT(hook->name);
+  Py_VISIT(hook->python_hook);
+  Py_VISIT(hook->no_compression);
+  Py_VISIT(hook->global_set);
+  Py_VISIT(hook->methods);
+  return 0;
+}
+
+int gradient_hook_clear(PyObject* self) {
+  auto* hook = reinterpret_cast<GradientHook*>(self);
+  Py_CLEAR(hook->optimizer);
+  Py_CLEAR(hook->name);
+  Py_CLEAR(hook->python_hook);
+  Py_CLEAR(hook->no_compression);
+  Py_CLEAR(hook->global_set);
+  Py_CLEAR(hook->methods);
+  return 0;
+}
+
+void gradient_hook_dealloc(PyObject* self) {
+  PyTypeObject* type = Py_TYPE(self);
+  PyObject_GC_UnTrack(self);
+  gradient_hook_clear(self);
+  type->tp_free(self);
+  Py_DECREF(type);
+}
+
+// gradient_hook(weak reference to the optimizer, name, its Python hook,
+// Compression.none, the global process set, the optimizer's own methods
+// the hook calls): the hook to register.
+PyObject* gradient_hook(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 6 || !PyWeakref_CheckRef(args[0]) || !PyUnicode_CheckExact(args[1]) || !PyCallable_Check(args[2]) ||
+      !PyTuple_CheckExact(args[5]) || PyTuple_GET_SIZE(args[5]) != 3) {
+    PyErr_SetString(PyExc_TypeError, "unison: gradient_hook(optimizer weakref, name, python hook, "
+                                     "Compression.none, global process set, (3 methods))");
+    return nullptr;
+  }
+  PyObject* self = PyType_GenericAlloc(gradient_hook_type, 0);
+  if (self == nullptr) return nullptr;
+  auto* hook = reinterpret_cast<GradientHook*>(self);
+  PyObject** fields[] = {&hook->optimizer, &hook->name, &hook->python_hook, &hook->no_compression,
+                         &hook->global_set, &hook->methods};
+  for (int i = 0; i < 6; ++i) {
+    Py_INCREF(args[i]);
+    *fields[i] = args[i];
+  }
+  return self;
+}
 
 PyMethodDef methods[] = {
     {"start_in_place", (PyCFunction)(void (*)(void))start_in_place, METH_FASTCALL,
@@ -352,8 +561,12 @@ PyMethodDef methods[] = {
      "allreduce_async_(the arguments of start_in_place): the op's unison.handles.Handle, or None to take the "
      "Python path."},
     {"started", started, METH_NOARGS, "started(): how many ops this path has started in this process"},
+    {"hooked", hooked, METH_NOARGS, "hooked(): how many of them the C gradient hook started itself"},
+    {"gradient_hook", (PyCFunction)(void (*)(void))gradient_hook, METH_FASTCALL,
+     "gradient_hook(optimizer weakref, name, python hook, Compression.none, global process set, methods): "
+     "DistributedOptimizer's hook for a parameter, in C for its common case"},
     {"bind", (PyCFunction)(void (*)(void))bind, METH_FASTCALL,
-     "bind(address of unison_enqueue, address of unison_wait_release, Handle, handles._in_flight)"},
+     "bind(enqueue, wait_release, Handle, handles._in_flight, graph_node_begin, graph_node_end)"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module = {PyModuleDef_HEAD_INIT, "unison_torch_fast_path", "unison.torch's compiled per-tensor path",
@@ -361,4 +574,28 @@ PyModuleDef module = {PyModuleDef_HEAD_INIT, "unison_torch_fast_path", "unison.t
 
 }  // namespace
 
-PyMODINIT_FUNC PyInit_unison_torch_fast_path(void) { return PyModule_Create(&module); }
+PyType_Slot gradient_hook_slots[] = {{Py_tp_call, (void*)gradient_hook_call},
+                                     {Py_tp_traverse, (void*)gradient_hook_traverse},
+                                     {Py_tp_clear, (void*)gradient_hook_clear},
+                                     {Py_tp_dealloc, (void*)gradient_hook_dealloc},
+                                     {0, nullptr}};
+PyType_Spec gradient_hook_spec = {"unison_torch_fast_path.GradientHook", sizeof(GradientHook), 0,
+                                  Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC, gradient_hook_slots};
+
+PyMODINIT_FUNC PyInit_unison_torch_fast_path(void) {
+  struct Interned {
+    PyObject** target;
+    const char* text;
+  } names[] = {{&s_delay, "_allreduce_delay"}, {&s_group_of, "_group_of"}, {&s_compression, "_compression"},
+               {&s_predivide, "gradient_predivide_factor"}, {&s_process_set, "process_set"}, {&s_op, "op"},
+               {&s_stepping, "_stepping_thread"}, {&s_handles, "_handles"}, {&s_grad, "grad"},
+               {&s_version, "_version"}, {&s_allreduce_grad_async, "_allreduce_grad_async"},
+               {&s_wire_tensor, "_wire_tensor"}, {&s_scale_factors, "_scale_factors"}};
+  for (const Interned& n : names)
+    if ((*n.target = PyUnicode_InternFromString(n.text)) == nullptr) return nullptr;
+  one_float = PyFloat_FromDouble(1.0);
+  zero_long = PyLong_FromLong(0);
+  gradient_hook_type = reinterpret_cast<PyTypeObject*>(PyType_FromSpec(&gradient_hook_spec));
+  if (one_float == nullptr || zero_long == nullptr || gradient_hook_type == nullptr) return nullptr;
+  return PyModule_Create(&module);
+}

@@ -4,7 +4,8 @@ cached per torch version and flags).
 
 It starts in-place allreduces, every gradient's op, in C++: about a
 microsecond a tensor where the Python path takes three or more
-(benchmarks/allreduce.py). It only repeats ops the Python path has checked
+(benchmarks/allreduce.py); and it is DistributedOptimizer's gradient hook
+in its common case (benchmarks/gradient_hooks.py). It only repeats ops the Python path has checked
 and started once (fast_path.cc says how), so both paths give the same
 results and raise the same errors; the Python path stays for everything
 else, and for the whole of a machine where the extension cannot be built,
@@ -67,6 +68,7 @@ def load():
                       "extension cannot be used: %s. (%s=0 chooses the Python path without this warning.)"
                       % (e, SETTING), RuntimeWarning, stacklevel=2)
         return None
-    module.bind(_address("unison_enqueue"), _address("unison_wait_release"), handles.Handle, handles._in_flight)
+    module.bind(_address("unison_enqueue"), _address("unison_wait_release"), handles.Handle, handles._in_flight,
+                _address("unison_graph_node_begin"), _address("unison_graph_node_end"))
     adapter_extension.ACTIVE[LABEL] = "compiled (%s %s)" % (how, library)
     return module

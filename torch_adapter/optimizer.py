@@ -20,6 +20,7 @@ from unison.compression import check_compressor
 from unison.exceptions import InvalidArgumentError, UnisonError
 from unison.handles import GraphNode, synchronize as _wait
 from unison.process_sets import global_process_set
+from unison.torch import ops as _ops
 from unison.torch.compression import Compression
 from unison.torch.ops import (Adasum, Average, allreduce_, allreduce_async_, grouped_gradient_allreduce_async_,
                               placeholder_allreduce_async_, sparse_allreduce_async)
@@ -102,6 +103,12 @@ class _TrackedParameters:
             self._added(p)
 
 
+# The methods the gradient hook calls, which fast_path.cc's C hook does
+# itself: where an optimizer's class or the object itself has its own
+# version of one, the C hook calls the Python one, which calls it.
+_HOOKS_CALLS = ("_allreduce_grad_async", "_wire_tensor", "_scale_factors")
+
+
 class _DistributedOptimizer(_TrackedParameters):
     """Mixed in before the wrapped optimizer's class."""
 
@@ -167,11 +174,21 @@ class _DistributedOptimizer(_TrackedParameters):
             self._hooked.add(p)
 
     def _make_hook(self, p):
+        """The hook that starts p's allreduce when backward has accumulated
+        its gradient: this function's `hook`, or, where unison.torch's
+        compiled path is in use, a C one (fast_path.cc's GradientHook) that
+        does the same for the common case (the last pass before step(), no
+        group, no compression, the global set, no predivide factor, none of
+        _HOOKS_CALLS replaced) and calls `hook` for everything else."""
         # A weak reference: a discarded optimizer's hooks must not keep it
-        # alive, nor start allreduces for it.
+        # alive, nor start allreduces for it. Nor does the hook hold the
+        # parameter: torch passes it in. The parameter holds its hooks, and
+        # torch does not show them to the garbage collector, so a hook that
+        # held its parameter kept it, and its model, alive for good once
+        # both were dropped.
         optimizer = weakref.ref(self)
 
-        def hook(_):
+        def hook(p):
             self = optimizer()
             if self is None:
                 return
@@ -189,7 +206,12 @@ class _DistributedOptimizer(_TrackedParameters):
                         self._handles[p] = self._allreduce_grad_async(p)
                     elif all(self._allreduce_delay[m] == 0 for m in self._group_members[group] if m.requires_grad):
                         self._start_group(group)  # the last of its trained members to be ready
-        return hook
+        compiled = _ops._fast
+        if compiled is None:
+            return hook
+        return compiled.gradient_hook(optimizer, "allreduce." + self._parameter_names[p], hook, Compression.none,
+                                      global_process_set, tuple(getattr(_DistributedOptimizer, method)
+                                                                for method in _HOOKS_CALLS))
 
     def _start_group(self, group):
         members = [p for p in self._group_members[group] if self._takes_part(p)]

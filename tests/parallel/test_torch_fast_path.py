@@ -188,3 +188,131 @@ def test_each_thread_learns_its_own_ops(fast):
         t.start()
         t.join()
     assert counts == [0, 1, 0, 1], counts
+
+
+# ---- DistributedOptimizer's gradient hook in C (fast_path.cc's GradientHook) ----
+
+def make_mlp(seed=3):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 2)).double()
+
+
+def hooks_of(parameter):
+    return list(parameter._post_accumulate_grad_hooks.values())
+
+
+def train(model, optimizer, steps=3):
+    for step in range(steps):
+        optimizer.zero_grad()
+        x = torch.arange(20, dtype=torch.float64).reshape(4, 5) / (7 + hvd.rank() + step)
+        model(x).pow(2).sum().backward()
+        optimizer.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_the_hooks_are_c_and_train_as_the_python_hooks_do(fast, monkeypatch):
+    """The same model trained with the C hooks and with the optimizer's
+    Python hooks (the compiled path off when the optimizer was made): equal
+    bit for bit, every step's allreduces started by the hooks."""
+    model = make_mlp()
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                         named_parameters=model.named_parameters())
+    assert {type(h).__name__ for p in model.parameters() for h in hooks_of(p)} == {"GradientHook"}
+    before, hooked = fast.started(), fast.hooked()
+    with_c_hooks = train(model, optimizer)
+    # The first step learns each op in Python; the C hook starts the next two.
+    assert fast.started() - before == fast.hooked() - hooked == 2 * len(with_c_hooks)
+
+    twin = make_mlp()
+    monkeypatch.setattr(ops, "_fast", None)
+    twin_optimizer = hvd.DistributedOptimizer(torch.optim.SGD(twin.parameters(), lr=0.1, momentum=0.9),
+                                              named_parameters=[("twin." + n, p) for n, p in twin.named_parameters()])
+    monkeypatch.undo()
+    assert {type(h).__name__ for p in twin.parameters() for h in hooks_of(p)} == {"function"}
+    with_python_hooks = train(twin, twin_optimizer)
+    for a, b in zip(with_c_hooks, with_python_hooks):
+        assert torch.equal(a, b)
+
+
+def test_what_the_c_hook_does_not_take_goes_to_the_python_hook(fast):
+    """Accumulated passes, groups, compression, a predivide factor: each
+    trains as one process on the whole batch would, through the Python
+    hook the C one calls. A class or an object with its own version of what
+    the hook calls keeps the Python hook, and its version runs."""
+    def reference(passes=1):
+        model = make_mlp()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        for step in range(3):
+            optimizer.zero_grad()
+            for k in range(passes):
+                for rank in range(hvd.size()):
+                    x = torch.arange(20, dtype=torch.float64).reshape(4, 5) / (7 + rank + step)
+                    (model(x).pow(2).sum() / hvd.size() / passes).backward()
+            optimizer.step()
+        return [p.detach() for p in model.parameters()]
+
+    def distributed(passes=1, **options):
+        model = make_mlp()
+        optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                             named_parameters=[("%s.%s" % (sorted(options), n), p)
+                                                               for n, p in model.named_parameters()],
+                                             backward_passes_per_step=passes, **options)
+        for step in range(3):
+            optimizer.zero_grad()
+            for k in range(passes):
+                x = torch.arange(20, dtype=torch.float64).reshape(4, 5) / (7 + hvd.rank() + step)
+                (model(x).pow(2).sum() / passes).backward()
+            optimizer.step()
+        return [p.detach() for p in model.parameters()]
+
+    runs = []
+    for options in [{"passes": 2}, {"groups": 1}, {"gradient_predivide_factor": 2.0},
+                    {"compression": hvd.Compression.fp16}]:
+        hooked = fast.hooked()
+        result = distributed(**options)
+        runs.append((options, result, fast.hooked() - hooked))
+    # Only the last of each step's passes is the C hook's; the rest are all the Python hook's.
+    assert [hooked for _, _, hooked in runs] == [2 * len(runs[0][1]), 0, 0, 0], runs
+    for options, result, _ in runs:
+        # fp16 on the wire: within its precision.
+        tolerance = 1e-3 if "compression" in options else 1e-12
+        for a, b in zip(result, reference(options.get("passes", 1))):
+            torch.testing.assert_close(a, b, rtol=tolerance, atol=tolerance)
+
+    class Counting(type(hvd.DistributedOptimizer(torch.optim.SGD(make_mlp().parameters(), lr=0.1)))):
+        pass
+    calls = []
+
+    def counted(self, p):
+        calls.append(p)
+        return Counting.__mro__[1]._allreduce_grad_async(self, p)
+    Counting._allreduce_grad_async = counted
+    model = make_mlp()
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                         named_parameters=[("counting." + n, p) for n, p in model.named_parameters()])
+    optimizer.__class__ = Counting
+    optimizer_hooks = {type(h).__name__ for p in model.parameters() for h in hooks_of(p)}
+    assert optimizer_hooks == {"GradientHook"}   # made before the class changed: it looks at each call
+    hooked = fast.hooked()
+    train(model, optimizer, steps=2)
+    assert len(calls) == 2 * len(list(model.parameters())) and fast.hooked() == hooked, len(calls)
+    calls.clear()
+    optimizer.__class__ = Counting.__mro__[1]
+    optimizer._wire_tensor = lambda p: (calls.append(p), Counting.__mro__[1]._wire_tensor(optimizer, p))[1]
+    train(model, optimizer, steps=1)
+    assert len(calls) == len(list(model.parameters())) and fast.hooked() == hooked, len(calls)
+
+
+def test_a_dropped_optimizer_and_model_are_collected_with_their_c_hooks(fast):
+    import gc
+    import weakref
+
+    def made():
+        model = make_mlp()
+        optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                             named_parameters=[("dropped." + n, p) for n, p in model.named_parameters()])
+        train(model, optimizer, steps=2)
+        return weakref.ref(next(model.parameters())), weakref.ref(optimizer)
+    parameter, optimizer = made()
+    gc.collect()
+    assert parameter() is None and optimizer() is None
