@@ -101,9 +101,10 @@ class Prepared:
 class FrontEnd:
     """`fast`, where an adapter has one, is its compiled starter of in-place
     allreduces (torch_adapter/fast_path.cc): start_in_place(tensor, name,
-    op, prescale, postscale, process set id) gives the core's handle id, or
-    None for an op it has not learned (learn(), with the same arguments and
-    the dtype's code, after this front end has checked and started the op
+    op, prescale, postscale, process set id) gives the core's handle id,
+    and allreduce_async_(the same) the op's Handle, or either gives None
+    for an op it has not learned (learn(), with the same arguments and the
+    dtype's code, after this front end has checked and started the op
     once) or a tensor it does not take; the front end then goes its own way."""
 
     def __init__(self, tensors, fast=None):
