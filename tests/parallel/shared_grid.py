@@ -340,9 +340,11 @@ def test_in_place_allreduce_repeated_step_after_step(fw, reduce_dtype):
     kept of the op's first call (the prepared options of
     frontend.FrontEnd.allreduce_async_; in unison.torch, the compiled
     path of fast_path.cc): every repeat must reduce this step's values, in
-    this call's tensor."""
+    this call's tensor. A framework without in-place forms (TensorFlow)
+    repeats its out-of-place ones, whose options its front end keeps too."""
     n, me = unison.size(), unison.rank()
-    forms = {form: f for form, f in fw.allreduce_forms().items() if "in_place" in form}
+    forms = ({form: f for form, f in fw.allreduce_forms().items() if "in_place" in form}
+             or fw.allreduce_forms())
     for shape in [(), (0,), (7,), (2, 3)]:
         for form, allreduce in forms.items():
             for op in ["Sum", "Max"]:
