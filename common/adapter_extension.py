@@ -154,20 +154,20 @@ def cache_key(source, headers, compiler, flags, versions, framework_root):
     return key.hexdigest()[:24]
 
 
-def load(module_name, source, compile_flags, link_flags, versions, framework_root):
-    """The extension `module_name` (its init function PyInit_<module_name>,
-    in the C++ file `source`), compiled with $CXX (else g++) and the given
-    flags, from the cache when a build with the same key is there. Returns
-    (module, "built" or "cached", the library's path); raises Unavailable,
+def build(stem, source, compile_flags, link_flags, versions, framework_root, suffix=_SUFFIX):
+    """The library built from the C++ file `source` with $CXX (else g++)
+    and the given flags, from the cache when a build with the same key is
+    there. Returns (its path, "built" or "cached"); raises Unavailable,
     saying why, where it cannot be had.
 
     `framework_root` is the folder the framework is installed in, whose
     headers and libraries the flags name: it is left out of the key, as
     unison's own place is, so that virtual environments holding the same
-    build of the framework share one extension (CI's environments each
-    have their own copy of the same torch), and `versions` must then say
-    which build it is (version, commit, CUDA). The extension is loaded after the framework, whose
-    libraries it then finds already loaded, so it needs no path to them."""
+    build of the framework share one library (CI's environments each have
+    their own copy of the same torch), and `versions` must then say which
+    build it is (version, commit, CUDA). The library is loaded after the
+    framework, whose libraries it then finds already loaded, so it needs no
+    path to them."""
     compiler = shutil.which(os.environ.get("CXX") or "g++")
     if compiler is None:
         raise Unavailable("no C++ compiler: %s is not on PATH (set CXX to one)" % (os.environ.get("CXX") or "g++"))
@@ -179,16 +179,18 @@ def load(module_name, source, compile_flags, link_flags, versions, framework_roo
     folder = os.path.join(cache_folder(), "extensions")
     _private_folder(os.path.dirname(folder))
     _private_folder(folder)
-    entry = os.path.join(folder, "%s-%s" % (module_name, cache_key(source, HEADERS, compiler, flags, versions,
-                                                                    framework_root)))
-    library = entry + _SUFFIX
+    entry = os.path.join(folder, "%s-%s" % (stem, cache_key(source, HEADERS, compiler, flags, versions,
+                                                             framework_root)))
+    library = entry + suffix
     if os.path.exists(library):
-        return _import(module_name, library), "cached", library
+        _check_private(library, folder=False)
+        return library, "cached"
     with open(os.open(entry + ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600), "r+b") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another rank may be building it: wait, then load its build
         if os.path.exists(library):
-            return _import(module_name, library), "cached", library
-        handle, partial = tempfile.mkstemp(dir=folder, prefix=os.path.basename(entry) + ".", suffix=_SUFFIX)
+            _check_private(library, folder=False)
+            return library, "cached"
+        handle, partial = tempfile.mkstemp(dir=folder, prefix=os.path.basename(entry) + ".", suffix=suffix)
         os.close(handle)
         try:
             _compile([compiler] + flags + ["-o", partial], partial, entry + ".log")
@@ -197,4 +199,12 @@ def load(module_name, source, compile_flags, link_flags, versions, framework_roo
         finally:
             if os.path.exists(partial):
                 os.unlink(partial)
-    return _import(module_name, library), "built", library
+    return library, "built"
+
+
+def load(module_name, source, compile_flags, link_flags, versions, framework_root):
+    """The Python extension `module_name` (its init function
+    PyInit_<module_name>, in `source`), built as build() builds. Returns
+    (module, "built" or "cached", the library's path)."""
+    library, how = build(module_name, source, compile_flags, link_flags, versions, framework_root)
+    return _import(module_name, library), how, library

@@ -420,6 +420,23 @@ int unison_release(unison_handle handle) {
   return report(handles.release(handle));
 }
 
+int unison_on_done(unison_handle handle, unison_done_fn done, void* arg) {
+  return guarded("unison_on_done", [&]() -> int {
+    if (forked_from != 0) return refuse_in_forked_child();
+    if (done == nullptr) return report(Status::Error(UNISON_ERR_INVALID_ARGUMENT, "unison: unison_on_done needs a function"));
+    Status s = handles.on_done(handle, done, arg);
+    // Nobody will wait to drive it: the engine's thread takes it now.
+    if (s.ok())
+      if (std::shared_ptr<Engine> current = std::atomic_load(&engine)) current->claim_for_poll();
+    return report(s);
+  });
+}
+
+int unison_set_waiter_finder(unison_waiter_finder finder) {
+  caller_activity::set_waiter_finder(finder);
+  return UNISON_OK;
+}
+
 void unison_free(void* data) { unison::free_result_memory(data); }
 
 const char* unison_last_error(void) { return last_error.c_str(); }

@@ -7,6 +7,7 @@
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 namespace unison {
 namespace caller_activity {
@@ -38,6 +39,9 @@ std::atomic<double> last_progress{0.0};
 // waiting thread), so that a thread without a record of its own knows
 // when to look for one.
 std::atomic<uint64_t> named_by_others{0};
+// Pending ops awaited by each key (awaited_begin), and who finds the key's thread.
+auto& awaited_ops = *new std::unordered_map<int64_t, int>;
+std::atomic<int64_t (*)(int64_t)> waiter_finder{nullptr};
 
 int64_t linux_thread_id() { return static_cast<int64_t>(syscall(SYS_gettid)); }
 
@@ -92,11 +96,18 @@ bool waits_on_a_blocked_node(int64_t tid) {
   return false;
 }
 
+// Whether `tid` is among the threads found waiting for awaited ops.
+bool awaits(const std::vector<int64_t>& waiting, int64_t tid) {
+  for (int64_t w : waiting)
+    if (w == tid) return true;
+  return false;
+}
+
 }  // namespace
 
-void note_enqueue(double now) {
+void note_enqueue(double now, bool awaited) {
   // Only this thread writes its record's node_depth: read without the lock.
-  if (!self.submits && (self.record == nullptr || self.record->node_depth == 0)) {
+  if (!awaited && !self.submits && (self.record == nullptr || self.record->node_depth == 0)) {
     std::lock_guard<std::mutex> lock(registry_mutex);
     self.attach().submits = true;
     self.submits = true;
@@ -140,9 +151,44 @@ void graph_node_end() {
   if (--self.record->node_depth == 0) self.record->waiting_thread = 0;
 }
 
+void awaited_begin(int64_t key) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  ++awaited_ops[key];
+}
+
+void awaited_end(int64_t key) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  auto it = awaited_ops.find(key);
+  if (it != awaited_ops.end() && --it->second <= 0) awaited_ops.erase(it);
+}
+
+void set_waiter_finder(int64_t (*finder)(int64_t key)) { waiter_finder.store(finder); }
+
 bool blocked_for(double quiet_seconds, double now) {
   if (now - last_progress.load() < quiet_seconds) return false;  // the usual answer, without the lock
+  // The threads that wait for awaited ops, found with no lock held: the
+  // finder may take the front end's own locks (Python's).
+  std::vector<int64_t> keys;
+  {
+    std::lock_guard<std::mutex> lock(registry_mutex);
+    for (const auto& [key, count] : awaited_ops) keys.push_back(key);
+  }
+  std::vector<int64_t> waiting;
+  int64_t (*finder)(int64_t) = waiter_finder.load();
+  for (int64_t key : keys) {
+    const int64_t tid = finder != nullptr ? finder(key) : 0;
+    if (tid > 0) waiting.push_back(tid);
+  }
   std::lock_guard<std::mutex> lock(registry_mutex);
+  for (int64_t tid : waiting) {
+    // It calls graphs that submit, and will again: a submitter from now on.
+    ThreadRecord& w = threads[tid];
+    if (w.tid == 0) named_by_others.fetch_add(1);  // new
+    w.tid = tid;
+    w.submits = true;
+  }
+  // An op that completed while the finder ran is progress: not blocked.
+  if (now - last_progress.load() < quiet_seconds) return false;
   bool any = false;
   for (auto it = threads.begin(); it != threads.end();) {
     ThreadRecord& t = it->second;
@@ -153,7 +199,7 @@ bool blocked_for(double quiet_seconds, double now) {
     ++it;
     if (!t.submits && t.node_depth == 0) continue;
     any = true;
-    if (t.blocked.load() == 0 && !waits_on_a_blocked_node(t.tid)) return false;
+    if (t.blocked.load() == 0 && !waits_on_a_blocked_node(t.tid) && !awaits(waiting, t.tid)) return false;
   }
   return any;
 }

@@ -38,8 +38,9 @@ namespace caller_activity {
 struct ThreadRecord;
 
 // On every enqueue: registers the calling thread as a submitter (for good,
-// unless it is inside a graph node) and counts as progress.
-void note_enqueue(double now);
+// unless it is inside a graph node, or the op is awaited by another thread:
+// awaited) and counts as progress.
+void note_enqueue(double now, bool awaited = false);
 // An op of this process completed.
 void note_completion(double now);
 
@@ -61,6 +62,18 @@ class BlockedScope {
 // when not known. It is a submitter from then on.
 void graph_node_begin(int64_t waiting_thread);
 void graph_node_end();
+
+// Frameworks whose graph nodes start an op and return (TensorFlow's
+// asynchronous kernels) leave no thread blocked in a wait: the thread that
+// called the graph waits inside the framework until the op completes. Such
+// an op carries a key for that thread (unison_op_options.awaited_by),
+// counted from its enqueue to its completion. Which thread a key means is
+// asked of the front end's finder only when the test below needs it (a
+// stack walk, in TensorFlow's case, too slow for every op); that thread is
+// then a submitter, blocked while any op awaited by it is pending.
+void awaited_begin(int64_t key);
+void awaited_end(int64_t key);
+void set_waiter_finder(int64_t (*finder)(int64_t key));
 
 // True when this process has submitters, all of them are blocked waiting,
 // and nothing was enqueued or completed in the last quiet_seconds.

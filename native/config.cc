@@ -430,6 +430,11 @@ const Setting kSettings[] = {
      "Whether unison.torch starts in-place allreduces (every gradient's) through its compiled extension, built "
      "against the installed torch at first import and cached: auto uses it where it builds and warns once, "
      "saying why, where it does not; 1 makes a failed build an error; 0 keeps to the Python path."},
+    {"UNISON_TF_KERNELS", kNone, "auto-or-flag", 0, 0, kNone, &Config::tf_kernels,
+     "Whether unison.tensorflow runs collectives inside tf.function and TF1 graphs as its compiled asynchronous "
+     "op kernels, built against the installed TensorFlow at first import and cached: auto uses them where they "
+     "build and warns once, saying why, where they do not; 1 makes a failed build an error; 0 keeps to "
+     "tf.py_function nodes."},
     {"UNISON_CACHE_DIR", kNone, "path", 0, 0, kNone, &Config::cache_dir,
      "The folder where compiled adapter extensions are kept, one per framework version and compiler flags; "
      "unset: $XDG_CACHE_HOME/unison, else ~/.cache/unison. It must belong to this user and be writable by no "

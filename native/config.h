@@ -176,6 +176,7 @@ struct Config {
   // common/adapter_extension.py): they are rows of the one table so that
   // unisonrun checks them before any rank starts and the settings page
   // lists them with the rest.
+  int tf_kernels = -1;       // UNISON_TF_KERNELS: -1 auto, 0 py_function nodes, 1 the compiled kernels or an error
   int torch_fast_path = -1;  // UNISON_TORCH_FAST_PATH: -1 auto, 0 the Python path, 1 the compiled one or an error
   std::string cache_dir;     // UNISON_CACHE_DIR: where compiled adapter extensions are kept
 

@@ -221,11 +221,11 @@ Status Engine::enqueue(const unison_op_options& o, int64_t* handle) {
   if (!in_flight_[o.process_set_id].insert(r.name).second)
     return invalid(std::string(op_name(o.op)) + " '" + r.name + "': a tensor of this name is already in flight on rank " +
                    std::to_string(my_rank) + "; wait for it, or give the new one another name");
-  e.handle = handles_->create();
+  e.handle = handles_->create(o.awaited_by);
   *handle = e.handle;
   timeline_.begin(r.name, "QUEUED");
   const double now = monotonic_seconds();
-  caller_activity::note_enqueue(now);
+  caller_activity::note_enqueue(now, o.awaited_by != 0);
   if (carries_tensor) {
     auto group = open_groups_.find(std::this_thread::get_id());
     if (group != open_groups_.end()) {

@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "caller_activity.h"
 #include "cuda/runtime.h"
 
 namespace unison {
@@ -18,15 +19,25 @@ Status HandleTable::unknown(int64_t handle) {
                            " (never issued, or already released)");
 }
 
-int64_t HandleTable::create() {
+int64_t HandleTable::create(int64_t awaited_by) {
+  if (awaited_by != 0) caller_activity::awaited_begin(awaited_by);
   std::lock_guard<std::mutex> lock(mutex_);
   int64_t h = next_++;
-  states_.emplace(h, State());
+  states_.emplace(h, State()).first->second.awaited_by = awaited_by;
   return h;
 }
 
 void HandleTable::complete(std::vector<Completion>* batch) {
   if (batch->empty()) return;
+  // Callbacks and awaited ops, run and counted after the lock is let go.
+  struct Done {
+    unison_done_fn fn;
+    void* arg;
+    int64_t handle;
+    int code;
+  };
+  std::vector<Done> callbacks;
+  std::vector<int64_t> awaited;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     for (Completion& c : *batch) {
@@ -35,13 +46,20 @@ void HandleTable::complete(std::vector<Completion>* batch) {
         if (c.result.core_allocated) free_result_memory(c.result.data);
         continue;
       }
-      it->second.done = true;
-      it->second.status = std::move(c.status);
-      it->second.result = std::move(c.result);
+      State& state = it->second;
+      state.done = true;
+      state.status = std::move(c.status);
+      state.result = std::move(c.result);
+      if (state.awaited_by != 0) awaited.push_back(state.awaited_by);
+      if (state.done_fn != nullptr) callbacks.push_back({state.done_fn, state.done_arg, c.handle, state.status.code});
+      state.awaited_by = 0;
+      state.done_fn = nullptr;
     }
   }
   batch->clear();
   completed_.notify_all();
+  for (int64_t key : awaited) caller_activity::awaited_end(key);
+  for (const Done& d : callbacks) d.fn(d.arg, d.handle, d.code);
 }
 
 void HandleTable::complete(int64_t handle, const Status& status, OpResult result) {
@@ -103,11 +121,33 @@ void HandleTable::wake_waiters() {
 }
 
 Status HandleTable::release(int64_t handle) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  auto it = states_.find(handle);
-  if (it == states_.end()) return unknown(handle);
-  if (it->second.result.core_allocated) free_result_memory(it->second.result.data);
-  states_.erase(it);
+  int64_t awaited_by = 0;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = states_.find(handle);
+    if (it == states_.end()) return unknown(handle);
+    if (it->second.result.core_allocated) free_result_memory(it->second.result.data);
+    awaited_by = it->second.awaited_by;  // still pending: nobody waits for it any more
+    states_.erase(it);
+  }
+  if (awaited_by != 0) caller_activity::awaited_end(awaited_by);
+  return Status::OK();
+}
+
+Status HandleTable::on_done(int64_t handle, unison_done_fn done, void* arg) {
+  int code = UNISON_OK;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = states_.find(handle);
+    if (it == states_.end()) return unknown(handle);
+    if (!it->second.done) {
+      it->second.done_fn = done;
+      it->second.done_arg = arg;
+      return Status::OK();
+    }
+    code = it->second.status.code;
+  }
+  done(arg, handle, code);
   return Status::OK();
 }
 

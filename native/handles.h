@@ -10,7 +10,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "status.h"
+#include "status.h"  // and unison.h
 
 namespace unison {
 
@@ -38,7 +38,10 @@ struct Completion {
 
 class HandleTable {
  public:
-  int64_t create();
+  // awaited_by: the op's key for the thread that waits for it without a
+  // wait (unison_op_options.awaited_by), 0 for none; counted as awaited
+  // (caller_activity.h) until the op completes or its handle is released.
+  int64_t create(int64_t awaited_by = 0);
   // Marks the ops done and wakes the waiters once for the whole batch: a
   // fused group of 200 tensors must not wake a waiting caller 200 times.
   void complete(std::vector<Completion>* batch);
@@ -68,12 +71,19 @@ class HandleTable {
     return Status::OK();
   }
   Status release(int64_t handle);
+  // unison_on_done: `done` is called once the op completes, after the
+  // table's lock is let go, so that it may read and release the handle;
+  // at once, on this thread, if it has completed already.
+  Status on_done(int64_t handle, unison_done_fn done, void* arg);
 
  private:
   struct State {
     bool done = false;
     Status status;
     OpResult result;
+    int64_t awaited_by = 0;
+    unison_done_fn done_fn = nullptr;
+    void* done_arg = nullptr;
   };
   static Status unknown(int64_t handle);
   std::mutex mutex_;

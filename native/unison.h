@@ -137,7 +137,22 @@ typedef struct {
      completes with unison_handle_unused() set, so that the caller can leave
      it absent, as one process would have. */
   int placeholder;
+  /* For an op that no thread will wait for with unison_wait, because the
+     framework's graph node that started it has returned (TensorFlow's
+     asynchronous kernels): a non-zero key for the thread that waits for
+     the graph instead. The deadlock test (caller_activity.h) counts that
+     thread as blocked while the op is pending, asking the function given
+     to unison_set_waiter_finder which thread the key means only when it
+     needs to know; the thread that enqueues is not counted as a submitter.
+     0: the usual op. */
+  int64_t awaited_by;
 } unison_op_options;
+
+/* Called once when an op completes (unison_on_done). */
+typedef void (*unison_done_fn)(void* arg, unison_handle handle, int status);
+/* Turns an op's awaited_by key into the Linux thread id of the thread that
+   waits for it (0: not known). */
+typedef int64_t (*unison_waiter_finder)(int64_t awaited_by);
 
 /* Lifecycle. Rank, size and the job id come from the environment the
    launcher sets (UNISON_RANK, UNISON_SIZE, ...); without it a process is
@@ -252,6 +267,20 @@ int unison_wait(unison_handle handle, double timeout_seconds);
    for ops whose result the caller already holds (in place, or into its
    own output). A failed op's handle stays for unison_handle_error. */
 int unison_wait_release(unison_handle handle, double timeout_seconds);
+/* Calls done(arg, handle, status) once, when the op completes: on the
+   thread that completes it (the engine's, or a caller's that drives it), or
+   on this one, before returning, if it already has. For front ends whose
+   framework completes an op by a callback instead of a wait (TensorFlow's
+   asynchronous kernels). done must return soon and wait for no op; it may
+   read the handle (unison_handle_error, _result, ...) and release it. An
+   op given a callback is taken into a cycle at once, as a polled one is
+   (engine_driver.cc). Releasing the handle before it completes drops the
+   callback. */
+int unison_on_done(unison_handle handle, unison_done_fn done, void* arg);
+/* The function that turns awaited_by keys into threads (NULL: none, and
+   such ops count no thread as blocked). It is called from the thread that
+   runs the deadlock test, with no lock of the core held. */
+int unison_set_waiter_finder(unison_waiter_finder finder);
 /* Copies the failed op's message (NUL-terminated, truncated to capacity). */
 int unison_handle_error(unison_handle handle, char* buffer, int64_t capacity);
 /* The result of a completed op: data, its byte count and its shape.

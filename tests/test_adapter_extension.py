@@ -1,6 +1,6 @@
 """unison.adapter_extension's pure logic, in-process: what a build is cached
 under, and which cache folders it refuses to load from. Building and loading
-a real extension is tests/test_torch_fast_path_build.py's."""
+a real extension is tests/test_adapter_builds.py's."""
 import os
 import shutil
 

@@ -3,18 +3,20 @@ its gradients.
 
 How a collective reaches the core: eagerly, a numpy view of the tensor
 (no copy) goes to unison.numpy, and the core's aligned result is adopted by
-TensorFlow through DLPack (no copy); inside a tf.function, the same Python
-runs as one `tf.py_function` node. tf_adapter/README.md gives the measured
-cost (large tensors cost what the core costs; a small one pays ~0.4 ms for
-the node inside a tf.function) and where a custom kernel would pay. AutoGraph
-is told to leave this Python alone (_keep_autograph_out).
+TensorFlow through DLPack (no copy); inside a tf.function or a TF1 graph,
+it is one node of the compiled asynchronous kernels (kernels.cc, loaded by
+kernels.py), or, where those cannot be built, a `tf.py_function` node
+running the same Python as the eager call. tf_adapter/README.md gives the
+measured costs. AutoGraph is told to leave this Python alone
+(_keep_autograph_out).
 
 Ordering inside a graph: TensorFlow may run independent nodes in any order
-and on any of its threads, and a collective node blocks its thread until
-the peers take part. So every collective node of a graph gets a control
-dependency on the one traced before it: each rank runs them in trace
-order, which is program order and the same everywhere, and no two ranks
-can wait on each other's different nodes. Grouped ops are one node, so
+and on any of its threads. So every collective node of a tf.function gets a
+control dependency on the one traced before it: each rank runs them in
+trace order, which is program order and the same everywhere, so the core
+numbers unnamed tensors alike on every rank, and no two ranks can wait on
+each other's different nodes (a py_function node blocks its thread until
+the peers take part). Grouped ops are one node, so
 their tensors reach the core together and fuse. A TF1 session graph is the
 exception: see _session_node_name.
 
@@ -24,6 +26,8 @@ broadcast's is the averaged gradient on the root and zero elsewhere;
 alltoall's sends the gradient back along the received splits;
 reducescatter's is the allgathered gradient (times the size for Sum).
 """
+import itertools
+import struct
 import sys
 import threading
 import weakref
@@ -39,6 +43,9 @@ from unison.exceptions import DeadlockError, InvalidArgumentError, MismatchError
 from unison.handles import GraphNode, HandleGroup, synchronize
 from unison.numpy import NumpyTensors
 from unison.process_sets import global_process_set
+from unison.process_sets import process_set_id
+from unison._native import lib
+from unison.tensorflow import kernels as _kernel_library
 from unison.tensorflow.compression import Compression
 
 Sum, Average, Min, Max, Product, Adasum = (basics.Sum, basics.Average, basics.Min, basics.Max,
@@ -183,12 +190,16 @@ def _refuse_xla(kind, name):
             "callbacks turn it off for model.fit)" % what)
 
 
-def _run(fn, inputs, out_dtypes, kind, name=_NO_TENSOR):
+def _run(fn, inputs, out_dtypes, kind, name=_NO_TENSOR, compiled=None, names=(None,)):
     """fn(*numpy arrays) -> list of numpy arrays, as tensors: called now
-    when eager, else as one py_function node chained after the graph's
-    previous collective. Inputs are viewed, outputs adopted: no copy on
-    either side (a numpy_function node would copy every result). `kind`
-    and `name` name the op and its tensors in errors raised while tracing."""
+    when eager, else as one graph node chained after the graph's previous
+    collective: compiled(core names, awaited_by key) builds it from the
+    compiled kernels where they are loaded (kernels.py), else it is a
+    py_function node. In a py_function node inputs are viewed, outputs
+    adopted: no copy on either side (a numpy_function node would copy every
+    result). `kind` and `name` name the op and its tensors in errors raised
+    while tracing; `names` are the core's names of the node's ops (None:
+    numbered by the core)."""
     def call(*tensors):
         try:
             outputs = fn(*[_view(t) for t in tensors])
@@ -202,6 +213,18 @@ def _run(fn, inputs, out_dtypes, kind, name=_NO_TENSOR):
         return call(*inputs)
     _refuse_xla(kind, name)
     graph = tf.compat.v1.get_default_graph()
+    chained = graph.building_function   # see "Ordering" above, and _session_node_name
+    if compiled is not None and _kernels is not None:
+        if not chained:   # a TF1 session graph: every op named, as below for the py_function node
+            prefix = _session_node_name(graph, kind)
+            unnamed = itertools.count()
+            names = [n if n else "%s.%d" % (prefix, next(unnamed)) for n in names]
+        previous = _last_in_graph.get(graph) if chained else None
+        with tf.control_dependencies([previous] if previous is not None else []):
+            outputs = compiled([n or "" for n in names], _awaited_by(graph))
+        if chained:
+            _last_in_graph[graph] = outputs[0].op
+        return list(outputs)
     traced_in = weakref.ref(graph)
     if tf.compat.v1.executing_eagerly_outside_functions():
         def node(*tensors):
@@ -216,7 +239,6 @@ def _run(fn, inputs, out_dtypes, kind, name=_NO_TENSOR):
                     return call(*tensors)
                 except DeadlockError as error:
                     raise DeadlockError("%s%s" % (error, _SESSION_THREADS)) from error
-    chained = graph.building_function   # see "Ordering" above, and _session_node_name
     previous = _last_in_graph.get(graph) if chained else None
     with tf.control_dependencies([previous] if previous is not None else []):
         outputs = tf.py_function(node, list(inputs), list(out_dtypes), name="unison")
@@ -283,6 +305,29 @@ try:
 except (ImportError, AttributeError):
     _RUNS_A_SESSION = None
 _CALLERS = tuple(code for code in (_CALLS_A_FUNCTION, _RUNS_A_SESSION) if code is not None)
+
+
+# The compiled kernels' awaited_by keys: one per graph (the graph a node is
+# traced into), so that the core's deadlock test can ask which thread waits
+# for a node only when it needs to (unison.h, unison_set_waiter_finder).
+_graph_keys = weakref.WeakKeyDictionary()
+_graphs_by_key = {}
+_next_key = itertools.count(1)
+
+
+def _awaited_by(graph):
+    key = _graph_keys.get(graph)
+    if key is None:
+        key = _graph_keys[graph] = next(_next_key)
+        _graphs_by_key[key] = weakref.ref(graph, lambda _, key=key: _graphs_by_key.pop(key, None))
+    return key
+
+
+def _find_waiter(key):
+    """The Linux thread id waiting for the graph that `key` names; 0 where
+    none is found."""
+    traced_in = _graphs_by_key.get(key)
+    return 0 if traced_in is None else _thread_waiting_for(traced_in)
 
 
 def _thread_waiting_for(traced_in):
@@ -357,16 +402,57 @@ def _needs_gradient(tensors):
         return True
 
 
-def _grouped_node(kind, tensors, name, start, static_shape):
+_CORE_OPS = {"allreduce": lib.UNISON_ALLREDUCE, "allgather": lib.UNISON_ALLGATHER, "broadcast": lib.UNISON_BROADCAST,
+             "alltoall": lib.UNISON_ALLTOALL, "reducescatter": lib.UNISON_REDUCESCATTER}
+
+
+def _kernel_attrs(kind, tensors, name, process_set, reduce_op=None, prescale_factor=1.0, postscale_factor=1.0,
+                  root_rank=0):
+    """{"kernel": the kernel op's function, "attrs": its attributes} for a
+    node of `kind` on `tensors` in a graph with the compiled kernels
+    loaded; {} where the node will be a py_function (eagerly too). What the
+    Python node checks when it runs (names, factors, the root, the process
+    set) is checked here, once, while tracing: the kernel only enqueues."""
+    if _kernels is None or tf.executing_eagerly():
+        return {}
+    set_id = process_set_id(process_set)
+    for t, n in zip(tensors, _member_names(name, len(tensors))):
+        try:
+            collective.prepare(_CORE_OPS[kind], n, dtypes.code_of(t.dtype.name, n), (), reduce_op or 0,
+                               prescale_factor, postscale_factor, root_rank, None, set_id, -1)
+        except InvalidArgumentError as error:
+            translated = _as_tensorflow_error(error)
+            if translated is None:
+                raise
+            raise translated from error
+    attrs = {"process_set": set_id}
+    if kind in ("allreduce", "reducescatter"):
+        attrs.update(reduce_op=int(reduce_op), prescale_bits=_bits(prescale_factor),
+                     postscale_bits=_bits(postscale_factor))
+    if kind == "broadcast":
+        attrs["root_rank"] = int(root_rank)
+    return {"kernel": "unison_" + kind, "attrs": attrs}
+
+
+def _bits(factor):
+    """A factor as its double's bits: a float attr is 32 bits wide."""
+    return struct.unpack("<q", struct.pack("<d", float(factor)))[0]
+
+
+def _grouped_node(kind, tensors, name, start, static_shape, kernel=None, attrs=None):
     """One node for a grouped op: start(array, member name) enqueues each
     member and returns its Handle; all are enqueued before any is waited
     on, so the core fuses them. static_shape(t) is each output's shape as
-    far as tracing knows it."""
+    far as tracing knows it. In a graph with the compiled kernels loaded,
+    the node is the kernel op `kernel` instead, with `attrs`."""
     names = _member_names(name, len(tensors))
 
     def fn(*arrays):
         return synchronize(HandleGroup([start(a, n) for a, n in zip(arrays, names)]))
-    outputs = _run(fn, tensors, [t.dtype for t in tensors], kind, name)
+
+    def compiled(core_names, awaited_by):
+        return getattr(_kernels, kernel)(tensors, names=core_names, awaited_by=awaited_by, **attrs)
+    outputs = _run(fn, tensors, [t.dtype for t in tensors], kind, name, compiled if kernel else None, names)
     for out, t in zip(outputs, tensors):
         out.set_shape(static_shape(t))
     return outputs
@@ -421,7 +507,9 @@ _grads = _TensorFlowGradients()
 
 def _grouped_allreduce_raw(tensors, name, op, prescale_factor, postscale_factor, process_set):
     return _grouped_node("allreduce", tensors, name, lambda a, n: _front.allreduce_async(
-        a, n, op, prescale_factor, postscale_factor, process_set), lambda t: t.shape)
+        a, n, op, prescale_factor, postscale_factor, process_set), lambda t: t.shape,
+        **_kernel_attrs("allreduce", tensors, name, process_set, reduce_op=op,
+                        prescale_factor=prescale_factor, postscale_factor=postscale_factor))
 
 
 def _grouped_allreduce(tensors, name, op, prescale_factor, postscale_factor, process_set):
@@ -534,7 +622,7 @@ def _first_dims(tensor, name, process_set):
 
 def _grouped_allgather_raw(tensors, name, process_set):
     return _grouped_node("allgather", tensors, name, lambda a, n: _front.allgather_async(a, n, process_set),
-                         _rows_unknown)
+                         _rows_unknown, **_kernel_attrs("allgather", tensors, name, process_set))
 
 
 def grouped_allgather(tensors, name=None, ignore_name_scope=False, process_set=global_process_set):
@@ -567,7 +655,8 @@ def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_pro
 
 def _broadcast_raw(tensors, root_rank, name, process_set):
     return _grouped_node("broadcast", tensors, name, lambda a, n: _front.broadcast_async(a, root_rank, n, process_set),
-                         lambda t: t.shape)
+                         lambda t: t.shape,
+                         **_kernel_attrs("broadcast", tensors, name, process_set, root_rank=root_rank))
 
 
 def broadcast(tensor, root_rank, name=None, ignore_name_scope=False, process_set=global_process_set):
@@ -617,7 +706,13 @@ def _alltoall_raw(tensor, splits, name, process_set):
                                    "evenly among %d ranks; pass splits" % (_label(name), rows, n))
         rows = tf.shape(tensor, out_type=tf.int64)[0]
         splits = tf.fill([n], rows // n)
-    output, received = _run(fn, [tensor, tf.cast(splits, tf.int64)], [tensor.dtype, tf.int64], "alltoall", name)
+    inputs = [tensor, tf.cast(splits, tf.int64)]
+    compiled = None
+    if _kernels is not None and not tf.executing_eagerly():
+        attrs = _kernel_attrs("alltoall", [tensor], name, process_set)["attrs"]
+        compiled = (lambda core_names, awaited_by: _kernels.unison_alltoall(
+            inputs[0], inputs[1], names=core_names, awaited_by=awaited_by, **attrs))
+    output, received = _run(fn, inputs, [tensor.dtype, tf.int64], "alltoall", name, compiled, [name])
     output.set_shape(_rows_unknown(tensor))
     received.set_shape([process_set.size()])
     return output, received
@@ -662,7 +757,9 @@ def _grouped_reducescatter_raw(tensors, name, op, prescale_factor, postscale_fac
         mine = None if rows is None else arguments.scatter_rows(rows, size, rank)
         return tf.TensorShape([mine]).concatenate(t.shape[1:])
     return _grouped_node("reducescatter", tensors, name, lambda a, n: _front.reducescatter_async(
-        a, n, op, prescale_factor, postscale_factor, process_set), static_shape)
+        a, n, op, prescale_factor, postscale_factor, process_set), static_shape,
+        **_kernel_attrs("reducescatter", tensors, name, process_set, reduce_op=op,
+                        prescale_factor=prescale_factor, postscale_factor=postscale_factor))
 
 
 def grouped_reducescatter(tensors, op=Average, name=None, ignore_name_scope=False,
@@ -706,7 +803,11 @@ def barrier(process_set=global_process_set):
     def fn():
         collective.barrier(process_set)
         return [np.int32(0)]
-    outputs = _run(fn, [], [tf.int32], "barrier")
+
+    def compiled(core_names, awaited_by):
+        return [_kernels.unison_barrier(names=core_names, process_set=process_set_id(process_set),
+                                        awaited_by=awaited_by)]
+    outputs = _run(fn, [], [tf.int32], "barrier", _NO_TENSOR, compiled)
     return None if tf.executing_eagerly() else outputs[0].op
 
 
@@ -715,7 +816,11 @@ def join(process_set=global_process_set):
     collectives with nothing) and returns the rank that joined last."""
     def fn():
         return [np.int32(collective.join(process_set))]
-    return _run(fn, [], [tf.int32], "join")[0]
+
+    def compiled(core_names, awaited_by):
+        return [_kernels.unison_join(names=core_names, process_set=process_set_id(process_set),
+                                     awaited_by=awaited_by)]
+    return _run(fn, [], [tf.int32], "join", _NO_TENSOR, compiled)[0]
 
 
 # ---- queries as ops ----------------------------------------------------------------
@@ -749,3 +854,8 @@ def process_set_included_op(process_set_id=0, name=None):
 def _process_set_by_id(process_set_id):
     from unison.process_sets import find
     return find(process_set_id)
+
+
+# The compiled kernels (kernels.py), or None: graph nodes are then
+# py_function nodes. Loaded last, since they call back into _find_waiter.
+_kernels = _kernel_library.load(_find_waiter)

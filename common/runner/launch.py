@@ -29,7 +29,8 @@ def compiled_paths():
     the adapter builds its extension where no cached build fits, as the
     first training script would."""
     from unison import adapter_extension
-    for module, adapter, label in [("torch", "unison.torch", "PyTorch")]:
+    for module, adapter, label in [("torch", "unison.torch", "PyTorch"),
+                                   ("tensorflow", "unison.tensorflow", "TensorFlow")]:
         if importlib.util.find_spec(module) is None:
             continue
         try:
@@ -57,7 +58,7 @@ def check_build():
               "", "GPU support (found at run time): " + basics.device_support()]
     paths = compiled_paths()
     if paths:
-        lines += ["", "Per-tensor paths (compiled against the installed framework at first import):"]
+        lines += ["", "Compiled paths (built against the installed framework at first import):"]
         lines += ["    %s %s: %s" % (mark(path.startswith("compiled")), label, path) for label, path in paths.items()]
     print("\n".join(lines))
     return 0

@@ -1,6 +1,7 @@
 """Bad input: a clear exception on every rank that names the tensor and
 each rank's value, and the job stays usable afterwards."""
 import pickle
+import threading
 
 import numpy as np
 import pytest
@@ -224,6 +225,56 @@ def test_an_in_place_op_is_released_by_the_wait_that_ends_it_and_a_failed_one_ke
         unp.synchronize(failed)
     assert lib.unison_release(failed.id) == lib.UNISON_ERR_INVALID_ARGUMENT   # released after the message
     assert lib.unison_wait_release(failed.id, 0.0) == lib.UNISON_ERR_INVALID_ARGUMENT
+
+
+def test_on_done_calls_back_once_with_the_status_from_the_completing_thread_or_at_once():
+    """unison_on_done, by which a framework's asynchronous kernel completes
+    (tf_adapter/kernels.cc): one call per op, with its status, whether the op
+    ends after the callback is given (on the thread that completes it), ends
+    in failure, or had ended before (at once, on the caller's thread). The
+    callback may read and release the handle."""
+    me, n = unison.rank(), unison.size()
+    calls = []
+    ended = threading.Event()
+
+    @ffi.callback("void(void*, int64_t, int)")
+    def done(arg, handle, status):
+        message = ffi.new("char[]", 512)
+        if status:
+            lib.unison_handle_error(handle, message, 512)
+        calls.append((ffi.cast("intptr_t", arg), handle, status, ffi.string(message).decode(),
+                      threading.get_ident()))
+        lib.unison_release(handle)
+        ended.set()
+
+    def started(x, name, tag):
+        handle = unp.allreduce_async_(x, op=unison.Sum, name=name)
+        assert lib.unison_on_done(handle.id, done, ffi.cast("void*", tag)) == lib.UNISON_OK
+        return handle.id
+
+    x = np.full(5, me + 1.0)
+    first = started(x, "on_done.ok", 7)
+    assert ended.wait(60), "the callback never came"
+    assert calls == [(7, first, lib.UNISON_OK, "", calls[0][4])]
+    np.testing.assert_array_equal(x, np.full(5, n * (n + 1) / 2))
+    assert lib.unison_release(first) == lib.UNISON_ERR_INVALID_ARGUMENT   # the callback released it
+
+    calls.clear()
+    ended.clear()
+    failed = started(np.ones(2 + me), "on_done.bad.shape", 8)
+    assert ended.wait(60), "the callback never came"
+    assert [c[:3] for c in calls] == [(8, failed, lib.UNISON_ERR_MISMATCH)]
+    assert "'on_done.bad.shape'" in calls[0][3] and "rank 0 [2], rank 1 [3]" in calls[0][3], calls
+
+    calls.clear()
+    ended.clear()
+    y = np.full(3, me + 1.0)
+    finished = unp.allreduce_async_(y, op=unison.Sum, name="on_done.after")
+    assert lib.unison_wait(finished.id, -1.0) == lib.UNISON_OK
+    assert lib.unison_on_done(finished.id, done, ffi.cast("void*", 9)) == lib.UNISON_OK
+    assert calls == [(9, finished.id, lib.UNISON_OK, "", threading.get_ident())]   # at once, here
+    np.testing.assert_array_equal(y, np.full(3, n * (n + 1) / 2))
+    assert lib.unison_on_done(10 ** 9, done, ffi.NULL) == lib.UNISON_ERR_INVALID_ARGUMENT
 
 
 # ---- objects that cannot be serialised -----------------------------------------------

@@ -6,6 +6,7 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 
 import unison.tensorflow as hvd  # noqa: E402
+from unison.tensorflow import ops as tf_ops  # noqa: E402
 
 from shared_grid import *  # noqa: F401,F403,E402  (the grid's tests and pytest_generate_tests)
 from shared_grid import Shim  # noqa: E402
@@ -14,10 +15,24 @@ NUMBERS = ["uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int
            "float32", "float64"]
 
 
+def with_py_function_nodes(form):
+    """`form`, traced with the tf.py_function nodes that the compiled kernels
+    fall back to where they cannot be built (tf_adapter/kernels.py)."""
+    def run(*args):
+        kernels, tf_ops._kernels = tf_ops._kernels, None
+        try:
+            return form(*args)
+        finally:
+            tf_ops._kernels = kernels
+    return run
+
+
 def eager_and_traced(forms):
     """Each of Horovod's forms eagerly, traced into a tf.function, and built
     into a TF1 graph run by a tf.compat.v1.Session: the tensor is the traced
-    function's argument or the graph's placeholder, the rest is closed over."""
+    function's argument or the graph's placeholder, the rest is closed over.
+    In graphs, each runs through the compiled kernels and once more through
+    the py_function nodes."""
     def traced(fn):
         return lambda x, *rest: tf.function(lambda t: fn(t, *rest))(x)
 
@@ -30,7 +45,9 @@ def eager_and_traced(forms):
                     value = session.run(out, {fed: x.numpy()})
             return tf.constant(value)
         return run
-    return {"eager": forms["sync"], "tf.function": traced(forms["sync"]), "tf1-session": in_a_session(forms["sync"])}
+    graph_forms = {"tf.function": traced(forms["sync"]), "tf1-session": in_a_session(forms["sync"])}
+    fallback = {kind + "-py_function": with_py_function_nodes(form) for kind, form in graph_forms.items()}
+    return dict(eager=forms["sync"], **graph_forms, **fallback)
 
 
 class TensorFlowShim(Shim):

@@ -3,6 +3,7 @@ test_tensorflow_grid.py), from one rank's point of view: every rank
 computes what every other rank sent, exactly, eagerly, inside
 tf.function and in TF1 graphs run by a Session; the gradients Horovod
 defines; errors on every rank."""
+import os
 import threading
 
 import pytest
@@ -11,7 +12,9 @@ tf = pytest.importorskip("tensorflow")
 import numpy as np  # noqa: E402
 
 import unison  # noqa: E402
+from unison import adapter_extension  # noqa: E402
 import unison.tensorflow as hvd  # noqa: E402
+from unison.tensorflow import ops as tf_ops  # noqa: E402
 
 hvd.init()
 N, RANK = hvd.size(), hvd.rank()
@@ -342,13 +345,17 @@ def test_mismatched_shape_fails_on_every_rank_and_recovers(mode):
     np.testing.assert_array_equal(hvd.allreduce(tf.ones([2]), op=hvd.Sum), [N, N])
 
 
-def test_error_types_are_horovods():
+@pytest.mark.parametrize("nodes", ["compiled", "py_function"])
+def test_error_types_are_horovods(monkeypatch, nodes):
     """Eagerly: disagreement is tf.errors.FailedPreconditionError, a bad
     argument tf.errors.InvalidArgumentError, each still unison's class.
     Inside tf.function a bad argument is still InvalidArgumentError; a
-    disagreement is an OpError (TensorFlow turns every other Python
-    exception of a py_function node into UnknownError) whose message
-    names unison's class."""
+    disagreement is FailedPreconditionError through the compiled kernels,
+    and an OpError through the py_function nodes they fall back to
+    (TensorFlow turns every other Python exception of a py_function node
+    into UnknownError); either way its message names unison's class."""
+    if nodes == "py_function":
+        monkeypatch.setattr(tf_ops, "_kernels", None)
     with pytest.raises(tf.errors.FailedPreconditionError, match=r"MismatchError: unison: allreduce 'fp\.eager'"):
         hvd.allreduce(tf.ones([RANK + 1]), name="fp.eager")
     with pytest.raises(unison.MismatchError):
@@ -361,9 +368,57 @@ def test_error_types_are_horovods():
         hvd.alltoall(tf.ones([N]), splits=bad_splits, name="ia.eager.unison")
     with pytest.raises(tf.errors.InvalidArgumentError, match="add up to"):
         tf.function(lambda t: hvd.alltoall(t, splits=bad_splits, name="ia.graph"))(tf.ones([N]))
-    with pytest.raises(tf.errors.OpError, match="MismatchError"):
+    graph_mismatch = tf.errors.FailedPreconditionError if nodes == "compiled" else tf.errors.OpError
+    with pytest.raises(graph_mismatch, match=r"MismatchError: unison: allreduce 'fp\.graph'"):
         tf.function(lambda t: hvd.allreduce(t, name="fp.graph"))(tf.ones([RANK + 1]))
+    with pytest.raises(graph_mismatch, match=r"MismatchError: unison: allgather 'fp\.graph\.gather'"):
+        tf.function(lambda t: hvd.allgather(t, name="fp.graph.gather"))(tf.ones([2, RANK + 1]))
     np.testing.assert_array_equal(hvd.allreduce(tf.ones([2]), op=hvd.Sum, name="after.errors"), [N, N])
+    np.testing.assert_array_equal(tf.function(lambda t: hvd.allreduce(t, op=hvd.Sum))(tf.ones([2])), [N, N])
+
+
+def test_graphs_run_through_the_compiled_kernels():
+    """CI's TensorFlow builds the kernels: unless chosen away, every graph
+    collective is one of their ops, and no py_function node is left."""
+    if os.environ.get("UNISON_TF_KERNELS") == "0":
+        assert tf_ops._kernels is None
+        return
+    assert tf_ops._kernels is not None, adapter_extension.ACTIVE
+
+    @tf.function
+    def step(x):
+        return (hvd.allreduce(x), hvd.allgather(x), hvd.broadcast(x, 0), hvd.alltoall(x),
+                hvd.reducescatter(x), hvd.join())
+    x = tf.ones([N * 2])
+    graph = step.get_concrete_function(x).graph
+    kinds = sorted(op.type for op in graph.get_operations() if op.type.startswith("Unison") or "PyFunc" in op.type)
+    assert kinds == ["UnisonAllgather", "UnisonAllreduce", "UnisonAlltoall", "UnisonBroadcast", "UnisonJoin",
+                     "UnisonReducescatter"]
+    reduced, gathered, received, exchanged, scattered, last = step(x)
+    np.testing.assert_array_equal(reduced, np.ones(N * 2))
+    assert gathered.shape == (N * N * 2,) and exchanged.shape == (N * 2,) and scattered.shape == (2,)
+    assert int(last) in range(N)
+
+
+def test_a_tf1_session_runs_more_independent_collectives_than_it_has_threads():
+    """Twelve collectives that no control edge orders, fetched at once by a
+    session with two inter-op threads, built in another order on every
+    other rank: through the compiled kernels no node holds a thread while
+    it waits, so TensorFlow may start them in any order and they pair by
+    name. (A py_function node held a thread each: this deadlocked.)"""
+    if tf_ops._kernels is None:
+        pytest.fail("needs the compiled kernels: %s" % adapter_extension.ACTIVE)
+    order = list(range(12)) if RANK % 2 == 0 else list(reversed(range(12)))
+    with tf.Graph().as_default() as graph:
+        built = {}
+        for i in order:
+            built[i] = hvd.allreduce(tf.constant([float(i), float(RANK)]), op=hvd.Sum, name="independent.%d" % i)
+        config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=2, use_per_session_threads=True)
+        with tf.compat.v1.Session(graph=graph, config=config) as session:
+            values = session.run([built[i] for i in range(12)])
+    everyone = float(sum(range(N)))
+    for i, value in enumerate(values):
+        assert value.tolist() == [float(i * N), everyone]
 
 
 @pytest.mark.parametrize("kind,call", [
@@ -412,7 +467,9 @@ def test_autograph_runs_unisons_python_as_written(monkeypatch):
     (ops._keep_autograph_out). Otherwise each collective node's Python runs
     as AutoGraph's generated code every step, and tracing takes ten times
     as long (benchmarks/README.md). A TensorFlow that moves AutoGraph's list
-    fails here, not silently slower."""
+    fails here, not silently slower. (The py_function nodes are the
+    fallback where the compiled kernels are not built; they are forced here.)"""
+    monkeypatch.setattr(tf_ops, "_kernels", None)
     nodes = []
     real = tf.py_function
 

@@ -1,0 +1,106 @@
+"""unison.tensorflow's compiled op kernels: kernels.cc, built against the
+installed TensorFlow by unison.adapter_extension (at first import, then
+cached per TensorFlow version and flags), and loaded with
+tf.load_op_library.
+
+Inside a tf.function or a TF1 graph, each collective is then one node of an
+asynchronous kernel that enqueues into the core and returns, completing
+from the core's callback: no TensorFlow thread waits while the ranks
+negotiate, and a node costs what TensorFlow's own ops cost rather than a
+tf.py_function's ~0.25 ms (benchmarks/tf_op_path.py). The py_function
+nodes stay as the fallback, for the whole of a machine where the library
+cannot be built, with one warning that says why. UNISON_TF_KERNELS=0
+chooses them without the warning; =1 makes a failed build an error.
+"""
+import ctypes
+import os
+import warnings
+
+import tensorflow as tf
+
+from unison import adapter_extension
+from unison._native import ffi, lib
+from unison.exceptions import UnsupportedError
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels.cc")
+SETTING = "UNISON_TF_KERNELS"
+LABEL = "TensorFlow"
+
+# The core's functions the kernels call, in the order unison_tf_bind takes them.
+_BOUND = ["unison_enqueue", "unison_group_begin", "unison_group_end", "unison_on_done", "unison_handle_error",
+          "unison_handle_result", "unison_handle_received_splits", "unison_handle_join_rank", "unison_release",
+          "unison_last_error", "unison_wait"]
+
+
+def _root():
+    return os.path.dirname(os.path.abspath(tf.__file__))
+
+
+def _flags():
+    """(compile flags, link flags) for an op library of this TensorFlow, as
+    TensorFlow itself says (its headers, C++ ABI and standard, and its
+    framework library). Its headers warn of their own deprecations by the
+    hundred: those are silenced, errors are not."""
+    return list(tf.sysconfig.get_compile_flags()) + ["-Wno-deprecated-declarations"], \
+        list(tf.sysconfig.get_link_flags())
+
+
+def _versions():
+    info = tf.sysconfig.get_build_info()
+    return [tf.__version__, str(tf.version.GIT_VERSION), str(info.get("cuda_version")),
+            str(info.get("cudnn_version"))]
+
+
+def _address(function):
+    return int(ffi.cast("uintptr_t", ffi.addressof(lib, function)))
+
+
+def load(find_waiter):
+    """The kernels' op module (tf.load_op_library), bound to the core, or
+    None for the py_function nodes (which has then been warned about,
+    unless chosen). find_waiter(key) -> the Linux thread id waiting for the
+    graph that `key` names, for the core's deadlock test (unison.h,
+    unison_set_waiter_finder)."""
+    mode = adapter_extension.auto_or_flag(SETTING)
+    if mode == 0:
+        adapter_extension.ACTIVE[LABEL] = "tf.py_function nodes (%s=0)" % SETTING
+        return None
+    try:
+        library, how = adapter_extension.build("unison_tf_kernels", SOURCE, *_flags(), versions=_versions(),
+                                               framework_root=_root(), suffix=".so")
+        try:
+            module = tf.load_op_library(library)
+        except (tf.errors.OpError, OSError) as e:
+            raise adapter_extension.Unavailable("%s does not load: %s" % (library, e)) from None
+    except adapter_extension.Unavailable as e:
+        if mode == 1:
+            raise UnsupportedError("unison: %s=1, but unison.tensorflow's compiled kernels cannot be used: %s"
+                                   % (SETTING, e)) from None
+        adapter_extension.ACTIVE[LABEL] = "tf.py_function nodes: %s" % e
+        warnings.warn("unison.tensorflow runs collectives inside tf.function and TF1 graphs as tf.py_function "
+                      "nodes (about 0.25 ms more a node, one TensorFlow thread held while each waits), because "
+                      "its compiled kernels cannot be used: %s. (%s=0 chooses these nodes without this warning.)"
+                      % (e, SETTING), RuntimeWarning, stacklevel=2)
+        return None
+    functions = (ctypes.c_uint64 * len(_BOUND))(*[_address(f) for f in _BOUND])
+    ctypes.CDLL(library).unison_tf_bind(functions, len(_BOUND))
+    _set_waiter_finder(find_waiter)
+    adapter_extension.ACTIVE[LABEL] = "compiled kernels (%s %s)" % (how, library)
+    return module
+
+
+# The finder, as a C function: kept for the life of the process, since the
+# core may call it at any time.
+_finder = None
+
+
+def _set_waiter_finder(find_waiter):
+    global _finder
+
+    def find(key):
+        try:
+            return int(find_waiter(key))
+        except Exception:  # noqa: BLE001 - the core asks from its own thread: no answer is "not known"
+            return 0
+    _finder = ctypes.CFUNCTYPE(ctypes.c_int64, ctypes.c_int64)(find)
+    lib.unison_set_waiter_finder(ffi.cast("unison_waiter_finder", ctypes.cast(_finder, ctypes.c_void_p).value))
