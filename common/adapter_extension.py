@@ -31,9 +31,10 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import warnings
 
 from unison import core
-from unison.exceptions import InvalidArgumentError
+from unison.exceptions import InvalidArgumentError, UnsupportedError
 
 HEADERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "include")  # unison.h
 _SUFFIX = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
@@ -46,6 +47,32 @@ ACTIVE = {}
 
 class Unavailable(Exception):
     """Why an adapter's compiled extension cannot be used here."""
+
+
+def compiled_or_fallback(label, setting_name, compiled, fallback, cost, build):
+    """What build() returns ((value, "built" or "cached", the library's
+    path)), or None where the adapter takes its fallback: chosen with
+    `setting_name`=0, or because build() raised Unavailable, which is then
+    warned about once, saying why and what the fallback costs (an error
+    instead where `setting_name`=1). `compiled` names what was built for
+    messages ("unison.torch's compiled path"), `fallback` the path taken
+    without it; ACTIVE[label] says which is in use."""
+    mode = auto_or_flag(setting_name)
+    if mode == 0:
+        ACTIVE[label] = "%s (%s=0)" % (fallback, setting_name)
+        return None
+    try:
+        value, how, library = build()
+    except Unavailable as e:
+        if mode == 1:
+            raise UnsupportedError("unison: %s=1, but %s cannot be used: %s" % (setting_name, compiled, e)) from None
+        ACTIVE[label] = "%s: %s" % (fallback, e)
+        warnings.warn("unison: %s cannot be used (%s); %s collectives take %s instead, %s. %s=0 chooses that "
+                      "without this warning." % (compiled, e, label, fallback, cost, setting_name),
+                      RuntimeWarning, stacklevel=3)
+        return None
+    ACTIVE[label] = "compiled (%s %s)" % (how, library)
+    return value, how, library
 
 
 def setting(name):

@@ -119,19 +119,37 @@ double factor_of(int64_t bits) {
   return value;
 }
 
-// What every collective kernel reads from its attrs.
+// What a kernel reads from its attrs; those an op does not have keep the
+// core's defaults.
 struct Common {
   std::vector<std::string> names;
   int process_set = UNISON_GLOBAL_PROCESS_SET;
   int64_t awaited_by = 0;
+  int reduce_op = UNISON_SUM;
+  double prescale = 1.0, postscale = 1.0;
+  int root_rank = 0;
 
   explicit Common(OpKernelConstruction* c) {
-    if (c->HasAttr("names")) OP_REQUIRES_OK(c, c->GetAttr("names", &names));
+    OP_REQUIRES_OK(c, c->GetAttr("names", &names));
     int64_t id = 0, key = 0;
     OP_REQUIRES_OK(c, c->GetAttr("process_set", &id));
     OP_REQUIRES_OK(c, c->GetAttr("awaited_by", &key));
     process_set = static_cast<int>(id);
     awaited_by = key;
+    if (c->HasAttr("reduce_op")) {
+      int64_t op = 0, pre = 0, post = 0;
+      OP_REQUIRES_OK(c, c->GetAttr("reduce_op", &op));
+      OP_REQUIRES_OK(c, c->GetAttr("prescale_bits", &pre));
+      OP_REQUIRES_OK(c, c->GetAttr("postscale_bits", &post));
+      reduce_op = static_cast<int>(op);
+      prescale = factor_of(pre);
+      postscale = factor_of(post);
+    }
+    if (c->HasAttr("root_rank")) {
+      int64_t root = 0;
+      OP_REQUIRES_OK(c, c->GetAttr("root_rank", &root));
+      root_rank = static_cast<int>(root);
+    }
   }
   const char* name(size_t i) const { return i < names.size() && !names[i].empty() ? names[i].c_str() : nullptr; }
 };
@@ -146,7 +164,7 @@ class Pending {
   using Finish = std::function<absl::Status(Pending*)>;
 
   Pending(OpKernelContext* context, AsyncOpKernel::DoneCallback done, size_t ops)
-      : context(context), done_(std::move(done)), handles(ops, 0), codes(ops, UNISON_OK), slots_(ops),
+      : context(context), handles(ops, 0), codes(ops, UNISON_OK), done_(std::move(done)), slots_(ops),
         remaining_(static_cast<int>(ops)) {
     for (size_t i = 0; i < ops; ++i) slots_[i] = {this, i};
   }
@@ -196,7 +214,15 @@ class Pending {
       complete();
       return;
     }
-    for (Slot& slot : slots_) core.on_done(handles[slot.index], &Pending::one_done, &slot);
+    // The last callback may end the node, and delete it, before on_done
+    // returns: nothing of it is read after that call.
+    Slot* slots = slots_.data();
+    const size_t n = slots_.size();
+    for (size_t i = 0; i < n; ++i) {
+      const unison_handle h = handles[i];
+      const int code = core.on_done(h, &Pending::one_done, &slots[i]);
+      if (code != UNISON_OK) one_done(&slots[i], h, code);
+    }
   }
 
   OpKernelContext* const context;
@@ -265,9 +291,22 @@ struct TensorOp {
     options.process_set_id = common.process_set;
     options.device = UNISON_CPU_DEVICE;
     options.awaited_by = common.awaited_by;
+    options.reduce_op = common.reduce_op;
+    options.prescale_factor = common.prescale;
+    options.postscale_factor = common.postscale;
+    options.root_rank = common.root_rank;
     return absl::OkStatus();
   }
 };
+
+// Enqueues each of `ops` under the node's handles; the first failure's code.
+int enqueue_each(std::vector<TensorOp>& ops, Pending* p) {
+  for (size_t i = 0; i < ops.size(); ++i) {
+    const int code = core.enqueue(&ops[i].options, &p->handles[i]);
+    if (code != UNISON_OK) return code;
+  }
+  return UNISON_OK;
+}
 
 // Copies the result the core allocated for handle `h` into output `index`.
 absl::Status copy_core_result(OpKernelContext* context, int index, unison_handle h) {
@@ -302,126 +341,46 @@ class CollectiveKernel : public AsyncOpKernel {
   Common common_;
 };
 
-// ---- allreduce, broadcast: results written into the outputs -------------------
+// ---- allreduce, broadcast, allgather, reducescatter: a list of tensors -------
 
-class InPlaceKernel : public CollectiveKernel {
+// Allreduce and broadcast write into the node's outputs, allocated before
+// the enqueue (the input's own buffer where TensorFlow can forward it: the
+// core works in place). Allgather's and reducescatter's sizes are known only
+// after negotiation: the core allocates their results, copied out once.
+class TensorsKernel : public CollectiveKernel {
  public:
-  InPlaceKernel(OpKernelConstruction* c, int op) : CollectiveKernel(c), op_(op) {
-    if (op == UNISON_ALLREDUCE) {
-      int64_t reduce_op = 0, prescale = 0, postscale = 0;
-      OP_REQUIRES_OK(c, c->GetAttr("reduce_op", &reduce_op));
-      OP_REQUIRES_OK(c, c->GetAttr("prescale_bits", &prescale));
-      OP_REQUIRES_OK(c, c->GetAttr("postscale_bits", &postscale));
-      reduce_op_ = static_cast<int>(reduce_op);
-      prescale_ = factor_of(prescale);
-      postscale_ = factor_of(postscale);
-    } else {
-      int64_t root = 0;
-      OP_REQUIRES_OK(c, c->GetAttr("root_rank", &root));
-      root_rank_ = static_cast<int>(root);
-    }
-  }
+  TensorsKernel(OpKernelConstruction* c, int op) : CollectiveKernel(c), op_(op) {}
 
   void ComputeAsync(OpKernelContext* context, DoneCallback done) override {
     const int n = context->num_inputs();
+    const bool into_outputs = op_ == UNISON_ALLREDUCE || op_ == UNISON_BROADCAST;
     std::vector<TensorOp> ops(n);
     for (int i = 0; i < n; ++i) {
       const Tensor& input = context->input(i);
-      Tensor* output = nullptr;
-      // The input's buffer when nothing else holds it: the core reduces in place.
-      OP_REQUIRES_OK_ASYNC(context, context->forward_input_or_allocate_output({i}, i, input.shape(), &output), done);
       OP_REQUIRES_OK_ASYNC(context, ops[i].describe(input, common_.name(i), op_, common_), done);
-      unison_op_options& o = ops[i].options;
-      o.output = const_cast<char*>(output->tensor_data().data());
-      o.reduce_op = reduce_op_;
-      o.prescale_factor = prescale_;
-      o.postscale_factor = postscale_;
-      o.root_rank = root_rank_;
+      if (into_outputs) {
+        Tensor* output = nullptr;
+        OP_REQUIRES_OK_ASYNC(context, context->forward_input_or_allocate_output({i}, i, input.shape(), &output),
+                             done);
+        ops[i].options.output = const_cast<char*>(output->tensor_data().data());
+      }
     }
     auto* pending = new Pending(context, std::move(done), n);
-    pending->start(
-        [&ops](Pending* p) {
-          for (size_t i = 0; i < ops.size(); ++i) {
-            const int code = core.enqueue(&ops[i].options, &p->handles[i]);
-            if (code != UNISON_OK) return code;
-          }
-          return static_cast<int>(UNISON_OK);
-        },
-        [](Pending*) { return absl::OkStatus(); });
+    pending->start([&ops](Pending* p) { return enqueue_each(ops, p); }, [into_outputs](Pending* p) {
+      for (size_t i = 0; i < p->handles.size() && !into_outputs; ++i)
+        TF_RETURN_IF_ERROR(copy_core_result(p->context, static_cast<int>(i), p->handles[i]));
+      return absl::OkStatus();
+    });
   }
 
  private:
   int op_;
-  int reduce_op_ = UNISON_SUM;
-  double prescale_ = 1.0, postscale_ = 1.0;
-  int root_rank_ = 0;
 };
 
-class AllreduceKernel : public InPlaceKernel {
+template <int kOp>
+class KernelOf : public TensorsKernel {
  public:
-  explicit AllreduceKernel(OpKernelConstruction* c) : InPlaceKernel(c, UNISON_ALLREDUCE) {}
-};
-
-class BroadcastKernel : public InPlaceKernel {
- public:
-  explicit BroadcastKernel(OpKernelConstruction* c) : InPlaceKernel(c, UNISON_BROADCAST) {}
-};
-
-// ---- allgather, reducescatter: sizes known after negotiation ------------------
-
-class GatheringKernel : public CollectiveKernel {
- public:
-  GatheringKernel(OpKernelConstruction* c, int op) : CollectiveKernel(c), op_(op) {
-    if (op == UNISON_REDUCESCATTER) {
-      int64_t reduce_op = 0, prescale = 0, postscale = 0;
-      OP_REQUIRES_OK(c, c->GetAttr("reduce_op", &reduce_op));
-      OP_REQUIRES_OK(c, c->GetAttr("prescale_bits", &prescale));
-      OP_REQUIRES_OK(c, c->GetAttr("postscale_bits", &postscale));
-      reduce_op_ = static_cast<int>(reduce_op);
-      prescale_ = factor_of(prescale);
-      postscale_ = factor_of(postscale);
-    }
-  }
-
-  void ComputeAsync(OpKernelContext* context, DoneCallback done) override {
-    const int n = context->num_inputs();
-    std::vector<TensorOp> ops(n);
-    for (int i = 0; i < n; ++i) {
-      OP_REQUIRES_OK_ASYNC(context, ops[i].describe(context->input(i), common_.name(i), op_, common_), done);
-      ops[i].options.reduce_op = reduce_op_;
-      ops[i].options.prescale_factor = prescale_;
-      ops[i].options.postscale_factor = postscale_;
-    }
-    auto* pending = new Pending(context, std::move(done), n);
-    pending->start(
-        [&ops](Pending* p) {
-          for (size_t i = 0; i < ops.size(); ++i) {
-            const int code = core.enqueue(&ops[i].options, &p->handles[i]);
-            if (code != UNISON_OK) return code;
-          }
-          return static_cast<int>(UNISON_OK);
-        },
-        [](Pending* p) {
-          for (size_t i = 0; i < p->handles.size(); ++i)
-            TF_RETURN_IF_ERROR(copy_core_result(p->context, static_cast<int>(i), p->handles[i]));
-          return absl::OkStatus();
-        });
-  }
-
- private:
-  int op_;
-  int reduce_op_ = UNISON_SUM;
-  double prescale_ = 1.0, postscale_ = 1.0;
-};
-
-class AllgatherKernel : public GatheringKernel {
- public:
-  explicit AllgatherKernel(OpKernelConstruction* c) : GatheringKernel(c, UNISON_ALLGATHER) {}
-};
-
-class ReducescatterKernel : public GatheringKernel {
- public:
-  explicit ReducescatterKernel(OpKernelConstruction* c) : GatheringKernel(c, UNISON_REDUCESCATTER) {}
+  explicit KernelOf(OpKernelConstruction* c) : TensorsKernel(c, kOp) {}
 };
 
 // ---- alltoall: a tensor and its splits in; the rows and the received splits out
@@ -433,14 +392,12 @@ class AlltoallKernel : public CollectiveKernel {
   void ComputeAsync(OpKernelContext* context, DoneCallback done) override {
     const Tensor& splits = context->input(1);
     const int64_t ranks = splits.NumElements();
-    auto op = std::make_shared<TensorOp>();
-    OP_REQUIRES_OK_ASYNC(context, op->describe(context->input(0), common_.name(0), UNISON_ALLTOALL, common_), done);
-    auto counts = std::make_shared<std::vector<int64_t>>(splits.flat<int64_t>().data(),
-                                                         splits.flat<int64_t>().data() + ranks);
-    op->options.splits = counts->data();
-    op->options.nsplits = static_cast<int>(ranks);
+    std::vector<TensorOp> ops(1);
+    OP_REQUIRES_OK_ASYNC(context, ops[0].describe(context->input(0), common_.name(0), UNISON_ALLTOALL, common_), done);
+    ops[0].options.splits = splits.flat<int64_t>().data();   // alive until done(): an input
+    ops[0].options.nsplits = static_cast<int>(ranks);
     auto* pending = new Pending(context, std::move(done), 1);
-    pending->start([op](Pending* p) { return core.enqueue(&op->options, &p->handles[0]); },
+    pending->start([&ops](Pending* p) { return enqueue_each(ops, p); },
                    [ranks](Pending* p) {
                      TF_RETURN_IF_ERROR(copy_core_result(p->context, 0, p->handles[0]));
                      Tensor* received = nullptr;
@@ -551,10 +508,10 @@ REGISTER_OP("UnisonBarrier").Output("done: int32").Attr("names: list(string) = [
 REGISTER_OP("UnisonJoin").Output("last_rank: int32").Attr("names: list(string) = []")
     .UNISON_COMMON_ATTRS.SetShapeFn(tensorflow::shape_inference::ScalarShape);
 
-REGISTER_KERNEL_BUILDER(Name("UnisonAllreduce").Device(tensorflow::DEVICE_CPU), AllreduceKernel);
-REGISTER_KERNEL_BUILDER(Name("UnisonBroadcast").Device(tensorflow::DEVICE_CPU), BroadcastKernel);
-REGISTER_KERNEL_BUILDER(Name("UnisonAllgather").Device(tensorflow::DEVICE_CPU), AllgatherKernel);
-REGISTER_KERNEL_BUILDER(Name("UnisonReducescatter").Device(tensorflow::DEVICE_CPU), ReducescatterKernel);
+REGISTER_KERNEL_BUILDER(Name("UnisonAllreduce").Device(tensorflow::DEVICE_CPU), KernelOf<UNISON_ALLREDUCE>);
+REGISTER_KERNEL_BUILDER(Name("UnisonBroadcast").Device(tensorflow::DEVICE_CPU), KernelOf<UNISON_BROADCAST>);
+REGISTER_KERNEL_BUILDER(Name("UnisonAllgather").Device(tensorflow::DEVICE_CPU), KernelOf<UNISON_ALLGATHER>);
+REGISTER_KERNEL_BUILDER(Name("UnisonReducescatter").Device(tensorflow::DEVICE_CPU), KernelOf<UNISON_REDUCESCATTER>);
 REGISTER_KERNEL_BUILDER(Name("UnisonAlltoall").Device(tensorflow::DEVICE_CPU), AlltoallKernel);
 REGISTER_KERNEL_BUILDER(Name("UnisonBarrier").Device(tensorflow::DEVICE_CPU), BarrierKernel);
 REGISTER_KERNEL_BUILDER(Name("UnisonJoin").Device(tensorflow::DEVICE_CPU), JoinKernel);

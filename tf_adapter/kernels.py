@@ -14,13 +14,11 @@ chooses them without the warning; =1 makes a failed build an error.
 """
 import ctypes
 import os
-import warnings
 
 import tensorflow as tf
 
 from unison import adapter_extension
 from unison._native import ffi, lib
-from unison.exceptions import UnsupportedError
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels.cc")
 SETTING = "UNISON_TF_KERNELS"
@@ -61,31 +59,22 @@ def load(find_waiter):
     unless chosen). find_waiter(key) -> the Linux thread id waiting for the
     graph that `key` names, for the core's deadlock test (unison.h,
     unison_set_waiter_finder)."""
-    mode = adapter_extension.auto_or_flag(SETTING)
-    if mode == 0:
-        adapter_extension.ACTIVE[LABEL] = "tf.py_function nodes (%s=0)" % SETTING
-        return None
-    try:
+    def build():
         library, how = adapter_extension.build("unison_tf_kernels", SOURCE, *_flags(), versions=_versions(),
                                                framework_root=_root(), suffix=".so")
         try:
-            module = tf.load_op_library(library)
+            return tf.load_op_library(library), how, library
         except (tf.errors.OpError, OSError) as e:
             raise adapter_extension.Unavailable("%s does not load: %s" % (library, e)) from None
-    except adapter_extension.Unavailable as e:
-        if mode == 1:
-            raise UnsupportedError("unison: %s=1, but unison.tensorflow's compiled kernels cannot be used: %s"
-                                   % (SETTING, e)) from None
-        adapter_extension.ACTIVE[LABEL] = "tf.py_function nodes: %s" % e
-        warnings.warn("unison.tensorflow runs collectives inside tf.function and TF1 graphs as tf.py_function "
-                      "nodes (about 0.25 ms more a node, one TensorFlow thread held while each waits), because "
-                      "its compiled kernels cannot be used: %s. (%s=0 chooses these nodes without this warning.)"
-                      % (e, SETTING), RuntimeWarning, stacklevel=2)
+    built = adapter_extension.compiled_or_fallback(
+        LABEL, SETTING, "unison.tensorflow's compiled kernels", "tf.py_function nodes",
+        "about 0.2 ms more a collective in a graph, and a TensorFlow thread held while each waits", build)
+    if built is None:
         return None
+    module, _, library = built
     functions = (ctypes.c_uint64 * len(_BOUND))(*[_address(f) for f in _BOUND])
     ctypes.CDLL(library).unison_tf_bind(functions, len(_BOUND))
     _set_waiter_finder(find_waiter)
-    adapter_extension.ACTIVE[LABEL] = "compiled kernels (%s %s)" % (how, library)
     return module
 
 

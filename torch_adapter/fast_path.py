@@ -13,12 +13,10 @@ with one warning that says why. UNISON_TORCH_FAST_PATH=0 chooses the
 Python path without the warning; =1 makes a failed build an error.
 """
 import os
-import warnings
 
 import torch
 
 from unison import adapter_extension, handles
-from unison.exceptions import UnsupportedError
 from unison._native import ffi, lib
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fast_path.cc")
@@ -49,26 +47,17 @@ def _address(function):
 def load():
     """The compiled module, bound to the core, or None for the Python path
     (which has then been warned about, unless chosen)."""
-    mode = adapter_extension.auto_or_flag(SETTING)
-    if mode == 0:
-        adapter_extension.ACTIVE[LABEL] = "the Python path (%s=0)" % SETTING
-        return None
-    try:
-        module, how, library = adapter_extension.load(
+    def build():
+        return adapter_extension.load(
             "unison_torch_fast_path", SOURCE, *_flags(),
             versions=[torch.__version__, str(torch.version.git_version), str(torch.version.cuda),
                       str(torch.version.hip)],
             framework_root=_root())
-    except adapter_extension.Unavailable as e:
-        if mode == 1:
-            raise UnsupportedError("unison: %s=1, but unison.torch's compiled path cannot be used: %s"
-                                   % (SETTING, e)) from None
-        adapter_extension.ACTIVE[LABEL] = "the Python path: %s" % e
-        warnings.warn("unison.torch takes its Python path, about 2 us more a tensor, because its compiled "
-                      "extension cannot be used: %s. (%s=0 chooses the Python path without this warning.)"
-                      % (e, SETTING), RuntimeWarning, stacklevel=2)
+    built = adapter_extension.compiled_or_fallback(LABEL, SETTING, "unison.torch's compiled path", "the Python path",
+                                                   "about 2 us more a tensor", build)
+    if built is None:
         return None
+    module = built[0]
     module.bind(_address("unison_enqueue"), _address("unison_wait_release"), handles.Handle, handles._in_flight,
                 _address("unison_graph_node_begin"), _address("unison_graph_node_end"))
-    adapter_extension.ACTIVE[LABEL] = "compiled (%s %s)" % (how, library)
     return module
