@@ -131,6 +131,10 @@ class Launch:
 
 
 STOP_GRACE_SECONDS = 5
+# How long after a rank's failure the launcher waits for others before it
+# says which one the job failed by (Job._cause): long enough for a killed
+# rank's end to come back from another host, short beside any grace period.
+CAUSE_WINDOW_SECONDS = 0.5
 
 
 class Job:
@@ -215,7 +219,9 @@ class Job:
 
     def wait(self):
         """Returns the launcher's exit status."""
-        failed = None  # (rank, code) of the first rank that ended with an error
+        failed = None  # (rank, code) of the rank whose failure the job is reported as
+        failures = []  # every (rank, code) that ended with an error, in the order seen
+        first_failure_at = None
         deadline = None
         seen = 0
         while True:
@@ -224,11 +230,16 @@ class Job:
                 self.exited.wait_for(lambda: len(self.exits) > seen, timeout=0.05)
                 ended = list(self.exits)
             for rank, code in ended[seen:]:
-                if code != 0 and failed is None:
-                    failed = (rank, code)
-                    deadline = time.monotonic() + self.args.failure_grace_seconds
-                    say("%s %s; stopping the other ranks" % (self.describe(rank), self._how(rank, code)))
+                if code != 0:
+                    failures.append((rank, code))
+                    if first_failure_at is None:
+                        first_failure_at = time.monotonic()
             seen = len(ended)
+            if failed is None and failures and (seen == len(self.procs)
+                                                or time.monotonic() - first_failure_at >= CAUSE_WINDOW_SECONDS):
+                failed = self._cause(failures)
+                deadline = time.monotonic() + self.args.failure_grace_seconds
+                say("%s %s; stopping the other ranks" % (self.describe(failed[0]), self._how(*failed)))
             if seen == len(self.procs):
                 break
             if deadline is not None and time.monotonic() > deadline:
@@ -254,6 +265,19 @@ class Job:
         status = re.search(r"exited with status (\d+)", how)
         signum = re.search(r"killed by signal (\d+)", how)
         return int(status.group(1)) if status else 128 + int(signum.group(1))
+
+    def _cause(self, failures):
+        """Which of the ranks that failed within CAUSE_WINDOW_SECONDS of the
+        first the job failed by: the first one a signal killed, else the
+        first seen. A rank killed outright takes its peers down with it (they
+        raise RankFailedError and exit with an error), and a survivor on this
+        host can be seen to exit before the victim on another host is, whose
+        end comes back through its host's wrapper: reporting the survivor
+        would name the wrong rank."""
+        for rank, code in failures:
+            if "killed by signal" in self._how(rank, code):
+                return rank, code
+        return failures[0]
 
     def _how(self, rank, code):
         # A remote rank's own wrapper knows how it ended; ssh only passes on a status.
