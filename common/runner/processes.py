@@ -143,6 +143,7 @@ class Job:
         self.job_id = new_job_id()
         self.procs = []
         self.hosts = {}  # rank -> host, for ranks started on hosts named with -H
+        self.wrapped = set()  # ranks started on another host, under its wrapper (ssh.py)
         self.reported = {}  # rank -> how a remote rank's wrapper said it ended
         self.threads = []
         self.logs = []
@@ -169,6 +170,8 @@ class Job:
             rank = launch.rank
             if launch.host is not None:
                 self.hosts[rank] = launch.host
+            if launch.stdin_text is not None:
+                self.wrapped.add(rank)
             self.log("starting %s: %s" % (self.describe(rank), " ".join(launch.command)))
             proc = start_process(launch.command, launch.env, launch.stdin_text)
             self.procs.append(proc)
@@ -176,7 +179,7 @@ class Job:
             waiter.start()
             folder = os.path.join(self.args.output_filename, "rank.%d" % rank) if self.args.output_filename else None
             forward_output(proc, rank, folder, self.threads, self.logs,
-                           report=self.reported if launch.host is not None else None,
+                           report=self.reported if rank in self.wrapped else None,
                            timestamped=self.args.prefix_output_with_timestamp)
 
     def _await_exit(self, rank, proc):
@@ -274,17 +277,24 @@ class Job:
         host can be seen to exit before the victim on another host is, whose
         end comes back through its host's wrapper: reporting the survivor
         would name the wrong rank."""
+        self._await_reports([rank for rank, _ in failures])
         for rank, code in failures:
             if "killed by signal" in self._how(rank, code):
                 return rank, code
         return failures[0]
 
+    def _await_reports(self, ranks, seconds=1.0):
+        """Gives the wrappers of those of `ranks` that ran on other hosts up
+        to `seconds` in all to say how their rank ended: the line may still
+        be on its way when ssh's own end is seen. (Ranks on this machine
+        have no wrapper, and nothing to wait for.)"""
+        deadline = time.monotonic() + seconds
+        while any(r in self.wrapped and r not in self.reported for r in ranks) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
     def _how(self, rank, code):
         # A remote rank's own wrapper knows how it ended; ssh only passes on a status.
-        for _ in range(20):  # its line may still be on the way
-            if rank in self.reported or rank not in self.hosts:
-                break
-            time.sleep(0.05)
+        self._await_reports([rank])
         return self.reported.get(rank, describe_exit(code))
 
     def cleanup(self):

@@ -23,7 +23,6 @@ output= (ops.py refuses it, saying why): the grid's tests of it skip.
 """
 import functools
 import inspect
-import logging
 
 import pytest
 
@@ -35,14 +34,13 @@ from unison.torch import graph_ops  # noqa: E402
 
 from shared_grid import *  # noqa: F401,F403,E402  (the grid's tests and pytest_generate_tests)
 from test_torch_grid import TorchShim  # noqa: E402
+from cheap_compiles import make_compiles_cheaper  # noqa: E402
 
 # Every test compiles its own calls: Dynamo's default of 8 graphs per
 # function would fall back to eager after the eighth.
 torch._dynamo.config.recompile_limit = 1 << 20
 torch._dynamo.config.accumulated_recompile_limit = 1 << 20
-# Dynamo's structured trace records, formatted for pytest's log capture
-# at every compile, are not what these tests read.
-logging.getLogger("torch.__trace").propagate = False
+make_compiles_cheaper()
 
 
 class CompiledAPI:
