@@ -24,8 +24,8 @@ import time
 
 from unison.runner import rank_environment
 from unison.runner.hosts import parse_hostfile, slots
-from unison.runner.processes import (describe_exit, die_with_parent, forward_output, new_job_id,
-                                     remove_shared_memory, say)
+from unison.runner.processes import (CAUSE_WINDOW_SECONDS, describe_exit, die_with_parent, forward_output,
+                                     new_job_id, remove_shared_memory, say)
 
 FAILURE = re.compile(r"unisonrun: rank (\d+) .*(exited with status|was killed by signal)")
 
@@ -111,14 +111,14 @@ def launch(args, settings):
     if args.verbose:
         say(" ".join(command))
     proc = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    failed = []
+    failed = []  # (when, the wrappers' line) for every rank that failed, in the order seen
 
     def watch_stderr():
         for line in iter(proc.stderr.readline, b""):
             text = line.decode(errors="replace")
             match = FAILURE.search(text)
-            if match and not failed:
-                failed.append(text[match.start():].strip())
+            if match:
+                failed.append((time.monotonic(), text[match.start():].strip()))
             sys.stderr.buffer.write(line)
             sys.stderr.buffer.flush()
 
@@ -137,11 +137,25 @@ def launch(args, settings):
         if not failed:
             say("job failed: mpirun exited with status %d" % code)
             return code if code > 0 else 128 - code
-        say("job failed: %s" % failed[0][len("unisonrun: "):])
-        status = re.search(r"exited with status (\d+)", failed[0])
-        signum = re.search(r"killed by signal (\d+)", failed[0])
+        cause = _cause(failed)
+        say("job failed: %s" % cause[len("unisonrun: "):])
+        status = re.search(r"exited with status (\d+)", cause)
+        signum = re.search(r"killed by signal (\d+)", cause)
         return int(status.group(1)) if status else 128 + int(signum.group(1))
     return 0
+
+
+def _cause(failed):
+    """The wrappers' line of the rank the job failed by, as Job._cause
+    (processes.py) chooses it: of the ranks that failed within
+    CAUSE_WINDOW_SECONDS of the first, the first a signal killed, else the
+    first. A killed rank's survivors exit with an error within
+    milliseconds, and a survivor's wrapper may speak before the victim's."""
+    first = failed[0][0]
+    for when, line in failed:
+        if when - first <= CAUSE_WINDOW_SECONDS and "killed by signal" in line:
+            return line
+    return failed[0][1]
 
 
 # ---- the per-rank wrapper ------------------------------------------------------
