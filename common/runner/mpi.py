@@ -24,8 +24,8 @@ import time
 
 from unison.runner import rank_environment
 from unison.runner.hosts import parse_hostfile, slots
-from unison.runner.processes import (CAUSE_WINDOW_SECONDS, describe_exit, die_with_parent, forward_output,
-                                     new_job_id, remove_shared_memory, say)
+from unison.runner.processes import (describe_exit, die_with_parent, exit_status_for, forward_output, new_job_id,
+                                     remove_shared_memory, say, the_failure_to_report)
 
 FAILURE = re.compile(r"unisonrun: rank (\d+) .*(exited with status|was killed by signal)")
 
@@ -137,25 +137,10 @@ def launch(args, settings):
         if not failed:
             say("job failed: mpirun exited with status %d" % code)
             return code if code > 0 else 128 - code
-        cause = _cause(failed)
+        cause = failed[the_failure_to_report(failed)][1]
         say("job failed: %s" % cause[len("unisonrun: "):])
-        status = re.search(r"exited with status (\d+)", cause)
-        signum = re.search(r"killed by signal (\d+)", cause)
-        return int(status.group(1)) if status else 128 + int(signum.group(1))
+        return exit_status_for(cause)
     return 0
-
-
-def _cause(failed):
-    """The wrappers' line of the rank the job failed by, as Job._cause
-    (processes.py) chooses it: of the ranks that failed within
-    CAUSE_WINDOW_SECONDS of the first, the first a signal killed, else the
-    first. A killed rank's survivors exit with an error within
-    milliseconds, and a survivor's wrapper may speak before the victim's."""
-    first = failed[0][0]
-    for when, line in failed:
-        if when - first <= CAUSE_WINDOW_SECONDS and "killed by signal" in line:
-            return line
-    return failed[0][1]
 
 
 # ---- the per-rank wrapper ------------------------------------------------------

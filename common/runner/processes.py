@@ -137,6 +137,32 @@ STOP_GRACE_SECONDS = 5
 CAUSE_WINDOW_SECONDS = 0.5
 
 
+def the_failure_to_report(failures):
+    """Which of `failures`, (when seen, how the rank ended) pairs in the
+    order seen, a job is reported as having failed by: of those seen within
+    CAUSE_WINDOW_SECONDS of the first, the first a signal killed, else the
+    first. A rank killed outright takes its peers down with it (they raise
+    RankFailedError and exit with an error within milliseconds), and a
+    survivor's end can be seen before the victim's, whose end comes back
+    through another host's wrapper or mpirun: reporting the survivor would
+    name the wrong rank. Returns an index into `failures`."""
+    first = failures[0][0]
+    for index, (when, how) in enumerate(failures):
+        if when - first <= CAUSE_WINDOW_SECONDS and "killed by signal" in how:
+            return index
+    return 0
+
+
+def exit_status_for(how):
+    """The status unisonrun exits with for a rank that ended as `how` says
+    (describe_exit's words): the rank's own status, or 128 + the signal, as
+    a shell reports a killed command."""
+    status = re.search(r"exited with status (\d+)", how)
+    if status:
+        return int(status.group(1))
+    return 128 + int(re.search(r"killed by signal (\d+)", how).group(1))
+
+
 class Job:
     def __init__(self, args):
         self.args = args
@@ -223,7 +249,7 @@ class Job:
     def wait(self):
         """Returns the launcher's exit status."""
         failed = None  # (rank, code) of the rank whose failure the job is reported as
-        failures = []  # every (rank, code) that ended with an error, in the order seen
+        failures = []  # (when seen, rank, code) of every rank that ended with an error, in order
         first_failure_at = None
         deadline = None
         seen = 0
@@ -234,9 +260,9 @@ class Job:
                 ended = list(self.exits)
             for rank, code in ended[seen:]:
                 if code != 0:
-                    failures.append((rank, code))
+                    failures.append((time.monotonic(), rank, code))
                     if first_failure_at is None:
-                        first_failure_at = time.monotonic()
+                        first_failure_at = failures[-1][0]
             seen = len(ended)
             if failed is None and failures and (seen == len(self.procs)
                                                 or time.monotonic() - first_failure_at >= CAUSE_WINDOW_SECONDS):
@@ -265,23 +291,14 @@ class Job:
         rank, code = failed
         how = self._how(rank, code)
         say("job failed: %s %s" % (self.describe(rank), how))
-        status = re.search(r"exited with status (\d+)", how)
-        signum = re.search(r"killed by signal (\d+)", how)
-        return int(status.group(1)) if status else 128 + int(signum.group(1))
+        return exit_status_for(how)
 
     def _cause(self, failures):
-        """Which of the ranks that failed within CAUSE_WINDOW_SECONDS of the
-        first the job failed by: the first one a signal killed, else the
-        first seen. A rank killed outright takes its peers down with it (they
-        raise RankFailedError and exit with an error), and a survivor on this
-        host can be seen to exit before the victim on another host is, whose
-        end comes back through its host's wrapper: reporting the survivor
-        would name the wrong rank."""
-        self._await_reports([rank for rank, _ in failures])
-        for rank, code in failures:
-            if "killed by signal" in self._how(rank, code):
-                return rank, code
-        return failures[0]
+        """The (rank, code) the job failed by, of `failures` ((when seen,
+        rank, code) in order), as the_failure_to_report chooses it."""
+        self._await_reports([rank for _, rank, _ in failures])
+        chosen = the_failure_to_report([(when, self._how(rank, code)) for when, rank, code in failures])
+        return failures[chosen][1:]
 
     def _await_reports(self, ranks, seconds=1.0):
         """Gives the wrappers of those of `ranks` that ran on other hosts up
