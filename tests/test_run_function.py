@@ -52,6 +52,9 @@ def driver(tmp_path, text, *argv, env=None, timeout=100, pickler="cloudpickle"):
 def result(proc):
     output = proc.stdout.decode(errors="replace")
     assert proc.returncode == 0, output
+    # Ranks once ran `python -m unison.runner.function`, which `import unison`
+    # had already imported: every rank printed runpy's RuntimeWarning.
+    assert "RuntimeWarning" not in output, output
     lines = [line for line in output.splitlines() if line.startswith("RESULT ")]
     assert len(lines) == 1, output
     return eval(lines[0][len("RESULT "):])

@@ -11,8 +11,9 @@
     hosts.py           -H and --hostfile
     rank_environment.py  what of the launcher's environment a rank gets
     function.py        unison.run(func): the launcher called from Python
+    function_rank.py   a rank's entry point for unison.run(func)
     torchrun.py        ranks that torchrun started: init() takes its variables
 
 Importing this package imports none of them: the rank-side entry points
-(`python -m unison.runner.ssh`, `...mpi`, `...function`) load only what they
+(`python -m unison.runner.ssh`, `...mpi`, `...function_rank`) load only what they
 use."""

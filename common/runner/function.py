@@ -11,7 +11,7 @@ the call with a RuntimeError that names the rank and carries its traceback
 (the rank's own exception is its __cause__ when it pickles).
 
 How it gets there. The caller's process pickles the function and its
-arguments, then runs `unisonrun ... python -m unison.runner.function`. Each
+arguments, then runs `unisonrun ... python -m unison.runner.function_rank`. Each
 rank fetches the pickle from a small service in the caller, runs it, and
 sends back the result. A connection to the service must prove a key made
 for this call (keyed_listener.py: the key never crosses the network), and
@@ -109,7 +109,7 @@ def run(func, args=(), kwargs=None, num_proc=None, min_num_proc=None, max_num_pr
     env = dict(os.environ)
     env.update({ADDRESS: "%s:%d" % service.address, KEY: service.key})
     command = [sys.executable, "-m", "unison.run"] + options + [
-        executable or sys.executable, "-m", "unison.runner.function"]
+        executable or sys.executable, "-m", "unison.runner.function_rank"]
     launcher = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 preexec_fn=die_with_parent)  # the ranks end with the launcher, and it with this process
     # Copied to sys.stdout and sys.stderr, not left on file descriptors 1
@@ -343,7 +343,7 @@ def _keep_the_script_up_to_the_call(trace):
 
 def worker():
     if ADDRESS not in os.environ or KEY not in os.environ:
-        raise SystemExit("unison.runner.function is run by unison.run(); see help(unison.run)")
+        raise SystemExit("unison.runner.function_rank is run by unison.run(); see help(unison.run)")
     pickler_name, preparation, call = pickle.loads(_ask(("call",)))
     # What comes back is pickled as the call was: the caller can load it.
     pickler = cloudpickle_or_none() if pickler_name == "cloudpickle" else pickle
@@ -378,10 +378,3 @@ def _raised(exception, pickler):
         pass
     print(text, file=sys.stderr, end="", flush=True)
 
-
-if __name__ == "__main__":
-    # Run as `python -m`, this file is __main__, and the script a rank
-    # imports gets unison.runner.function, a second copy of it: the rank works
-    # in that copy, whose run() sees _importing_the_callers_script.
-    from unison.runner import function as importable
-    sys.exit(importable.worker())
