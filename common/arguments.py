@@ -8,12 +8,10 @@ rank that made it, at the call, and leaves the job usable.
 """
 import numbers
 
-from unison import basics
 from unison.dtypes import label
 from unison.exceptions import InvalidArgumentError, UnsupportedError
 
-Sum, Average, Min, Max, Product, Adasum = (basics.Sum, basics.Average, basics.Min, basics.Max,
-                                           basics.Product, basics.Adasum)
+from unison.basics import Adasum, Average, Max, Min, Product, Sum  # noqa: E402,F401  (hvd.Sum, ... as Horovod's)
 _OP_NAMES = {Sum: "Sum", Average: "Average", Min: "Min", Max: "Max", Product: "Product", Adasum: "Adasum"}
 
 # The reduce ops each reducing collective accepts.

@@ -9,11 +9,19 @@ from unison._native import ffi, lib
 
 # Reduce operations, with Horovod's names.
 Sum = lib.UNISON_SUM
+"""The reduction `op=` that adds the ranks' tensors elementwise (for bool: any)."""
 Average = lib.UNISON_AVERAGE
+"""The reduction `op=` that adds the ranks' tensors and divides by the process set's size: the
+default of every allreduce, as in Horovod."""
 Min = lib.UNISON_MIN
+"""The reduction `op=` that keeps the elementwise minimum over the ranks (for bool: all)."""
 Max = lib.UNISON_MAX
+"""The reduction `op=` that keeps the elementwise maximum over the ranks (for bool: any)."""
 Product = lib.UNISON_PRODUCT
+"""The reduction `op=` that multiplies the ranks' tensors elementwise (for bool: all)."""
 Adasum = lib.UNISON_ADASUM  # native/adasum.h says what it computes
+"""The reduction `op=` that combines floating-point gradients by how much they agree
+(Adasum): orthogonal gradients add, equal ones average. Not for integers or reducescatter."""
 
 _ERRORS = {
     lib.UNISON_ERR_INVALID_ARGUMENT: exceptions.InvalidArgumentError,
@@ -78,6 +86,7 @@ def check(code):
 
 
 def is_initialized():
+    """Whether init() has succeeded in this process and shutdown() has not been called since."""
     return bool(lib.unison_is_initialized())
 
 
@@ -88,26 +97,34 @@ def _query(function):
 
 
 def rank():
+    """This process's rank in the job, 0 to size() - 1. Raises NotInitializedError before init()."""
     return _query(lib.unison_rank)
 
 
 def size():
+    """How many ranks the job has. Raises NotInitializedError before init()."""
     return _query(lib.unison_size)
 
 
 def local_rank():
+    """This rank's place among the ranks on its host, 0 to local_size() - 1 (the usual
+    choice of GPU). Raises NotInitializedError before init()."""
     return _query(lib.unison_local_rank)
 
 
 def local_size():
+    """How many of the job's ranks run on this host. Raises NotInitializedError before init()."""
     return _query(lib.unison_local_size)
 
 
 def cross_rank():
+    """This host's place among the hosts that run a rank with this local rank.
+    Raises NotInitializedError before init()."""
     return _query(lib.unison_cross_rank)
 
 
 def cross_size():
+    """How many hosts run a rank with this local rank. Raises NotInitializedError before init()."""
     return _query(lib.unison_cross_size)
 
 
@@ -124,15 +141,19 @@ def backend_name():
 
 
 def built_backends():
+    """The data planes this build of the core holds, by name (for example ['shm', 'tcp', 'mpi'])."""
     return ffi.string(lib.unison_built_backends()).decode().split(",")
 
 
 # Build queries, under Horovod's names.
 def mpi_built():
+    """Whether the core was built with its MPI data plane (Horovod's build query)."""
     return "mpi" in built_backends()
 
 
 def gloo_built():
+    """False: unison has no Gloo. Its TCP data plane does what Gloo does in Horovod, and
+    `unisonrun --gloo` selects it (Horovod's build query)."""
     return False
 
 
@@ -149,10 +170,12 @@ def nccl_built():
 
 
 def ddl_built():
+    """False: IBM's DDL is not supported (Horovod's build query)."""
     return False
 
 
 def ccl_built():
+    """False: Intel's oneCCL is not supported (Horovod's build query)."""
     return False
 
 
@@ -162,6 +185,7 @@ def cuda_built():
 
 
 def rocm_built():
+    """False: AMD GPUs are not supported (Horovod's build query)."""
     return False
 
 
@@ -173,6 +197,7 @@ def mpi_enabled():
 
 
 def gloo_enabled():
+    """False: unison has no Gloo (its TCP data plane runs where Horovod would use Gloo)."""
     return False
 
 

@@ -61,6 +61,9 @@ class DeadlockError(StalledError):
 
 
 HorovodInternalError = UnisonInternalError
+"""Horovod's name for UnisonInternalError, the base of the errors of a collective that ranks
+could not complete (MismatchError, RankFailedError, ShutDownError, StalledError), so that
+`except HorovodInternalError`, elastic training's reset among them, catches them."""
 
 
 class HostsUpdatedInterrupt(RuntimeError):

@@ -65,6 +65,8 @@ class NumpyTensors(frontend.Tensors):
 
 
 front_end = frontend.FrontEnd(NumpyTensors())
+"""The shared front end (unison.frontend) bound to numpy's arrays; the
+functions below are its public form."""
 
 
 def _array(tensor):
@@ -75,31 +77,97 @@ def _array(tensor):
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                     postscale_factor=1.0, process_set=None):
+    """Starts an allreduce of `tensor` and returns a handle for synchronize() or poll();
+    the tensor must not change until it completes.
+
+    Args:
+        tensor: a numpy array (or anything `np.asarray` takes), the same shape and dtype on every rank.
+        average: Horovod's old flag; `op` replaces it.
+        name: the name ranks match this tensor by; generated in call order where None.
+        op: Average (the default), Sum, Min, Max, Product or Adasum.
+        prescale_factor: multiplies the input before the reduction.
+        postscale_factor: multiplies the result after it.
+        process_set: the ranks that take part (every rank by default).
+
+    Raises:
+        MismatchError: ranks gave the same name different shapes, dtypes or ops.
+        InvalidArgumentError: an op or dtype this reduction does not take.
+        RankFailedError: a rank of the set died or stopped answering."""
     op = arguments.resolve_op(op, average)
     return front_end.allreduce_async(_array(tensor), name, op, prescale_factor, postscale_factor, process_set)
 
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                      postscale_factor=1.0, process_set=None):
+    """Starts an in-place allreduce: `tensor` (a writable, contiguous array) receives
+    the result. Returns a handle for synchronize() or poll().
+
+    Args:
+        tensor: a numpy array (or anything `np.asarray` takes), the same shape and dtype on every rank.
+        average: Horovod's old flag; `op` replaces it.
+        name: the name ranks match this tensor by; generated in call order where None.
+        op: Average (the default), Sum, Min, Max, Product or Adasum.
+        prescale_factor: multiplies the input before the reduction.
+        postscale_factor: multiplies the result after it.
+        process_set: the ranks that take part (every rank by default).
+
+    Raises:
+        MismatchError: ranks gave the same name different shapes, dtypes or ops.
+        InvalidArgumentError: an op or dtype this reduction does not take.
+        RankFailedError: a rank of the set died or stopped answering."""
     op = arguments.resolve_op(op, average)
     return front_end.allreduce_async_(tensor, name, op, prescale_factor, postscale_factor, process_set)
 
 
 def allreduce(tensor, average=None, name=None, op=None, prescale_factor=1.0,
               postscale_factor=1.0, process_set=None):
-    """Reduces `tensor` across all ranks (Average by default, as Horovod)."""
+    """Reduces `tensor` across ranks and returns the result as a new array
+    (Average by default, as in Horovod).
+
+    Args:
+        tensor: a numpy array (or anything `np.asarray` takes), the same shape and dtype on every rank.
+        average: Horovod's old flag; `op` replaces it.
+        name: the name ranks match this tensor by; generated in call order where None.
+        op: Average (the default), Sum, Min, Max, Product or Adasum.
+        prescale_factor: multiplies the input before the reduction.
+        postscale_factor: multiplies the result after it.
+        process_set: the ranks that take part (every rank by default).
+
+    Raises:
+        MismatchError: ranks gave the same name different shapes, dtypes or ops.
+        InvalidArgumentError: an op or dtype this reduction does not take.
+        RankFailedError: a rank of the set died or stopped answering.
+    """
     return synchronize(allreduce_async(tensor, average, name, op, prescale_factor, postscale_factor,
                                        process_set))
 
 
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                postscale_factor=1.0, process_set=None):
+    """Reduces `tensor` across ranks in place and returns it.
+
+    Args:
+        tensor: a numpy array (or anything `np.asarray` takes), the same shape and dtype on every rank.
+        average: Horovod's old flag; `op` replaces it.
+        name: the name ranks match this tensor by; generated in call order where None.
+        op: Average (the default), Sum, Min, Max, Product or Adasum.
+        prescale_factor: multiplies the input before the reduction.
+        postscale_factor: multiplies the result after it.
+        process_set: the ranks that take part (every rank by default).
+
+    Raises:
+        MismatchError: ranks gave the same name different shapes, dtypes or ops.
+        InvalidArgumentError: an op or dtype this reduction does not take.
+        RankFailedError: a rank of the set died or stopped answering."""
     op = arguments.resolve_op(op, average)
     return front_end.allreduce_(tensor, name, op, prescale_factor, postscale_factor, process_set)
 
 
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                             postscale_factor=1.0, process_set=None):
+    """Starts an allreduce of every array in `tensors` as one unit: none starts
+    before all are enqueued, and they are negotiated and fused together. Returns one handle
+    whose result is the list of reduced arrays. Takes allreduce's arguments."""
     op = arguments.resolve_op(op, average)
     return front_end.grouped_allreduce_async([_array(t) for t in tensors], name, op, prescale_factor,
                                              postscale_factor, process_set)
@@ -107,12 +175,15 @@ def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_
 
 def grouped_allreduce(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                       postscale_factor=1.0, process_set=None):
+    """Reduces every array in `tensors` as one unit (see grouped_allreduce_async) and
+    returns the list of results."""
     return synchronize(grouped_allreduce_async(tensors, average, name, op, prescale_factor, postscale_factor,
                                                process_set))
 
 
 def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                        postscale_factor=1.0, process_set=None):
+    """Reduces every array in `tensors` in place, as one unit, and returns them."""
     op = arguments.resolve_op(op, average)
     return synchronize(front_end.grouped_allreduce_async(tensors, name, op, prescale_factor, postscale_factor,
                                                          process_set, in_place=True))
@@ -121,6 +192,7 @@ def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_facto
 # ---- allgather ----------------------------------------------------------------
 
 def allgather_async(tensor, name=None, process_set=None, output=None):
+    """Starts an allgather (see allgather) and returns a handle for synchronize()."""
     return front_end.allgather_async(_array(tensor), name, process_set, output)
 
 
@@ -133,30 +205,42 @@ def allgather(tensor, name=None, process_set=None, output=None):
 
 
 def grouped_allgather(tensors, name=None, process_set=None):
+    """Allgathers every array in `tensors` as one unit and returns the list of results."""
     return synchronize(front_end.grouped_allgather_async([_array(t) for t in tensors], name, process_set))
 
 
 # ---- broadcast ----------------------------------------------------------------
 
 def broadcast_async(tensor, root_rank, name=None, process_set=None):
+    """Starts a broadcast of rank `root_rank`'s `tensor` (a global rank, in the
+    process set) and returns a handle; the result is a new array."""
     return front_end.broadcast_async(_array(tensor), root_rank, name, process_set)
 
 
 def broadcast_async_(tensor, root_rank, name=None, process_set=None):
+    """Starts a broadcast into `tensor` itself (writable and contiguous) from
+    rank `root_rank`, and returns a handle."""
     return front_end.broadcast_async_(tensor, root_rank, name, process_set)
 
 
 def broadcast(tensor, root_rank, name=None, process_set=None):
+    """Returns rank `root_rank`'s `tensor` on every rank of the process set.
+
+    Raises:
+        MismatchError: ranks gave different shapes, dtypes or roots.
+        InvalidArgumentError: `root_rank` is not in the process set."""
     return synchronize(broadcast_async(tensor, root_rank, name, process_set))
 
 
 def broadcast_(tensor, root_rank, name=None, process_set=None):
+    """Overwrites `tensor` with rank `root_rank`'s on every rank, and returns it."""
     return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
 
 
 # ---- alltoall -----------------------------------------------------------------
 
 def alltoall_async(tensor, splits=None, name=None, process_set=None):
+    """Starts an alltoall (see alltoall) and returns a handle for synchronize()."""
     handle = front_end.alltoall_async(_array(tensor), splits, name, process_set)
     gathered = handle._finish
 
@@ -178,6 +262,7 @@ def alltoall(tensor, splits=None, name=None, process_set=None):
 
 def reducescatter_async(tensor, op=Average, name=None, prescale_factor=1.0, postscale_factor=1.0,
                         process_set=None, splits=None, output=None):
+    """Starts a reducescatter (see reducescatter) and returns a handle."""
     return front_end.reducescatter_async(_array(tensor), name, op, prescale_factor, postscale_factor,
                                          process_set, splits, output)
 
@@ -196,6 +281,8 @@ def reducescatter(tensor, op=Average, name=None, prescale_factor=1.0, postscale_
 
 def grouped_reducescatter(tensors, op=Average, name=None, prescale_factor=1.0, postscale_factor=1.0,
                           process_set=None):
+    """Reducescatters every array in `tensors` as one unit and returns the list
+    of this rank's parts."""
     return synchronize(front_end.grouped_reducescatter_async([_array(t) for t in tensors], name, op,
                                                              prescale_factor, postscale_factor, process_set))
 

@@ -70,6 +70,7 @@ def _ranks_of_communicator(comm):
 
 
 global_process_set = ProcessSet(process_set_id=0)
+"""The process set of every rank of the job (id 0): the default `process_set` of every call."""
 
 _registered = {0: global_process_set}  # id -> the ProcessSet object, this session
 

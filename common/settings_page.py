@@ -2,8 +2,10 @@
 reads, made from the core's own table (native/config.cc, through
 core.setting_table()), so the page cannot disagree with the parser, with
 unisonrun's options or with horovodrun's config file, which come from the
-same rows. `python -m unison.settings_page` prints it in Markdown; the
-README's table of settings is its output, and a test keeps them equal."""
+same rows; and unisonrun's other options, made from its argument parser.
+`python -m unison.settings_page` prints both in Markdown; the docs'
+settings page (docs/settings.md) holds its output, and a test keeps them
+equal."""
 from unison import core
 
 _BYTE_UNITS = [(1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")]
@@ -69,5 +71,41 @@ def markdown():
     return "\n".join(lines) + "\n"
 
 
+CORE_SETTINGS_GROUP = "the core's settings"
+
+
+def launcher_options():
+    """unisonrun's options other than the core's settings (which markdown()
+    gives), group by group as its parser holds them, in Markdown."""
+    from unison.runner import command_line
+    parser = command_line.parser()
+    sections = []
+    # argparse keeps its groups and their options in these attributes only.
+    for group in parser._action_groups:
+        if group.title == CORE_SETTINGS_GROUP:
+            continue
+        rows = []
+        for action in group._group_actions:
+            if not action.option_strings or action.help is None or action.dest == "help":
+                continue
+            names = ", ".join("`%s`" % name for name in action.option_strings)
+            if action.nargs != 0:
+                metavar = action.metavar or {int: "N", float: "NUMBER"}.get(action.type, "VALUE")
+                names += " *%s*" % (" ".join(metavar) if isinstance(metavar, tuple) else metavar)
+            rows.append("| %s | %s |" % (names, action.help.replace("%%", "%").replace("|", "\\|")))
+        if not rows:
+            continue
+        title = "the launcher's own" if group.title == "options" else group.title
+        if not title.startswith("horovodrun"):  # a command's name keeps its case
+            title = title[0].upper() + title[1:]
+        heading = ["### " + title, ""]
+        if group.description:
+            heading += ["%s%s." % (group.description[0].upper(), group.description[1:]), ""]
+        sections.append("\n".join(heading + ["| option | what it does |", "| --- | --- |"] + rows) + "\n")
+    return "\n".join(sections)
+
+
 if __name__ == "__main__":
     print(markdown(), end="")
+    print()
+    print(launcher_options(), end="")

@@ -17,7 +17,7 @@ import threading
 import mxnet as mx
 import numpy as np
 
-from unison import arguments, basics, collective, frontend
+from unison import arguments, collective, frontend
 from unison import handles as _handles
 from unison.exceptions import InvalidArgumentError, UnsupportedError
 from unison.handles import Handle
@@ -27,8 +27,7 @@ from unison.compression import compress_all
 from unison.mxnet.compression import Compression
 from unison.mxnet.engine import bridge, data_pointer, plain_layout
 
-Sum, Average, Min, Max, Product, Adasum = (basics.Sum, basics.Average, basics.Min, basics.Max,
-                                           basics.Product, basics.Adasum)
+from unison.basics import Adasum, Average, Max, Min, Product, Sum  # noqa: E402,F401  (hvd.Sum, ... as Horovod's)
 
 # Ops pushed to the engine may start in any order on its threads, so their
 # names are fixed here, in program order, which every rank shares.
@@ -145,6 +144,9 @@ def grouped_allreduce(tensors, average=None, name=None, priority=0, prescale_fac
 
 def grouped_allreduce_(tensors, average=None, name=None, priority=0, prescale_factor=1.0,
                        postscale_factor=1.0, process_set=global_process_set, op=None):
+    """Reduces every NDArray in `tensors` in place, as one unit (none starts before
+    all are enqueued; they are negotiated and fused together). Takes allreduce_'s arguments;
+    the engine orders each array's later readers after its allreduce."""
     op = arguments.resolve_op(op, average)
     with _all_waited() as ops:
         for t, n in _grouped(tensors, name):

@@ -1,6 +1,6 @@
 """Every example in the gallery runs under `unisonrun -np 2` and prints
 what it promises (short settings, so this checks that they work, not how
-well they train; their full runs are in the README). An engine's example
+well they train; their full runs are on the docs' framework pages). An engine's example
 (examples/ray/) starts its 2 workers through the engine instead."""
 import importlib.util
 import os

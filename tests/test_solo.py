@@ -342,18 +342,22 @@ def test_every_variable_the_core_names_is_in_its_settings_table():
     assert named and named <= table, sorted(named - table)
 
 
-def test_the_readme_settings_table_is_the_core_table():
-    """The docs' table of settings is made from the core's (python -m
-    unison.settings_page), so it cannot drift from the parser, the
-    launcher's options or the config file; this fails when the README was
-    not remade after a row changed."""
+def test_the_docs_settings_tables_are_the_core_table_and_the_launchers_parser():
+    """The docs' tables of variables and of unisonrun's options are made
+    from the core's table and the launcher's parser (python -m
+    unison.settings_page), so they cannot drift from the parser, the
+    launcher's options or the config file; this fails when docs/settings.md
+    was not remade after a row or an option changed."""
     import os
     from unison import basics, settings_page
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    with open(os.path.join(root, "README.md")) as f:
-        readme = f.read()
-    begin = readme.index("\n", readme.index("<!-- settings: the output of `python -m unison.settings_page`")) + 1
-    end = readme.index("<!-- end of settings -->")
-    assert readme[begin:end] == settings_page.markdown(), (
-        "README.md's settings table differs from the core's; remake it with python -m unison.settings_page")
+    with open(os.path.join(root, "docs", "settings.md")) as f:
+        page = f.read()
+    for table, made in (("variables", settings_page.markdown()), ("options", settings_page.launcher_options())):
+        begin = page.index("\n", page.index("<!-- %s: the output of `python -m unison.settings_page`" % table)) + 1
+        end = page.index("<!-- end of %s -->" % table)
+        assert page[begin:end] == made, (
+            "docs/settings.md's table of %s differs from what unison makes of it; remake it with "
+            "python -m unison.settings_page" % table)
     assert len(settings_page.markdown().splitlines()) == 2 + len(basics.setting_table())
+    assert "`--failure-grace-seconds` *NUMBER*" in settings_page.launcher_options()

@@ -24,3 +24,18 @@ from unison.tensorflow.optimizer import DistributedOptimizer  # noqa: F401
 from unison.tensorflow.sync_batch_norm import SyncBatchNormalization  # noqa: F401
 from unison.tensorflow import elastic  # noqa: F401,E402  (hvd.elastic.run, hvd.elastic.TensorFlowKerasState...)
 from unison.tensorflow import mpi_ops  # noqa: F401,E402  (hvd.mpi_ops.<op>, as after import horovod.tensorflow)
+
+# The public API: what the API reference documents and `import *` gives.
+__all__ = [
+    "ccl_built", "cross_rank", "cross_size", "cuda_built", "ddl_built", "gloo_built", "gloo_enabled", "init",
+    "is_homogeneous", "is_initialized", "local_rank", "local_size", "mpi_built", "mpi_enabled",
+    "mpi_threads_supported", "nccl_built", "rank", "rocm_built", "shutdown", "size", "start_timeline",
+    "stop_timeline", "gpu_available", "split_list", "HorovodInternalError", "UnisonError", "ProcessSet",
+    "add_process_set", "global_process_set", "remove_process_set", "Compression", "Adasum", "Average", "Max",
+    "Min", "Product", "Sum", "allgather", "allreduce", "alltoall", "barrier", "broadcast", "broadcast_",
+    "grouped_allgather", "grouped_allreduce", "grouped_reducescatter", "join", "local_rank_op",
+    "local_size_op", "process_set_included_op", "rank_op", "reducescatter", "size_op",
+    "BroadcastGlobalVariablesHook", "allgather_object", "broadcast_global_variables", "broadcast_object",
+    "broadcast_object_fn", "broadcast_variables", "DistributedGradientTape", "PartialDistributedGradientTape",
+    "DistributedOptimizer", "SyncBatchNormalization", "elastic", "mpi_ops",
+]

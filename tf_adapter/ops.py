@@ -48,8 +48,7 @@ from unison._native import lib
 from unison.tensorflow import kernels as _kernel_library
 from unison.tensorflow.compression import Compression
 
-Sum, Average, Min, Max, Product, Adasum = (basics.Sum, basics.Average, basics.Min, basics.Max,
-                                           basics.Product, basics.Adasum)
+from unison.basics import Adasum, Average, Max, Min, Product, Sum  # noqa: E402,F401  (hvd.Sum, ... as Horovod's)
 
 # The last collective node traced into each graph (see "Ordering" above).
 _last_in_graph = weakref.WeakKeyDictionary()
@@ -648,6 +647,10 @@ def grouped_allgather(tensors, name=None, ignore_name_scope=False, process_set=g
 
 
 def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_process_set):
+    """Concatenates every rank's `tensor` along the first dimension, which may differ
+    between ranks. Differentiable: the gradient is this rank's rows of the allreduced incoming
+    gradient. Raises FailedPreconditionError (unison.MismatchError) when ranks disagree on dtype
+    or the other dimensions."""
     return grouped_allgather([tensor], name=name, process_set=process_set)[0]
 
 
@@ -790,6 +793,9 @@ def grouped_reducescatter(tensors, op=Average, name=None, ignore_name_scope=Fals
 
 def reducescatter(tensor, op=Average, name=None, ignore_name_scope=False, process_set=global_process_set,
                   prescale_factor=1.0, postscale_factor=1.0):
+    """Reduces `tensor` across the process set and returns this rank's rows of the
+    result, the first dimension split as evenly as possible (the first ranks take one more row
+    when it does not divide). `op` is Average (the default) or Sum; differentiable."""
     return grouped_reducescatter([tensor], op=op, name=name, process_set=process_set,
                                  prescale_factor=prescale_factor, postscale_factor=postscale_factor)[0]
 
@@ -835,14 +841,17 @@ def rank_op(name=None):
 
 
 def local_rank_op(name=None):
+    """This rank's local rank, as an int32 tensor (Horovod's graph-mode query)."""
     return _constant_op(basics.local_rank(), name)
 
 
 def size_op(process_set_id=0, name=None):
+    """The size of process set `process_set_id` (0: the job), as an int32 tensor."""
     return _constant_op(_process_set_by_id(process_set_id).size(), name)
 
 
 def local_size_op(name=None):
+    """The number of ranks on this host, as an int32 tensor."""
     return _constant_op(basics.local_size(), name)
 
 

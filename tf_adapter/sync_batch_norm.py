@@ -19,6 +19,10 @@ from unison.tensorflow.ops import Sum, _alone, _grouped_allreduce
 
 
 class SyncBatchNormalization(keras.layers.BatchNormalization):
+    """Keras BatchNormalization whose training statistics (mean and variance) are
+    computed over the global batch of every rank in `process_set`, by one grouped allreduce a
+    step; at inference it uses its moving averages, as the Keras layer does. Every rank of
+    the set must call it in the same order."""
 
     def __init__(self, *args, process_set=global_process_set, fused=None, **kwargs):
         # `fused` is Horovod's (and Keras 2's) argument; Keras 3 has no fused

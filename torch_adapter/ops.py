@@ -21,7 +21,7 @@ import threading
 
 import torch
 
-from unison import arguments, basics, collective, frontend, gradients
+from unison import arguments, collective, frontend, gradients
 from unison.arguments import member_name as _member_name
 from unison.compression import compress_all
 from unison.dtypes import label as _label
@@ -33,8 +33,7 @@ from unison._native import ffi
 from unison.torch import fast_path
 from unison.torch.compression import Compression
 
-Sum, Average, Min, Max, Product, Adasum = (basics.Sum, basics.Average, basics.Min, basics.Max,
-                                           basics.Product, basics.Adasum)
+from unison.basics import Adasum, Average, Max, Min, Product, Sum  # noqa: E402,F401  (hvd.Sum, ... as Horovod's)
 _HOST, _STRIDED, _VOID_P = collective.HOST, torch.strided, ffi.typeof("void*")
 # True while TorchDynamo traces: the public collectives then hand over to
 # graph_ops, whose calls become unison:: operators in the compiled graph.
@@ -316,6 +315,8 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
 
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                postscale_factor=1.0, process_set=global_process_set):
+    """Reduces `tensor` across the process set in place and returns it (Average by
+    default). Takes allreduce's arguments."""
     if _compiling():
         return _graph.allreduce_(tensor, average, name, op, prescale_factor, postscale_factor, process_set)
     op = arguments.resolve_op(op, average)
@@ -335,6 +336,8 @@ def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_
 
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                              postscale_factor=1.0, process_set=global_process_set):
+    """Starts an in-place allreduce of every tensor in `tensors` as one unit
+    (negotiated and fused together) and returns one handle for synchronize()."""
     if _compiling():
         return _graph.grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor,
                                                process_set)
@@ -375,6 +378,7 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
 
 def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                        postscale_factor=1.0, process_set=global_process_set):
+    """Reduces every tensor in `tensors` in place, as one unit, and returns them."""
     if _compiling():
         return _graph.grouped_allreduce_(tensors, average, name, op, prescale_factor, postscale_factor,
                                          process_set)
@@ -436,6 +440,8 @@ def allgather(tensor, name=None, process_set=global_process_set):
 
 
 def grouped_allgather_async(tensors, name=None, process_set=global_process_set):
+    """Starts an allgather of every tensor in `tensors` as one unit and returns
+    a handle whose result is the list of gathered tensors."""
     if _compiling():
         return _graph.grouped_allgather_async(tensors, name, process_set)
     return _front.grouped_allgather_async(tensors, name, process_set)
@@ -458,6 +464,8 @@ def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set
 
 
 def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set):
+    """Starts a broadcast into `tensor` itself from rank `root_rank` (a global rank
+    in the process set) and returns a handle for synchronize()."""
     if _compiling():
         return _graph.broadcast_async_(tensor, root_rank, name, process_set)
     return _front.broadcast_async_(tensor, root_rank, name, process_set)
@@ -471,6 +479,7 @@ def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
 
 
 def broadcast_(tensor, root_rank, name=None, process_set=global_process_set):
+    """Overwrites `tensor` with rank `root_rank`'s on every rank of the set, and returns it."""
     if _compiling():
         return _graph.broadcast_(tensor, root_rank, name, process_set)
     return _synchronize(broadcast_async_(tensor, root_rank, name, process_set))
@@ -534,6 +543,8 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
 
 def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=global_process_set,
                                 prescale_factor=1.0, postscale_factor=1.0):
+    """Starts a reducescatter of every tensor in `tensors` as one unit and
+    returns a handle whose result is the list of this rank's parts."""
     if _compiling():
         return _graph.grouped_reducescatter_async(tensors, name, op, process_set, prescale_factor,
                                                   postscale_factor)

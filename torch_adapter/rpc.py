@@ -99,6 +99,8 @@ def _bind_tensorpipe(rendezvous):
 # ms), the reactor no longer taking a core. A caller who wants shm passes
 # rpc_backend_options with _transports.
 DEFAULT_TRANSPORTS = ("uv",)
+"""The TensorPipe transports init_rpc() gives torch's RPC unless `rpc_backend_options` says
+otherwise: TCP through libuv (the comment above says why not shared memory)."""
 
 
 # Rank 0 binds the store's socket itself, on the rendezvous address only,
@@ -147,6 +149,8 @@ def _register_rendezvous():
 
 
 def is_initialized():
+    """Whether torch's RPC is running in this process (init_rpc() was called and
+    shutdown() was not)."""
     return torch_rpc.is_available() and torch_rpc.api._is_current_rpc_agent_set()
 
 

@@ -20,11 +20,22 @@ from unison.version import VERSION
 
 
 def parse(argv):
+    p = parser()
+    args = p.parse_args(argv)
+    if args.check_build:
+        return args
+    _check(p, args)
+    return args
+
+
+def parser():
+    """unisonrun's argument parser (the docs' table of options is made from
+    it too: settings_page.launcher_options)."""
     p = argparse.ArgumentParser(
         prog="unisonrun", description="Run a command as N unison ranks, on this host or across hosts.",
         usage="unisonrun -np N [options] command [args...]")
     p.add_argument("-v", "--version", action="version", version="unisonrun (unison) " + VERSION)
-    p.add_argument("-np", "--num-proc", dest="np", type=int, help="number of ranks")
+    p.add_argument("-np", "--num-proc", dest="np", type=int, metavar="N", help="number of ranks")
     _add_core_settings(p.add_argument_group(
         "the core's settings", "each sets the variable named, which a rank's init() reads (native/config.cc); "
         "an option given wins over --config-file"))
@@ -36,17 +47,13 @@ def parse(argv):
     p.add_argument("-cb", "--check-build", action="store_true",
                    help="show which frameworks and data planes this install supports, and exit")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the command each rank runs")
-    args = p.parse_args(argv)
-    if args.check_build:
-        return args
-    _check(p, args)
-    return args
+    return p
 
 
 def _add_host_options(p):
     cluster = p.add_argument_group("across hosts")
-    cluster.add_argument("-H", "--hosts", help="hosts and their slots, e.g. host1:4,host2:4")
-    cluster.add_argument("-hostfile", "--hostfile", help="a file of `host slots=N` (or `host:N`) lines")
+    cluster.add_argument("-H", "--hosts", metavar="HOSTS", help="hosts and their slots, e.g. host1:4,host2:4")
+    cluster.add_argument("-hostfile", "--hostfile", metavar="FILE", help="a file of `host slots=N` (or `host:N`) lines")
     cluster.add_argument("--network-interface", "--network-interfaces", dest="network_interfaces",
                          action="append", metavar="INTERFACE",
                          help="the interface (such as eth0) or IPv4 address ranks listen on for each other; "
@@ -54,7 +61,7 @@ def _add_host_options(p):
                               "An interface is NCCL's too (NCCL_SOCKET_IFNAME), unless that is set, as with "
                               "horovodrun. horovodrun's list form is accepted when it names one interface")
     cluster.add_argument("-p", "--ssh-port", type=int, help="the port of sshd on the hosts")
-    cluster.add_argument("-i", "--ssh-identity-file", help="the key ssh logs in with")
+    cluster.add_argument("-i", "--ssh-identity-file", metavar="FILE", help="the key ssh logs in with")
     cluster.add_argument("--rendezvous-port", type=int,
                          help="the port rank 0 listens on for the others to meet (default: a free one)")
     controller = cluster.add_mutually_exclusive_group()
@@ -68,8 +75,8 @@ def _add_host_options(p):
     cluster.add_argument("--simulate-hosts", type=int, metavar="K",
                          help="through mpirun, split the ranks of this machine into K hosts (each rank is told "
                               "its host in UNISON_HOSTNAME): the cross-host paths on one machine, for testing")
-    cluster.add_argument("--mpi-args", help="more arguments for mpirun, in one string")
-    cluster.add_argument("--binding-args",
+    cluster.add_argument("--mpi-args", metavar="ARGS", help="more arguments for mpirun, in one string")
+    cluster.add_argument("--binding-args", metavar="ARGS",
                          help="with --mpi: how mpirun binds and maps the ranks, in one string, in place of "
                               "unisonrun's default (Open MPI: --bind-to none --map-by slot; MPICH: none)")
     gather_hierarchy = cluster.add_mutually_exclusive_group()
@@ -87,7 +94,7 @@ def _add_elastic_options(p):
                          help="the fewest workers the job trains with (default: -np)")
     elastic.add_argument("--max-np", "--max-num-proc", dest="max_np", type=int,
                          help="the most workers the job grows to (default: -np)")
-    elastic.add_argument("--host-discovery-script",
+    elastic.add_argument("--host-discovery-script", metavar="COMMAND",
                          help="a command printing the usable hosts, one `host:slots` (or `host`) per line; "
                               "re-run every second")
     elastic.add_argument("--slots", "--slots-per-host", dest="slots", type=int,
@@ -146,10 +153,10 @@ def _help(row, about):
 def _add_launcher_options(p):
     p.add_argument("--failure-grace-seconds", type=float, default=3.0,
                    help="after a rank fails, how long the others may take to exit on their own (default 3)")
-    p.add_argument("--config-file",
+    p.add_argument("--config-file", metavar="FILE",
                    help="horovodrun's settings file (YAML, which needs PyYAML, or JSON); options given here win "
                         "(common/runner/config_file.py)")
-    p.add_argument("--output-filename",
+    p.add_argument("--output-filename", metavar="DIR",
                    help="also write each rank's output to DIR/rank.N/stdout and stderr")
     p.add_argument("--verbose", action="store_true", help="print what the launcher does")
     p.add_argument("-prefix-timestamp", "--prefix-output-with-timestamp", dest="prefix_output_with_timestamp",

@@ -35,7 +35,7 @@ def run(mode, fn, *args):
         out = fn(*fed)
         # Some of these graphs have ten collective nodes that can run at
         # once (test_gradients), each holding an inter-op thread while it
-        # waits: a session needs a thread for each (README, "TF1 scripts").
+        # waits: a session needs a thread for each (docs/tensorflow.md, "TF1 scripts").
         config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=12, use_per_session_threads=True)
         with tf.compat.v1.Session(graph=graph, config=config) as session:
             return session.run(out, dict(zip(fed, [a.numpy() for a in args])))

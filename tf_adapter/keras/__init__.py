@@ -31,6 +31,19 @@ from unison.tensorflow.keras import callbacks, elastic  # noqa: F401
 from unison.tensorflow.keras.optimizer import (  # noqa: F401
     DistributedOptimizer, PartialDistributedOptimizer, load_model)
 
+# The public API: what the API reference documents and `import *` gives.
+__all__ = [
+    "ccl_built", "cross_rank", "cross_size", "cuda_built", "ddl_built", "gloo_built", "gloo_enabled", "init",
+    "is_homogeneous", "is_initialized", "local_rank", "local_size", "mpi_built", "mpi_enabled",
+    "mpi_threads_supported", "nccl_built", "rank", "rocm_built", "shutdown", "size", "start_timeline",
+    "stop_timeline", "HorovodInternalError", "UnisonError", "ProcessSet", "add_process_set",
+    "global_process_set", "remove_process_set", "Compression", "allgather_object", "broadcast_object",
+    "Adasum", "Average", "Max", "Min", "Product", "Sum", "allgather", "allreduce", "alltoall", "barrier",
+    "broadcast", "grouped_allgather", "grouped_allreduce", "grouped_reducescatter", "join", "reducescatter",
+    "SyncBatchNormalization", "callbacks", "elastic", "DistributedOptimizer", "PartialDistributedOptimizer",
+    "load_model", "broadcast_global_variables",
+]
+
 
 def broadcast_global_variables(root_rank, model=None):
     """Keras 3 keeps no global variable collection: pass the model, whose

@@ -1,0 +1,135 @@
+"""The documentation site's own checks, beyond `mkdocs build --strict`
+(which the `docs` tox env runs first, and which fails on a broken link,
+page or reference):
+
+- every code block marked runnable runs: a block after a `<!-- runnable -->`
+  line in this process, one after `<!-- runnable: unisonrun -np N -->` as a
+  job of N ranks under the launcher, and fails if it raises;
+- every unison module the migration guide names exists;
+- every name of the public API (a documented module's `__all__`) has a
+  docstring, so that the API reference has no blank entries (mkdocstrings
+  leaves out what has none), and every public module says what it is in
+  `__all__`, so that the reference shows what the package offers.
+
+Runs in the `docs` env, which has the site's builder (griffe reads the
+modules without importing them, so TensorFlow and MXNet need not be there)
+and torch, for the runnable blocks."""
+import os
+import re
+import subprocess
+import sys
+
+import griffe
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCS = os.path.join(ROOT, "docs")
+MARKER = re.compile(r"^<!-- runnable(?:: unisonrun -np (\d+))? -->\n```python\n(.*?)^```$", re.M | re.S)
+
+
+def _pages():
+    for folder, _, files in os.walk(DOCS):
+        for name in sorted(files):
+            if name.endswith(".md"):
+                yield os.path.join(folder, name)
+
+
+def _runnable_blocks():
+    for path in _pages():
+        text = open(path).read()
+        for match in MARKER.finditer(text):
+            line = text.count("\n", 0, match.start()) + 3
+            where = "%s:%d" % (os.path.relpath(path, ROOT), line)
+            yield pytest.param(where, int(match.group(1) or 1), match.group(2), id=where)
+
+
+def test_the_docs_have_runnable_blocks():
+    # A typo in the marker would make every block quietly plain text.
+    assert len(list(_runnable_blocks())) >= 5
+    for path in _pages():
+        for line in open(path):
+            if "runnable" in line and line.startswith("<!--"):
+                assert re.match(r"^<!-- runnable(?:: unisonrun -np \d+)? -->$", line.strip()), (path, line)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("where,ranks,code", list(_runnable_blocks()))
+def test_runnable_block(where, ranks, code, tmp_path):
+    if ranks == 1:
+        # In this process, as a reader pasting it into Python would run it.
+        namespace = {"__name__": "__main__"}
+        try:
+            exec(compile(code, where, "exec"), namespace)
+        finally:
+            import unison
+            if unison.is_initialized():
+                unison.shutdown()
+        return
+    script = tmp_path / "block.py"
+    script.write_text(code)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    run = subprocess.run([sys.executable, "-m", "unison.run", "-np", str(ranks), sys.executable, str(script)],
+                         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=240)
+    assert run.returncode == 0, "%s failed under unisonrun -np %d:\n%s" % (where, ranks, run.stdout.decode())
+
+
+def _module_paths_in_the_migration_guide():
+    text = open(os.path.join(DOCS, "migrating.md")).read()
+    table = text[text.index("## Import paths"):text.index("## What behaves differently")]
+    names = set()
+    for row in table.splitlines():
+        cells = row.split("|")
+        if len(cells) > 3:
+            names.update(re.findall(r"`(unison(?:\.[a-z_]+)*)", cells[2]))
+    return sorted(names)
+
+
+def _the_package():
+    """unison as griffe reads it from its files (importing nothing), with
+    every alias inside it resolved, as mkdocstrings reads it."""
+    loader = griffe.GriffeLoader()
+    package = loader.load("unison")
+    unresolved, _ = loader.resolve_aliases(external=False, implicit=False)
+    assert not unresolved, "names the API reference cannot follow: %s" % sorted(unresolved)
+    return package
+
+
+def test_the_migration_guide_names_modules_that_exist():
+    package = _the_package()
+    names = _module_paths_in_the_migration_guide()
+    assert len(names) >= 25
+    for name in names:
+        member = package
+        for part in name.split(".")[1:]:
+            assert part in member.members, "the migration guide names %s, which unison lacks" % name
+            member = member.members[part]
+
+
+def _documented_modules():
+    names = []
+    for path in _pages():
+        names += re.findall(r"^::: (unison[\w.]*)$", open(path).read(), re.M)
+    return names
+
+
+def test_every_public_name_has_a_docstring():
+    package = _the_package()
+    missing = []
+    for module_name in _documented_modules():
+        module = package
+        for part in module_name.split(".")[1:]:
+            module = module.members[part]
+        if not module.is_module:
+            continue
+        exported = module.exports
+        if exported is None:
+            exported = [name for name, member in module.members.items()
+                        if not name.startswith("_") and not member.is_alias]
+        for name in exported:
+            member = module.members[name]
+            target = member.final_target if member.is_alias else member
+            if target.is_module:
+                continue
+            if not (target.docstring and target.docstring.value.strip()):
+                missing.append("%s.%s" % (module_name, name))
+    assert not missing, "public names without a docstring: %s" % ", ".join(missing)
