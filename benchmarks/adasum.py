@@ -17,6 +17,10 @@ import unison
 import unison.numpy as unp
 from timing import agree, timed
 
+import results
+
+results.capture()  # --json PATH: this run's figures as JSON (results.py)
+
 SIZES = [("64 KiB", 64 << 10), ("1 MiB", 1 << 20), ("16 MiB", 16 << 20)]
 
 

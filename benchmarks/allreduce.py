@@ -43,6 +43,10 @@ import unison
 import unison.numpy as unp
 from timing import agree, core_allreduces, timed
 
+import results
+
+results.capture()  # --json PATH: this run's figures as JSON (results.py)
+
 SIZES = [("4 KiB", 4 << 10), ("64 KiB", 64 << 10), ("256 KiB", 256 << 10), ("1 MiB", 1 << 20), ("4 MiB", 4 << 20),
          ("16 MiB", 16 << 20), ("64 MiB", 64 << 20)]
 

@@ -18,6 +18,10 @@ import numpy as np
 import unison
 import unison.numpy as unp
 
+import results
+
+results.capture()  # --json PATH: this run's figures as JSON (results.py)
+
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])

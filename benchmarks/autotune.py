@@ -20,6 +20,10 @@ import subprocess
 import sys
 import time
 
+import results
+
+results.capture()  # --json PATH: this run's figures as JSON (results.py)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 CONFIGS = [("defaults", []), ("64 KiB fusion threshold", ["--fusion-threshold-mb", "0.0625"]),
            ("10 ms cycle time", ["--cycle-time-ms", "10"]), ("--autotune", ["--autotune"])]

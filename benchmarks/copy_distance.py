@@ -21,6 +21,10 @@ import unison
 import unison.numpy as unp
 from timing import agree, timed
 
+import results
+
+results.capture()  # --json PATH: this run's figures as JSON (results.py)
+
 COUNT, EACH = 200, 10_000   # 200 float32 tensors of 40 KB
 
 

@@ -20,6 +20,10 @@ import unison
 import unison.numpy as unp
 from allreduce import compare, iterations_for, setup_gloo
 
+import results
+
+results.capture()  # --json PATH: this run's figures as JSON (results.py)
+
 COUNTS = [("256 Ki", 1 << 18), ("4 Mi", 1 << 22), ("16 Mi", 1 << 24)]
 DTYPES = [("float32", np.float32, torch.float32), ("float16", np.float16, torch.float16),
           ("bfloat16", ml_dtypes.bfloat16, torch.bfloat16)]

@@ -52,6 +52,10 @@ import sys
 import tempfile
 import time
 
+import results
+
+results.capture()  # --json PATH: this run's figures as JSON (results.py)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 JOB = os.path.join(HERE, "..", "tests", "elastic", "train_numpy.py")
 STEPS = 30

@@ -31,6 +31,10 @@ import unison.torch as hvd
 from allreduce import setup_gloo
 from timing import agree
 
+import results
+
+results.capture()  # --json PATH: this run's figures as JSON (results.py)
+
 SIZES_MIB = [1, 4, 16, 64, 256]
 
 

@@ -21,6 +21,10 @@ import unison.torch as hvd
 from gpu_allreduce import start_gpu_job
 from timing import agree
 
+import results
+
+results.capture()  # --json PATH: this run's figures as JSON (results.py)
+
 
 def make_model():
     try:

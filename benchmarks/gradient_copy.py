@@ -21,6 +21,10 @@ import torch
 
 from torch_train import make_model
 
+import results
+
+results.capture()  # --json PATH: this run's figures as JSON (results.py)
+
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])

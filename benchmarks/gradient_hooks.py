@@ -21,6 +21,10 @@ import torch
 import unison.torch as hvd
 from unison.torch import ops
 
+import results
+
+results.capture()  # --json PATH: this run's figures as JSON (results.py)
+
 
 def main():
     parser = argparse.ArgumentParser()

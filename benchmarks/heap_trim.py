@@ -34,6 +34,10 @@ import subprocess
 import sys
 import time
 
+import results
+
+results.capture()  # --json PATH: this run's figures as JSON (results.py)
+
 KEPT = "glibc.malloc.mmap_threshold=%d:glibc.malloc.trim_threshold=%d" % (32 << 20, 1 << 32)
 VARIANTS = [("unison", "glibc's default"), ("unison", "heap kept"), ("independent", "glibc's default"),
             ("independent", "heap kept")]

@@ -20,6 +20,10 @@ import subprocess
 import sys
 import time
 
+import results
+
+results.capture()  # --json PATH: this run's figures as JSON (results.py)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 EXAMPLE = os.path.join(os.path.dirname(HERE), "examples", "keras", "digits.py")
 

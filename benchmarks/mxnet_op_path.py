@@ -21,6 +21,10 @@ import unison.mxnet as hvd
 import unison.numpy as unp
 from unison.mxnet.optimizer import _allreduce_gradients
 
+import results
+
+results.capture()  # --json PATH: this run's figures as JSON (results.py)
+
 
 def median_time(fn, repeats, blocks=5):
     """The median of every call's own time: on this shared machine one

@@ -21,6 +21,10 @@ import torch.distributed as dist
 import unison.torch as hvd
 from timing import join_gloo
 
+import results
+
+results.capture()  # --json PATH: this run's figures as JSON (results.py)
+
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])

@@ -21,6 +21,10 @@ import numpy as np
 import unison
 import unison.numpy as unp
 
+import results
+
+results.capture()  # --json PATH: this run's figures as JSON (results.py)
+
 SIZES = "1M,16M,64M"
 
 

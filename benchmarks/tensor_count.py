@@ -20,6 +20,10 @@ import numpy as np
 import unison
 from timing import core_allreduces
 
+import results
+
+results.capture()  # --json PATH: this run's figures as JSON (results.py)
+
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])

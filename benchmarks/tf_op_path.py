@@ -34,6 +34,10 @@ import unison.numpy as unp
 import unison.tensorflow as hvd
 from unison.tensorflow import ops as tf_ops
 
+import results
+
+results.capture()  # --json PATH: this run's figures as JSON (results.py)
+
 
 def timed(fn, repeats):
     fn()   # warm up (and trace)

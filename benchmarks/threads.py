@@ -24,6 +24,10 @@ import torch.distributed as dist
 import unison.torch as hvd
 from timing import join_gloo
 
+import results
+
+results.capture()  # --json PATH: this run's figures as JSON (results.py)
+
 
 def run_threads(count, work):
     """Runs work(thread index) on `count` threads at once; the seconds taken."""

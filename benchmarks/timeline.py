@@ -1,6 +1,6 @@
 """The timeline's cost on training, and a picture of one training step.
 
-    unisonrun -np 2 python benchmarks/timeline.py [--png benchmarks/timeline.png]
+    unisonrun -np 2 python benchmarks/timeline.py [--png docs/img/timeline.png]
 
 Trains torch_train.py's MLP with unison's DistributedOptimizer in
 alternating blocks, the timeline off and on (hvd.start_timeline and
@@ -25,6 +25,10 @@ from unison import timeline
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from torch_train import make_model, slowest  # noqa: E402
+
+import results
+
+results.capture()  # --json PATH: this run's figures as JSON (results.py)
 
 COLOURS = {"QUEUED": "#c7c7c7", "WAIT_FOR_DATA": "#ffd966", "NEGOTIATE": "#f2a65a", "PACK": "#7fb3d5",
            "WAIT_FOR_PEERS": "#e06666", "REDUCE": "#6aa84f", "REDUCE_INTO_OUTPUT": "#6aa84f",

@@ -46,6 +46,10 @@ from torch.nn.parallel import DistributedDataParallel
 import unison.torch as hvd
 from timing import join_gloo
 
+import results
+
+results.capture()  # --json PATH: this run's figures as JSON (results.py)
+
 
 def make_model(width, depth):
     layers = []

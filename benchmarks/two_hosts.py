@@ -20,6 +20,10 @@ import uuid
 
 from unison.runner import mpi as mpi_run
 
+import results
+
+results.capture()  # --json PATH: this run's figures as JSON (results.py)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 

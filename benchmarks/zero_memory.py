@@ -17,6 +17,10 @@ import torch
 
 import unison.torch as hvd
 
+import results
+
+results.capture()  # --json PATH: this run's figures as JSON (results.py)
+
 OPTIMIZERS = {"adam": (torch.optim.Adam, dict(lr=1e-3)),
               "sgd": (torch.optim.SGD, dict(lr=0.01, momentum=0.9))}
 

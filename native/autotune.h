@@ -13,14 +13,14 @@
 // mostly independent, and their candidates few (five thresholds, four cycle
 // times, two and two), so a sweep of each in turn tries thirteen candidates at
 // most, every one of them measured, and its choice can be read in the log.
-// benchmarks/README.md ("Autotune") compares it with the other settings.
+// docs/design-notes.md ("The timeline and autotune") compares it with the other settings.
 //
 // The cache is searched unless UNISON_AUTOTUNE_CACHE=0. Switching it works:
 // every rank switches at one cycle, and what waited as a cache bit is sent
 // in full. For a while it was left out by default: before waiting callers
 // drove the engine, about half the 2-rank torch jobs whose search had
 // switched it trained ~40% slower afterwards. Since then, 10 of 10 such jobs
-// showed nothing of the kind (benchmarks/README.md, "Autotune"), so it is
+// showed nothing of the kind (docs/design-notes.md, "The timeline and autotune"), so it is
 // searched as the other settings are, and the variable is there to leave it
 // out should a job ever show it again.
 //

@@ -65,7 +65,7 @@ struct Config {
   // Across hosts: shared memory within each host and MPI or TCP between them
   // (true), or MPI or TCP for every byte between every pair of ranks (false).
   // Hierarchical is the default because it is faster wherever a host runs
-  // more than one rank (benchmarks/README.md); a job with one rank per host
+  // more than one rank (docs/design-notes.md); a job with one rank per host
   // runs flat either way.
   bool hierarchical = true;
 
@@ -109,7 +109,7 @@ struct Config {
   // slower at 2 ranks, 1.4x at 3 and 1.5-1.7x at 4 (with its L3 taken by
   // others, up to 8% faster at 2 ranks, still 1.4x slower at 3); on session
   // 6's VM the two were within its noise. Smaller still adds barriers,
-  // which cost most when ranks outnumber cores (benchmarks/README.md).
+  // which cost most when ranks outnumber cores (docs/design-notes.md).
   size_t shm_slot_bytes = 2u << 20;
 
   // Control messages (requests, responses) per rank per cycle.

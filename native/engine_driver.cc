@@ -38,7 +38,7 @@
 // already fill every core, it runs in their stead, and the training loses
 // more to the hand-offs than it gains: on the 2-core VM, 2 ranks trained an
 // MLP at 0.69-0.77x the speed of 2 independent processes with overlap, and
-// at 0.82-0.83x without (benchmarks/README.md). So by default async ops
+// at 0.82-0.83x without (docs/design-notes.md). So by default async ops
 // start at once only where this host has more usable cores than ranks;
 // elsewhere they wait in the queue for a caller's wait, which drives them
 // all in one cycle (and fuses them), for a peer's cycle, or, for ops nobody

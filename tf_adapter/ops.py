@@ -65,7 +65,7 @@ def _keep_autograph_out():
     generated code on every step, each call through `converted_call`: that
     added about 0.1 ms to a small allreduce in a tf.function, twice what the
     whole op costs eagerly, and made tracing a step six times as long
-    (benchmarks/README.md). Nothing here
+    (docs/design-notes.md). Nothing here
     needs converting: no unison function branches or loops on a tensor's
     value. The list is TensorFlow's own (`autograph.core.config`), not a
     public API; where a later TensorFlow moves it, collectives stay correct

@@ -16,7 +16,7 @@ them rank 0's state before the first step.
 
 `--one-process` trains the same model in one process on the whole batch
 (batch-size x ranks per step), the reference of the benchmark line in
-benchmarks/README.md; `--samples-per-second` prints training throughput.
+docs/design-notes.md; `--samples-per-second` prints training throughput.
 """
 import argparse
 import glob

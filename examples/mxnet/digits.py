@@ -11,7 +11,7 @@ input size Gluon only learns then (deferred initialisation).
 
 `--kvstore local` trains the same model in one process with MXNet's own
 `local` kvstore and the whole batch (the reference for the benchmark line in
-benchmarks/README.md); `--samples-per-second` prints training throughput.
+docs/design-notes.md); `--samples-per-second` prints training throughput.
 """
 import argparse
 import os

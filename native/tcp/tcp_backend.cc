@@ -38,7 +38,7 @@ namespace unison {
 namespace {
 
 // Below this, one round of whole-input exchange beats the ring's 2(N-1)
-// rounds (benchmarks/README.md, "TCP").
+// rounds (docs/design-notes.md, "Across hosts").
 constexpr size_t kDirectAllreduceBytes = 64u << 10;
 // Pipeline piece: large enough that a frame's header and system calls are
 // noise, small enough that N pieces are in flight well before one chunk is.

@@ -466,7 +466,7 @@ def test_autograph_runs_unisons_python_as_written(monkeypatch):
     AutoGraph lists its library as one to leave alone; unison's is listed
     (ops._keep_autograph_out). Otherwise each collective node's Python runs
     as AutoGraph's generated code every step, and tracing takes ten times
-    as long (benchmarks/README.md). A TensorFlow that moves AutoGraph's list
+    as long (docs/design-notes.md). A TensorFlow that moves AutoGraph's list
     fails here, not silently slower. (The py_function nodes are the
     fallback where the compiled kernels are not built; they are forced here.)"""
     monkeypatch.setattr(tf_ops, "_kernels", None)
