@@ -169,5 +169,5 @@ def versions():
             found[name] = getattr(module, "__version__", None)
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is not None:
-        found["mpi"] = mpi.Get_library_version().splitlines()[0].strip()
+        found["mpi"] = " ".join(mpi.Get_library_version().split("\n")[0].split())
     return found
