@@ -133,3 +133,50 @@ def test_every_public_name_has_a_docstring():
             if not (target.docstring and target.docstring.value.strip()):
                 missing.append("%s.%s" % (module_name, name))
     assert not missing, "public names without a docstring: %s" % ", ".join(missing)
+
+
+def test_the_performance_page_shows_what_the_recorded_runs_printed():
+    """docs/performance.md's figures are benchmarks/render.py's output from
+    the runs kept in benchmarks/results/, never typed by hand."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import render
+    finally:
+        sys.path.pop(0)
+    runs = render.load()
+    for benchmark in ("allreduce", "torch_train"):
+        assert runs.get(benchmark), "benchmarks/results/ has no run of %s.py" % benchmark
+        for run in runs[benchmark]:
+            assert run["tables"] and run["command"] and run["machine"]["memcpy_gbps"] > 0, run["file"]
+    with open(render.PAGE) as f:
+        page = f.read()
+    assert render.page_with(render.markdown(), page) == page, (
+        "docs/performance.md differs from what benchmarks/results/ gives: run python benchmarks/render.py")
+    for benchmark in render.PLOTS:
+        assert os.path.exists(os.path.join(render.IMAGES, benchmark + ".png")), benchmark
+
+
+def _project_files():
+    try:
+        listed = subprocess.run(["git", "-C", ROOT, "ls-files"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                check=True).stdout.decode().split("\n")
+    except (OSError, subprocess.CalledProcessError):  # not a checkout: every file under the root
+        listed = [os.path.relpath(os.path.join(folder, name), ROOT)
+                  for folder, _, files in os.walk(ROOT) if "/." not in folder for name in files]
+    return [name for name in listed if name and os.path.isfile(os.path.join(ROOT, name))]
+
+
+def test_no_file_speaks_of_development_sessions():
+    """The history of the work is git's; the files say what is, and the
+    design notes say what was found, without a diary's session numbers."""
+    diary = re.compile(r"\bsessions? \d+", re.I)
+    found = []
+    for name in _project_files():
+        try:
+            with open(os.path.join(ROOT, name), encoding="utf-8") as f:
+                for number, line in enumerate(f, 1):
+                    if diary.search(line):
+                        found.append("%s:%d: %s" % (name, number, line.strip()[:100]))
+        except UnicodeDecodeError:  # a binary file
+            continue
+    assert not found, "\n".join(found)
