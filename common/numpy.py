@@ -299,3 +299,13 @@ def join(process_set=None):
     joined, it takes part in the others' allreduces with zeros. Returns the
     rank that joined last. Average still divides by the full size."""
     return collective.join(process_set)
+
+
+# The public API: what the API reference documents and `import *` gives
+# (NumpyTensors and front_end are the shared front end's plumbing).
+__all__ = [
+    "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce", "grouped_allreduce_",
+    "grouped_allreduce_async", "allgather", "allgather_async", "grouped_allgather", "broadcast", "broadcast_",
+    "broadcast_async", "broadcast_async_", "alltoall", "alltoall_async", "reducescatter", "reducescatter_async",
+    "grouped_reducescatter", "barrier", "join", "poll", "synchronize", "Handle",
+]

@@ -46,14 +46,19 @@ class ProcessSet:
         return list(range(core.size())) if self.ranks is None else self.ranks
 
     def size(self):
+        """How many ranks the set has. Raises InvalidArgumentError if the set is not registered."""
         return len(self._ranks())
 
     def rank(self):
+        """This rank's place in the set (0 to size() - 1), or -1 on a rank outside it. Raises
+        InvalidArgumentError if the set is not registered."""
         ranks = self._ranks()
         me = core.rank()
         return ranks.index(me) if me in ranks else -1
 
     def included(self):
+        """Whether this rank belongs to the set. Raises InvalidArgumentError if the set is not
+        registered."""
         return core.rank() in self._ranks()
 
     def __repr__(self):
