@@ -78,21 +78,8 @@ def _array(tensor):
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                     postscale_factor=1.0, process_set=None):
     """Starts an allreduce of `tensor` and returns a handle for synchronize() or poll();
-    the tensor must not change until it completes.
-
-    Args:
-        tensor: a numpy array (or anything `np.asarray` takes), the same shape and dtype on every rank.
-        average: Horovod's old flag; `op` replaces it.
-        name: the name ranks match this tensor by; generated in call order where None.
-        op: Average (the default), Sum, Min, Max, Product or Adasum.
-        prescale_factor: multiplies the input before the reduction.
-        postscale_factor: multiplies the result after it.
-        process_set: the ranks that take part (every rank by default).
-
-    Raises:
-        MismatchError: ranks gave the same name different shapes, dtypes or ops.
-        InvalidArgumentError: an op or dtype this reduction does not take.
-        RankFailedError: a rank of the set died or stopped answering."""
+    the tensor must not change until it completes. Takes allreduce's arguments, and raises
+    what it raises."""
     op = arguments.resolve_op(op, average)
     return front_end.allreduce_async(_array(tensor), name, op, prescale_factor, postscale_factor, process_set)
 
@@ -100,21 +87,8 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                      postscale_factor=1.0, process_set=None):
     """Starts an in-place allreduce: `tensor` (a writable, contiguous array) receives
-    the result. Returns a handle for synchronize() or poll().
-
-    Args:
-        tensor: a numpy array (or anything `np.asarray` takes), the same shape and dtype on every rank.
-        average: Horovod's old flag; `op` replaces it.
-        name: the name ranks match this tensor by; generated in call order where None.
-        op: Average (the default), Sum, Min, Max, Product or Adasum.
-        prescale_factor: multiplies the input before the reduction.
-        postscale_factor: multiplies the result after it.
-        process_set: the ranks that take part (every rank by default).
-
-    Raises:
-        MismatchError: ranks gave the same name different shapes, dtypes or ops.
-        InvalidArgumentError: an op or dtype this reduction does not take.
-        RankFailedError: a rank of the set died or stopped answering."""
+    the result. Returns a handle for synchronize() or poll(). Takes allreduce's arguments, and raises
+    what it raises."""
     op = arguments.resolve_op(op, average)
     return front_end.allreduce_async_(tensor, name, op, prescale_factor, postscale_factor, process_set)
 
@@ -144,21 +118,8 @@ def allreduce(tensor, average=None, name=None, op=None, prescale_factor=1.0,
 
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                postscale_factor=1.0, process_set=None):
-    """Reduces `tensor` across ranks in place and returns it.
-
-    Args:
-        tensor: a numpy array (or anything `np.asarray` takes), the same shape and dtype on every rank.
-        average: Horovod's old flag; `op` replaces it.
-        name: the name ranks match this tensor by; generated in call order where None.
-        op: Average (the default), Sum, Min, Max, Product or Adasum.
-        prescale_factor: multiplies the input before the reduction.
-        postscale_factor: multiplies the result after it.
-        process_set: the ranks that take part (every rank by default).
-
-    Raises:
-        MismatchError: ranks gave the same name different shapes, dtypes or ops.
-        InvalidArgumentError: an op or dtype this reduction does not take.
-        RankFailedError: a rank of the set died or stopped answering."""
+    """Reduces `tensor` across ranks in place and returns it. Takes allreduce's arguments, and raises
+    what it raises."""
     op = arguments.resolve_op(op, average)
     return front_end.allreduce_(tensor, name, op, prescale_factor, postscale_factor, process_set)
 
@@ -307,5 +268,6 @@ __all__ = [
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce", "grouped_allreduce_",
     "grouped_allreduce_async", "allgather", "allgather_async", "grouped_allgather", "broadcast", "broadcast_",
     "broadcast_async", "broadcast_async_", "alltoall", "alltoall_async", "reducescatter", "reducescatter_async",
-    "grouped_reducescatter", "barrier", "join", "poll", "synchronize", "Handle",
+    "grouped_reducescatter", "barrier", "join", "poll", "synchronize", "Handle", "Sum", "Average", "Min", "Max",
+    "Product", "Adasum", "size",
 ]
