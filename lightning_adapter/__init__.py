@@ -96,6 +96,7 @@ class UnisonStrategy(ParallelStrategy):
     module's documentation)."""
 
     strategy_name = "unison"
+    """The name `Trainer(strategy=...)` takes for this strategy once `unison.lightning` is imported."""
 
     def __init__(self, accelerator=None, parallel_devices=None, checkpoint_io=None, precision_plugin=None,
                  scale_learning_rate=True):
@@ -107,32 +108,39 @@ class UnisonStrategy(ParallelStrategy):
 
     @property
     def global_rank(self):
+        """This process's rank in the unison job."""
         return _joined().rank()
 
     @property
     def local_rank(self):
+        """This process's rank among the job's ranks on its host."""
         return _joined().local_rank()
 
     @property
     def node_rank(self):
+        """This host's place among the job's hosts (unison's cross rank)."""
         return _joined().cross_rank()
 
     @property
     def world_size(self):
+        """How many ranks the job has."""
         return _joined().size()
 
     @property
     def is_distributed(self):
+        """True: Lightning then gives each dataloader a distributed sampler."""
         # Lightning asks this of strategies it does not know, to decide
         # whether each dataloader gets a DistributedSampler.
         return True
 
     @property
     def distributed_sampler_kwargs(self):
+        """The sampler's arguments: every rank of the job, this process's rank among them."""
         return {"num_replicas": self.world_size, "rank": self.global_rank}
 
     @property
     def root_device(self):
+        """The device this process trains on: the CPU, or the GPU its local rank picks."""
         # One device per process, chosen by its local rank, as Horovod's
         # scripts pin it; a CUDA_VISIBLE_DEVICES that leaves each process
         # one device makes that device 0.
@@ -142,19 +150,25 @@ class UnisonStrategy(ParallelStrategy):
         return devices[0]
 
     def set_world_ranks(self):
+        """Joins the unison job as the Trainer is made, so that rank-zero-only output knows its rank."""
         # The Trainer calls this as it is made: the job joins here, so that
         # rank-zero-only logging and progress bars know their rank at once.
         rank_zero_only.rank = self.global_rank
 
     def setup_environment(self):
+        """Joins the unison job (init() if it has not been called), then Lightning's own set-up."""
         _joined()
         super().setup_environment()
 
     def model_to_device(self):
+        """Moves the model to root_device."""
         if self.model is not None:
             self.model.to(self.root_device)
 
     def setup(self, trainer):
+        """Broadcasts rank 0's parameters and optimizer state, scales the learning rates by the world
+        size (unless scale_learning_rate=False), and wraps each optimizer in a DistributedOptimizer
+        that averages the gradients over the ranks, every accumulate_grad_batches steps."""
         super().setup(trainer)
         model = self.lightning_module
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
@@ -201,9 +215,11 @@ class UnisonStrategy(ParallelStrategy):
             return hvd.allgather(tensor.unsqueeze(0))
 
     def broadcast(self, obj, src=0):
+        """Rank `src`'s object, on every rank (pickled, as broadcast_object sends it)."""
         return hvd.broadcast_object(obj, root_rank=src)
 
     def barrier(self, name=None):
+        """Returns once every rank has reached it."""
         hvd.barrier()
 
     @staticmethod

@@ -79,9 +79,11 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
             setattr(self._optimizer, key, value)
 
     def create_state(self, index, weight):
+        """The wrapped optimizer's state for weight `index`, as it makes it."""
         return self._optimizer.create_state(index, weight)
 
     def create_state_multi_precision(self, index, weight):
+        """The wrapped optimizer's multi-precision state for weight `index`."""
         return self._optimizer.create_state_multi_precision(index, weight)
 
     def _reduce(self, index, grad):
@@ -94,20 +96,26 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
         _allreduce_gradients(named, self._gradient_predivide_factor, self._num_groups, self._process_set)
 
     def update(self, index, weight, grad, state):
+        """Sums the gradient over the process set's ranks (then divides as the wrapper was told), then
+        lets the wrapped optimizer update the weight."""
         self._reduce(index, grad)
         self._optimizer.update(index, weight, grad, state)
 
     def update_multi_precision(self, index, weight, grad, state):
+        """As update(), for the wrapped optimizer's multi-precision update."""
         self._reduce(index, grad)
         self._optimizer.update_multi_precision(index, weight, grad, state)
 
     def set_learning_rate(self, lr):
+        """Sets the wrapped optimizer's learning rate."""
         self._optimizer.set_learning_rate(lr)
 
     def set_lr_mult(self, args_lr_mult):
+        """Sets the wrapped optimizer's per-parameter learning-rate multipliers."""
         self._optimizer.set_lr_mult(args_lr_mult)
 
     def set_wd_mult(self, args_wd_mult):
+        """Sets the wrapped optimizer's per-parameter weight-decay multipliers."""
         self._optimizer.set_wd_mult(args_wd_mult)
 
 

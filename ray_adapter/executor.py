@@ -36,10 +36,15 @@ class RayExecutorSettings:
     waits for Ray to find the resources asked for. nics: the network
     interface the ranks' TCP plane uses across nodes."""
     timeout_s: float = 30
+    """Seconds the ranks wait for each other at init() (UNISON_START_TIMEOUT)."""
     placement_group_timeout_s: float = 100
+    """Seconds start() waits for Ray to find the resources asked for."""
     nics: Optional[object] = None
+    """The network interface the ranks' TCP plane uses across nodes (one name), or None for the one that reaches rank 0."""
     ssh_identity_file: Optional[str] = None
+    """Horovod's; unused, since unison's ranks meet over TCP with no ssh between nodes."""
     ssh_str: Optional[str] = None
+    """Horovod's; unused, as ssh_identity_file."""
 
 
 class RayExecutor:

@@ -42,13 +42,17 @@ class UnisonConfig(BackendConfig):
     each other at init(). nics: the network interface of the TCP plane
     across nodes (one name)."""
     timeout_s: float = 300
+    """Seconds the ranks wait for each other at init()."""
     nics: Optional[object] = None
+    """The network interface of the TCP plane across nodes (one name), or None."""
 
     @property
     def backend_cls(self):
+        """The Ray Train backend that starts unison in every worker."""
         return _UnisonBackend
 
     def to_dict(self):
+        """The settings as a dict, as Ray Train records a backend's configuration."""
         return {"timeout_s": self.timeout_s, "nics": self.nics}
 
 

@@ -7,9 +7,9 @@ page or reference):
   job of N ranks under the launcher, and fails if it raises;
 - every unison module the migration guide names exists;
 - every name of the public API (a documented module's `__all__`) has a
-  docstring, so that the API reference has no blank entries (mkdocstrings
-  leaves out what has none), and every public module says what it is in
-  `__all__`, so that the reference shows what the package offers.
+  docstring, and so has every public method, property and class attribute
+  of its classes, so that the API reference leaves nothing out (mkdocstrings
+  leaves out what has no docstring).
 
 Runs in the `docs` env, which has the site's builder (griffe reads the
 modules without importing them, so TensorFlow and MXNet need not be there)
@@ -132,7 +132,25 @@ def test_every_public_name_has_a_docstring():
                 continue
             if not (target.docstring and target.docstring.value.strip()):
                 missing.append("%s.%s" % (module_name, name))
-    assert not missing, "public names without a docstring: %s" % ", ".join(missing)
+            if target.is_class:
+                missing += _undocumented_members(target)
+    assert not missing, "public names without a docstring: %s" % ", ".join(sorted(set(missing)))
+
+
+def _undocumented_members(cls):
+    """A public class's own public methods, properties and class attributes
+    without a docstring (instance attributes are its state, which the
+    class's docstring describes)."""
+    missing = []
+    for name, member in cls.members.items():
+        if name.startswith("_"):
+            continue
+        target = member.final_target if member.is_alias else member
+        documented = target.docstring and target.docstring.value.strip()
+        if target.is_function or (target.is_attribute and {"class-attribute", "property"} & target.labels):
+            if not documented:
+                missing.append(target.path)
+    return missing
 
 
 def test_the_performance_page_shows_what_the_recorded_runs_printed():

@@ -24,4 +24,6 @@ class FP16Compressor(Compressor):
 class Compression:
     """The compressors, under Horovod's names."""
     none = NoneCompressor
+    """Sends tensors as they are."""
     fp16 = FP16Compressor
+    """Sends floating-point tensors as float16 and restores their dtype after the collective."""

@@ -83,10 +83,12 @@ class TensorFlowState(ObjectState):
         return self.session.run(self.variables)
 
     def save(self):
+        """Keeps the variables' current values (and the other state's) as the commit to restore to."""
         self._values = self._read()
         super().save()
 
     def restore(self):
+        """Sets the variables (and the other state) back to their last commit, after a failure."""
         if self.session is None:
             for variable, value in zip(self.variables, self._values):
                 variable.assign(value)
@@ -96,6 +98,7 @@ class TensorFlowState(ObjectState):
         super().restore()
 
     def sync(self):
+        """Sets every rank's variables (and the other state) to rank 0's, and commits them."""
         if self.variables:
             if self.session is None:
                 broadcast_variables(self.variables, root_rank=0)
@@ -126,17 +129,20 @@ class TensorFlowKerasState(ObjectState):
         return list(self.optimizer.variables)
 
     def save(self):
+        """Keeps the model's weights and its optimizer's variables (and the other state) as the commit."""
         self._weights = self.model.get_weights()
         self._optimizer_values = [v.numpy() for v in self._optimizer_variables()]
         super().save()
 
     def restore(self):
+        """Sets the model's weights and its optimizer's variables back to their last commit."""
         self.model.set_weights(self._weights)
         for variable, value in zip(self._optimizer_variables(), self._optimizer_values):
             variable.assign(value)
         super().restore()
 
     def sync(self):
+        """Sets every rank's weights and optimizer variables to rank 0's, and commits them."""
         broadcast_variables(list(self.model.variables) + self._optimizer_variables(), root_rank=0)
         super().sync()
         self.save()

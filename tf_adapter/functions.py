@@ -66,6 +66,7 @@ class BroadcastGlobalVariablesHook(tf.compat.v1.train.SessionRunHook):
         self.bcast_op = None
 
     def begin(self):
+        """Builds the broadcast op into the graph the session will run (again for a new graph)."""
         # The op is built into the graph being finalized for this session; a
         # hook reused with a new graph builds it again.
         graph = tf.compat.v1.get_default_graph()
@@ -73,4 +74,5 @@ class BroadcastGlobalVariablesHook(tf.compat.v1.train.SessionRunHook):
             self.bcast_op = _global_variables_from(self.root_rank, self.process_set)
 
     def after_create_session(self, session, coord):
+        """Runs the broadcast once the session has initialized or restored its variables."""
         session.run(self.bcast_op)

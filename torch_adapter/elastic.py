@@ -50,23 +50,28 @@ class ElasticSampler(torch.utils.data.Sampler):
         self.reset()
 
     def set_epoch(self, epoch):
+        """Starts epoch `epoch` afresh, or, for the current epoch (a resumed one), keeps what was processed."""
         if epoch != self.epoch:
             self.epoch = epoch
             self.processed_indices = set()
         self.reset()
 
     def record_batch(self, batch_idx, batch_size):
+        """Records that every rank has processed batch `batch_idx` of `batch_size` samples of its shard."""
         start, end = batch_idx * batch_size, (batch_idx + 1) * batch_size
         for shard in self._shards:
             self.processed_indices.update(shard[start:end])
 
     def record_indices(self, indices):
+        """Records the dataset indices in `indices` as processed."""
         self.processed_indices.update(int(i) for i in indices)
 
     def state_dict(self):
+        """The epoch and the indices processed in it, for a commit or a checkpoint."""
         return {"epoch": self.epoch, "processed_indices": sorted(self.processed_indices)}
 
     def load_state_dict(self, state_dict):
+        """Takes the epoch and processed indices back from state_dict()'s output, and reshards."""
         self.epoch = state_dict["epoch"]
         self.processed_indices = set(state_dict["processed_indices"])
         self.reset()
@@ -118,15 +123,19 @@ class TorchState(ObjectState):
         self._handled_saved = {name: copy.deepcopy(value.state_dict()) for name, value in self._handled.items()}
 
     def save(self):
+        """Keeps a copy of each model's, optimizer's and sampler's state (and the other values) as the commit."""
         self._save_handled()
         super().save()
 
     def restore(self):
+        """Sets each model, optimizer and sampler (and the other values) back to their last commit."""
         for name, value in self._handled.items():
             value.load_state_dict(copy.deepcopy(self._handled_saved[name]))
         super().restore()
 
     def sync(self):
+        """Sets every rank's models and optimizers to rank 0's, merges the samplers' records of the epoch
+        over the ranks, and commits the result."""
         for name, value in self._handled.items():
             if isinstance(value, torch.nn.Module):
                 broadcast_parameters(value.state_dict(), root_rank=0, prefix="elastic.%s" % name)
@@ -147,6 +156,7 @@ class TorchState(ObjectState):
         self.save()
 
     def reset(self):
+        """Reshards the samplers over the ranks of the new round (the job re-formed)."""
         # Without a sync (hosts were only removed), samplers still reshard.
         for value in self._handled.values():
             if isinstance(value, ElasticSampler):

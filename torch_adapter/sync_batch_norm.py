@@ -206,6 +206,9 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
         return 1.0 / float(self.num_batches_tracked)   # cumulative average
 
     def forward(self, input):
+        """Normalizes `input` (N, C, ...) by the statistics of the global batch: every rank's
+        in the process set while training, the running statistics in eval mode. Raises ValueError
+        for an input of fewer than 2 dimensions."""
         self._check_input_dim(input)
         if torch.compiler.is_compiling():
             return self._compiled_forward(input)

@@ -113,6 +113,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         return local
 
     def add_param_group(self, param_group):
+        """Adds a parameter group, as torch's optimizers do, and gives its parameters owners among the
+        process set's ranks (the least loaded first)."""
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         new = [p for p in group["params"] if p not in self._owner]
@@ -277,6 +279,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             synchronize(handle)
 
     def zero_grad(self, set_to_none=True):
+        """Clears the gradients, as torch's optimizers do (to None by default)."""
         self._replaced_grads = []
         super().zero_grad(set_to_none)
 
