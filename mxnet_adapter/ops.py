@@ -108,14 +108,38 @@ def _allreduce_async(tensor, output, name, op, prescale_factor, postscale_factor
 
 def allreduce(tensor, average=None, name=None, priority=0, prescale_factor=1.0, postscale_factor=1.0,
               process_set=global_process_set, op=None, compression=Compression.none):
-    """A new NDArray: `tensor` reduced across ranks (Average by default)."""
+    """A new NDArray: `tensor` reduced across the ranks of the process set (Average by
+    default, as in Horovod), ordered by MXNet's engine after the array's writers.
+
+    Args:
+        tensor: a CPU NDArray, the same shape and dtype on every rank.
+        average: Horovod's older flag (True: Average, False: Sum); `op` replaces it.
+        name: what ranks match this array by; where None, one is made in call order, so every rank
+            must make its calls in the same order.
+        priority: the priority MXNet's engine gives the pushed op.
+        process_set: the ranks that take part; every rank by default.
+        prescale_factor: multiplies the input before the reduction.
+        postscale_factor: multiplies the result after it.
+        op: Average, Sum, Min, Max, Product or Adasum.
+        compression: Compression.none or Compression.fp16.
+
+    Raises:
+        MismatchError: ranks gave the same name different shapes, dtypes or arguments (every rank of
+            the set gets it, naming the tensor, the ranks and what each sent).
+        InvalidArgumentError: an argument this collective cannot take (an op for this dtype, a GPU
+            array, a process set this rank is not in), on the rank that gave it.
+        RankFailedError: a rank of the set died or stopped answering.
+        ShutDownError: a rank shut unison down while the op waited.
+    """
     return grouped_allreduce([tensor], average, name, priority, prescale_factor, postscale_factor,
                              process_set, op, compression)[0]
 
 
 def allreduce_(tensor, average=None, name=None, priority=0, prescale_factor=1.0, postscale_factor=1.0,
                process_set=global_process_set, op=None):
-    """Reduces `tensor` in place; returns it."""
+    """Reduces `tensor` across the ranks in place and returns it. Takes allreduce's
+    arguments (but compression) and raises what it raises.
+    """
     op = arguments.resolve_op(op, average)
     _allreduce_async(tensor, tensor, name, op, prescale_factor, postscale_factor, process_set, priority).wait()
     return tensor
@@ -130,7 +154,9 @@ def _grouped(tensors, name, kind="grouped_allreduce"):
 def grouped_allreduce(tensors, average=None, name=None, priority=0, prescale_factor=1.0,
                       postscale_factor=1.0, process_set=global_process_set, op=None,
                       compression=Compression.none):
-    """New NDArrays, each tensor reduced; the core fuses them."""
+    """New NDArrays, each of `tensors` reduced across the ranks as one unit, so that the
+    core fuses them. Takes allreduce's arguments, for the whole list, and raises what it raises.
+    """
     op = arguments.resolve_op(op, average)
     for t in tensors:   # before any output is made for them
         _front.prepare("allreduce", t, name, op, prescale_factor, postscale_factor)
@@ -198,7 +224,9 @@ def _broadcast_async(tensor, root_rank, name, process_set, priority):
 
 
 def broadcast_(tensor, root_rank, name=None, priority=0, process_set=global_process_set):
-    """Overwrites `tensor` with root_rank's, in place; returns it."""
+    """Overwrites `tensor` with rank `root_rank`'s, in place, and returns it. Takes
+    broadcast's arguments and raises what it raises.
+    """
     _broadcast_async(tensor, root_rank, name, process_set, priority).wait()
     return tensor
 
@@ -213,7 +241,24 @@ def _copy(tensor):
 
 
 def broadcast(tensor, root_rank, name=None, priority=0, process_set=global_process_set):
-    """A new NDArray holding root_rank's `tensor`."""
+    """A new NDArray holding rank `root_rank`'s `tensor`, on every rank of the process set.
+
+    Args:
+        tensor: the same shape and dtype on every rank (only the root's values are read).
+        root_rank: the global rank that sends; it must be in the process set.
+        name: what ranks match this array by; where None, one is made in call order, so every rank
+            must make its calls in the same order.
+        priority: the priority MXNet's engine gives the pushed op.
+        process_set: the ranks that take part; every rank by default.
+
+    Raises:
+        MismatchError: ranks gave the same name different shapes, dtypes or arguments (every rank of
+            the set gets it, naming the tensor, the ranks and what each sent).
+        InvalidArgumentError: an argument this collective cannot take (an op for this dtype, a GPU
+            array, a process set this rank is not in), on the rank that gave it.
+        RankFailedError: a rank of the set died or stopped answering.
+        ShutDownError: a rank shut unison down while the op waited.
+    """
     return broadcast_(_copy(tensor), root_rank, name, priority, process_set)
 
 
@@ -237,8 +282,28 @@ def _reducescatter_async(tensor, name, op, prescale_factor, postscale_factor, pr
 
 def reducescatter(tensor, op=Average, name=None, priority=0, process_set=global_process_set,
                   prescale_factor=1.0, postscale_factor=1.0, compression=Compression.none):
-    """This rank's part of the first dimension of `tensor` reduced across
-    ranks: rows split as evenly as possible, the first ranks taking one more."""
+    """This rank's rows of `tensor` reduced across the process set: the first dimension
+    split as evenly as possible, the first ranks taking one more row when it does not divide.
+
+    Args:
+        tensor: the same shape and dtype on every rank.
+        op: Average (the default) or Sum.
+        name: what ranks match this array by; where None, one is made in call order, so every rank
+            must make its calls in the same order.
+        priority: the priority MXNet's engine gives the pushed op.
+        process_set: the ranks that take part; every rank by default.
+        prescale_factor: multiplies the input before the reduction.
+        postscale_factor: multiplies the result after it.
+        compression: Compression.none or Compression.fp16.
+
+    Raises:
+        MismatchError: ranks gave the same name different shapes, dtypes or arguments (every rank of
+            the set gets it, naming the tensor, the ranks and what each sent).
+        InvalidArgumentError: an argument this collective cannot take (an op for this dtype, a GPU
+            array, a process set this rank is not in), on the rank that gave it.
+        RankFailedError: a rank of the set died or stopped answering.
+        ShutDownError: a rank shut unison down while the op waited.
+    """
     return grouped_reducescatter([tensor], op, name, priority, process_set, prescale_factor, postscale_factor,
                                  compression)[0]
 
@@ -291,8 +356,24 @@ def _start_now(tensor, kind, name, op_code, process_set, splits=None):
 
 
 def allgather(tensor, name=None, priority=0, process_set=global_process_set):
-    """Every rank's `tensor` concatenated on the first dimension, in rank
-    order (first dimensions may differ)."""
+    """Every rank's `tensor` concatenated on the first dimension, in rank order.
+
+    Args:
+        tensor: an NDArray whose first dimension may differ between ranks; its other dimensions
+            and its dtype must not.
+        name: what ranks match this array by; where None, one is made in call order, so every rank
+            must make its calls in the same order.
+        priority: the priority MXNet's engine gives the pushed op.
+        process_set: the ranks that take part; every rank by default.
+
+    Raises:
+        MismatchError: ranks gave the same name different shapes, dtypes or arguments (every rank of
+            the set gets it, naming the tensor, the ranks and what each sent).
+        InvalidArgumentError: an argument this collective cannot take (an op for this dtype, a GPU
+            array, a process set this rank is not in), on the rank that gave it.
+        RankFailedError: a rank of the set died or stopped answering.
+        ShutDownError: a rank shut unison down while the op waited.
+    """
     return _handles.synchronize(_start_now(tensor, "allgather", name, lib.UNISON_ALLGATHER, process_set))
 
 
@@ -304,9 +385,29 @@ def grouped_allgather(tensors, name=None, priority=0, process_set=global_process
 
 
 def alltoall(tensor, splits=None, name=None, priority=0, process_set=global_process_set):
-    """Sends splits[i] rows of `tensor` to rank i (equal parts if None);
-    returns the rows received, in rank order, and with splits also the
-    number of rows received from each rank, as Horovod's MXNet alltoall."""
+    """Sends rows `splits[i]` of `tensor` to rank i and returns the rows received, in rank
+    order, as Horovod's MXNet alltoall.
+
+    Args:
+        tensor: the rows to scatter, dtype and trailing dimensions the same on every rank.
+        splits: how many rows go to each rank of the set (a list or an NDArray); where None,
+            equal parts.
+        name: what ranks match this array by; where None, one is made in call order, so every rank
+            must make its calls in the same order.
+        priority: the priority MXNet's engine gives the pushed op.
+        process_set: the ranks that take part; every rank by default.
+
+    Returns:
+        The received rows; with `splits`, also how many came from each rank.
+
+    Raises:
+        MismatchError: ranks gave the same name different shapes, dtypes or arguments (every rank of
+            the set gets it, naming the tensor, the ranks and what each sent).
+        InvalidArgumentError: an argument this collective cannot take (an op for this dtype, a GPU
+            array, a process set this rank is not in), on the rank that gave it.
+        RankFailedError: a rank of the set died or stopped answering.
+        ShutDownError: a rank shut unison down while the op waited.
+    """
     if isinstance(splits, mx.nd.NDArray):
         splits = splits.asnumpy()
     output, received = _handles.synchronize(

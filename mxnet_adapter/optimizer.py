@@ -121,10 +121,18 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
 
 class DistributedTrainer(mx.gluon.Trainer):
     """A gluon.Trainer that sums gradients across ranks before each update
-    (kvstore=None: unison replaces the kvstore). `prefix` keeps the
-    collectives of two trainers in one program apart; `compression`
-    (Compression.fp16) is what the gradients travel as. Horovod's argument
-    order."""
+    (kvstore=None: unison replaces the kvstore), in Horovod's argument order.
+
+    Args:
+        params: the parameters to train (a ParameterDict, as `net.collect_params()` gives).
+        optimizer: an optimizer's name or an mx.optimizer.Optimizer, as gluon.Trainer takes.
+        optimizer_params: the optimizer's settings, as gluon.Trainer takes.
+        compression: what the gradients travel as: Compression.none or Compression.fp16.
+        gradient_predivide_factor: divides the gradients by this before the sum and by
+            size / this after it.
+        prefix: keeps the collectives of two trainers in one program apart.
+        num_groups: how many fused groups the gradients are allreduced in (0: as the core fuses).
+        process_set: the ranks that average; on a rank outside it, a plain local trainer."""
 
     def __init__(self, params, optimizer, optimizer_params=None, compression=Compression.none,
                  gradient_predivide_factor=1.0, prefix=None, num_groups=0, process_set=global_process_set):

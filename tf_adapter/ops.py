@@ -583,8 +583,33 @@ def _sparse_allreduce(slices, name, op, prescale_factor, postscale_factor, proce
 def allreduce(tensor, average=None, device_dense="", device_sparse="", compression=Compression.none,
               op=None, prescale_factor=1.0, postscale_factor=1.0, name=None,
               process_set=global_process_set, ignore_name_scope=False):
-    """`tensor` reduced across ranks (Average by default); IndexedSlices are
-    allgathered instead. Differentiable."""
+    """`tensor` reduced across the ranks of the process set (Average by default, as in
+    Horovod); an IndexedSlices (a sparse gradient) is allgathered instead. Eager, in a
+    tf.function and in a TF1 graph alike. Differentiable.
+
+    Args:
+        tensor: a tf.Tensor, variable value or IndexedSlices, the same shape and dtype on every rank.
+        average: Horovod's older flag (True: Average, False: Sum); `op` replaces it.
+        device_dense: Horovod's; accepted and unused (the tensor's own device is used).
+        device_sparse: Horovod's; accepted and unused.
+        compression: Compression.none or Compression.fp16.
+        op: Average, Sum, Min, Max, Product or Adasum.
+        prescale_factor: multiplies the input before the reduction.
+        postscale_factor: multiplies the result after it.
+        name: what ranks match this tensor by; where None, one is made in call order, so every
+            rank must make its calls in the same order.
+        ignore_name_scope: Horovod's; names here are never prefixed with the name scope.
+        process_set: the ranks that take part; every rank by default.
+
+    Raises:
+        tf.errors.FailedPreconditionError: ranks gave the same name different shapes, dtypes or
+            arguments; eagerly it is also a unison.MismatchError, naming the tensor, the ranks and
+            what each sent.
+        tf.errors.InvalidArgumentError: an argument this collective cannot take (also a
+            unison.InvalidArgumentError eagerly), on the rank that gave it.
+        tf.errors.AbortedError: a rank of the set died or shut unison down (eagerly
+            unison.RankFailedError or ShutDownError, both HorovodInternalError).
+    """
     op = arguments.resolve_op(op, average)
     if isinstance(tensor, tf.IndexedSlices):
         return _sparse_allreduce(tensor, name, op, prescale_factor, postscale_factor, process_set)
@@ -597,7 +622,10 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="", compressi
 def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
                       compression=Compression.none, op=None, prescale_factor=1.0, postscale_factor=1.0,
                       name=None, process_set=global_process_set, ignore_name_scope=False):
-    """Each tensor reduced across ranks, in one node so that they fuse."""
+    """Each tensor of `tensors` reduced across the ranks, in one node, so that they are
+    negotiated and fused together. Takes allreduce's arguments, for the whole list, and raises
+    what it raises. Differentiable.
+    """
     op = arguments.resolve_op(op, average)
     if not tensors:
         return []
@@ -647,10 +675,26 @@ def grouped_allgather(tensors, name=None, ignore_name_scope=False, process_set=g
 
 
 def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_process_set):
-    """Concatenates every rank's `tensor` along the first dimension, which may differ
-    between ranks. Differentiable: the gradient is this rank's rows of the allreduced incoming
-    gradient. Raises FailedPreconditionError (unison.MismatchError) when ranks disagree on dtype
-    or the other dimensions."""
+    """Concatenates every rank's `tensor` along the first dimension, in rank order.
+    Differentiable: the gradient is this rank's rows of the allreduced incoming gradient.
+
+    Args:
+        tensor: a tensor whose first dimension may differ between ranks; its other dimensions and
+            its dtype must not.
+        name: what ranks match this tensor by; where None, one is made in call order, so every
+            rank must make its calls in the same order.
+        ignore_name_scope: Horovod's; names here are never prefixed with the name scope.
+        process_set: the ranks that take part; every rank by default.
+
+    Raises:
+        tf.errors.FailedPreconditionError: ranks gave the same name different shapes, dtypes or
+            arguments; eagerly it is also a unison.MismatchError, naming the tensor, the ranks and
+            what each sent.
+        tf.errors.InvalidArgumentError: an argument this collective cannot take (also a
+            unison.InvalidArgumentError eagerly), on the rank that gave it.
+        tf.errors.AbortedError: a rank of the set died or shut unison down (eagerly
+            unison.RankFailedError or ShutDownError, both HorovodInternalError).
+    """
     return grouped_allgather([tensor], name=name, process_set=process_set)[0]
 
 
@@ -663,7 +707,26 @@ def _broadcast_raw(tensors, root_rank, name, process_set):
 
 
 def broadcast(tensor, root_rank, name=None, ignore_name_scope=False, process_set=global_process_set):
-    """root_rank's `tensor` on every rank. Differentiable."""
+    """root_rank's `tensor` on every rank of the process set. Differentiable: the root gets
+    the rank-averaged gradient, the other ranks zeros, as in Horovod.
+
+    Args:
+        tensor: the same shape and dtype on every rank (only the root's values are read).
+        root_rank: the global rank that sends; it must be in the process set.
+        name: what ranks match this tensor by; where None, one is made in call order, so every
+            rank must make its calls in the same order.
+        ignore_name_scope: Horovod's; names here are never prefixed with the name scope.
+        process_set: the ranks that take part; every rank by default.
+
+    Raises:
+        tf.errors.FailedPreconditionError: ranks gave the same name different shapes, dtypes or
+            arguments; eagerly it is also a unison.MismatchError, naming the tensor, the ranks and
+            what each sent.
+        tf.errors.InvalidArgumentError: an argument this collective cannot take (also a
+            unison.InvalidArgumentError eagerly), on the rank that gave it.
+        tf.errors.AbortedError: a rank of the set died or shut unison down (eagerly
+            unison.RankFailedError or ShutDownError, both HorovodInternalError).
+    """
     tensor = _dense(tensor, name)
     _check(tensor, name)
     if not _needs_gradient([tensor]):
@@ -722,9 +785,29 @@ def _alltoall_raw(tensor, splits, name, process_set):
 
 
 def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_set=global_process_set):
-    """Sends splits[i] rows of `tensor` to rank i (equal parts when None) and
-    returns what every rank sent here, in rank order; with splits, also the
-    rows received from each rank. Differentiable."""
+    """Sends rows `splits[i]` of `tensor` to rank i and returns what every rank sent here, in
+    rank order. Differentiable: the gradient goes back by the reverse alltoall.
+
+    Args:
+        tensor: the rows to scatter, dtype and trailing dimensions the same on every rank.
+        splits: how many rows go to each rank of the set; where None, equal parts.
+        name: what ranks match this tensor by; where None, one is made in call order, so every
+            rank must make its calls in the same order.
+        ignore_name_scope: Horovod's; names here are never prefixed with the name scope.
+        process_set: the ranks that take part; every rank by default.
+
+    Returns:
+        The received rows; with `splits`, also how many came from each rank.
+
+    Raises:
+        tf.errors.FailedPreconditionError: ranks gave the same name different shapes, dtypes or
+            arguments; eagerly it is also a unison.MismatchError, naming the tensor, the ranks and
+            what each sent.
+        tf.errors.InvalidArgumentError: an argument this collective cannot take (also a
+            unison.InvalidArgumentError eagerly), on the rank that gave it.
+        tf.errors.AbortedError: a rank of the set died or shut unison down (eagerly
+            unison.RankFailedError or ShutDownError, both HorovodInternalError).
+    """
     tensor = _dense(tensor, name)
     _check(tensor, name)
     arguments.check_has_rows("alltoall", tuple(tensor.shape), name)
@@ -793,9 +876,29 @@ def grouped_reducescatter(tensors, op=Average, name=None, ignore_name_scope=Fals
 
 def reducescatter(tensor, op=Average, name=None, ignore_name_scope=False, process_set=global_process_set,
                   prescale_factor=1.0, postscale_factor=1.0):
-    """Reduces `tensor` across the process set and returns this rank's rows of the
-    result, the first dimension split as evenly as possible (the first ranks take one more row
-    when it does not divide). `op` is Average (the default) or Sum; differentiable."""
+    """Reduces `tensor` across the process set and returns this rank's rows of the result:
+    the first dimension split as evenly as possible, the first ranks taking one more row when it
+    does not divide. Differentiable.
+
+    Args:
+        tensor: the same shape and dtype on every rank.
+        op: Average (the default) or Sum.
+        name: what ranks match this tensor by; where None, one is made in call order, so every
+            rank must make its calls in the same order.
+        ignore_name_scope: Horovod's; names here are never prefixed with the name scope.
+        process_set: the ranks that take part; every rank by default.
+        prescale_factor: multiplies the input before the reduction.
+        postscale_factor: multiplies the result after it.
+
+    Raises:
+        tf.errors.FailedPreconditionError: ranks gave the same name different shapes, dtypes or
+            arguments; eagerly it is also a unison.MismatchError, naming the tensor, the ranks and
+            what each sent.
+        tf.errors.InvalidArgumentError: an argument this collective cannot take (also a
+            unison.InvalidArgumentError eagerly), on the rank that gave it.
+        tf.errors.AbortedError: a rank of the set died or shut unison down (eagerly
+            unison.RankFailedError or ShutDownError, both HorovodInternalError).
+    """
     return grouped_reducescatter([tensor], op=op, name=name, process_set=process_set,
                                  prescale_factor=prescale_factor, postscale_factor=postscale_factor)[0]
 

@@ -41,12 +41,28 @@ def _loads(data):
 
 def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set):
     """root_rank's `obj` on every rank, serialised by torch.save (tensors included; what has
-    no importable name goes by value, through cloudpickle where it is installed)."""
+    no importable name goes by value, through cloudpickle where it is installed).
+
+    Args:
+        obj: the object to send; read on the root only.
+        root_rank: the global rank that sends, in the process set.
+        name: what ranks match this call by; where None, one made from the call's order.
+        process_set: the ranks that take part; every rank by default.
+
+    Raises:
+        InvalidArgumentError: the root's object cannot be serialised: on every rank, naming the
+            rank and why (the root gets the serialiser's own exception).
+        RankFailedError: a rank of the set died or stopped answering."""
     return objects.broadcast_object(obj, root_rank, name, process_set, _dumps, _loads)
 
 
 def allgather_object(obj, name=None, process_set=global_process_set):
-    """The list of every rank's `obj`, in rank order."""
+    """The list of every rank's `obj`, in rank order, serialised as broadcast_object does.
+
+    Raises:
+        InvalidArgumentError: some rank's object cannot be serialised: on every rank, naming each
+            such rank and why.
+        RankFailedError: a rank of the set died or stopped answering."""
     return objects.allgather_object(obj, name, process_set, _dumps, _loads)
 
 

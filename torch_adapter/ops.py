@@ -304,8 +304,32 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
 
 def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,
               prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
-    """Reduces `tensor` across ranks (Average by default) into a new tensor.
-    Differentiable: the gradient is the same reduction of the gradients."""
+    """Reduces `tensor` across the ranks of the process set into a new tensor (Average by
+    default, as in Horovod). Differentiable: the gradient is the same reduction of the gradients.
+
+    Args:
+        tensor: a CPU or CUDA tensor, the same shape and dtype on every rank.
+        average: Horovod's older flag (True: Average, False: Sum); `op` replaces it.
+        name: what ranks match this tensor by; where None, one is made in call order, so every
+            rank must make its calls in the same order.
+        compression: Compression.none or Compression.fp16 (sent as float16, returned in its dtype).
+        op: Average, Sum, Min, Max, Product or Adasum.
+        prescale_factor: multiplies the input before the reduction.
+        postscale_factor: multiplies the result after it.
+        process_set: the ranks that take part; every rank by default.
+
+    Returns:
+        A new tensor holding the result.
+
+    Raises:
+        NotInitializedError: init() has not been called.
+        MismatchError: ranks gave the same name different shapes, dtypes or arguments (every rank of
+            the set gets it, naming the tensor, the ranks and what each sent).
+        InvalidArgumentError: an argument this collective cannot take (an op for this dtype, a process
+            set this rank is not in), on the rank that gave it.
+        RankFailedError: a rank of the set died or stopped answering.
+        ShutDownError: a rank shut unison down while the op waited.
+    """
     if _compiling():
         return _graph.allreduce(tensor, average, name, compression, op, prescale_factor, postscale_factor,
                                 process_set)
@@ -366,7 +390,10 @@ def grouped_gradient_allreduce_async_(tensors, name, op, prescale_factor, postsc
 
 def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
                       prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
-    """Each tensor reduced across ranks; enqueued together so they fuse. Differentiable."""
+    """Reduces every tensor in `tensors` as one unit: none starts before all are enqueued, and
+    they are negotiated and fused together. Takes allreduce's arguments, for the whole list, and
+    raises what it raises; if one tensor is refused, none starts. Differentiable.
+    """
     if _compiling():
         return _graph.grouped_allreduce(tensors, average, name, compression, op, prescale_factor,
                                         postscale_factor, process_set)
@@ -432,8 +459,27 @@ def allgather_async(tensor, name=None, process_set=global_process_set, output=No
 
 
 def allgather(tensor, name=None, process_set=global_process_set):
-    """Concatenates every rank's tensor along the first dimension.
-    Differentiable: this rank's rows of the rank-averaged gradient."""
+    """Concatenates every rank's `tensor` along the first dimension, in rank order.
+    Differentiable: the gradient is this rank's rows of the rank-averaged incoming gradient.
+
+    Args:
+        tensor: a tensor whose first dimension may differ between ranks; its other dimensions and
+            its dtype must not.
+        name: what ranks match this tensor by (see allreduce).
+        process_set: the ranks that take part; every rank by default.
+
+    Returns:
+        A new tensor of every rank's rows.
+
+    Raises:
+        NotInitializedError: init() has not been called.
+        MismatchError: ranks gave the same name different shapes, dtypes or arguments (every rank of
+            the set gets it, naming the tensor, the ranks and what each sent).
+        InvalidArgumentError: an argument this collective cannot take (an op for this dtype, a process
+            set this rank is not in), on the rank that gave it.
+        RankFailedError: a rank of the set died or stopped answering.
+        ShutDownError: a rank shut unison down while the op waited.
+    """
     if _compiling():
         return _graph.allgather(tensor, name, process_set)
     return _GroupedAllgather.apply(name, process_set, tensor)[0]
@@ -472,7 +518,24 @@ def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_se
 
 
 def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
-    """root_rank's `tensor`, on every rank, as a new tensor. Differentiable."""
+    """Returns rank `root_rank`'s `tensor` on every rank of the process set, as a new tensor.
+    Differentiable: the root gets the rank-averaged gradient, the other ranks zeros, as in Horovod.
+
+    Args:
+        tensor: the same shape and dtype on every rank (only the root's values are read).
+        root_rank: the global rank that sends; it must be in the process set.
+        name: what ranks match this tensor by (see allreduce).
+        process_set: the ranks that take part; every rank by default.
+
+    Raises:
+        NotInitializedError: init() has not been called.
+        MismatchError: ranks gave the same name different shapes, dtypes or arguments (every rank of
+            the set gets it, naming the tensor, the ranks and what each sent).
+        InvalidArgumentError: an argument this collective cannot take (an op for this dtype, a process
+            set this rank is not in), on the rank that gave it.
+        RankFailedError: a rank of the set died or stopped answering.
+        ShutDownError: a rank shut unison down while the op waited.
+    """
     if _compiling():
         return _graph.broadcast(tensor, root_rank, name, process_set)
     return _Broadcast.apply(tensor, root_rank, name, process_set)
@@ -503,9 +566,28 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
 
 
 def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
-    """Scatters rows of `tensor` to the ranks and gathers what they sent
-    here. Returns the output, and with `splits` also the received splits.
-    Differentiable: the gradient goes back by the reverse alltoall."""
+    """Sends rows `splits[i]` of `tensor` to rank i and concatenates, in rank order, what every
+    rank sent here. Differentiable: the gradient goes back by the reverse alltoall.
+
+    Args:
+        tensor: the rows to scatter, dtype and trailing dimensions the same on every rank.
+        splits: how many rows go to each rank of the set (integers summing to the first dimension);
+            where None, the first dimension is split evenly.
+        name: what ranks match this tensor by (see allreduce).
+        process_set: the ranks that take part; every rank by default.
+
+    Returns:
+        The received rows; with `splits`, also a tensor of how many came from each rank.
+
+    Raises:
+        NotInitializedError: init() has not been called.
+        MismatchError: ranks gave the same name different shapes, dtypes or arguments (every rank of
+            the set gets it, naming the tensor, the ranks and what each sent).
+        InvalidArgumentError: an argument this collective cannot take (an op for this dtype, a process
+            set this rank is not in), on the rank that gave it.
+        RankFailedError: a rank of the set died or stopped answering.
+        ShutDownError: a rank shut unison down while the op waited.
+    """
     if _compiling():
         return _graph.alltoall(tensor, splits, name, process_set)
     output, received = _Alltoall.apply(tensor, splits, name, process_set)
@@ -532,8 +614,28 @@ def reducescatter_async(tensor, name=None, op=Average, process_set=global_proces
 
 def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
                   process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
-    """This rank's rows of the reduction of `tensor` across ranks.
-    Differentiable: the gradient is the allgather of the gradients."""
+    """Reduces `tensor` across the process set and returns this rank's rows of the result: the
+    first dimension split as evenly as possible, the first ranks taking one more row when it does
+    not divide. Differentiable: the gradient is the allgather of the gradients.
+
+    Args:
+        tensor: the same shape and dtype on every rank.
+        name: what ranks match this tensor by (see allreduce).
+        compression: Compression.none or Compression.fp16.
+        op: Average (the default) or Sum.
+        process_set: the ranks that take part; every rank by default.
+        prescale_factor: multiplies the input before the reduction.
+        postscale_factor: multiplies the result after it.
+
+    Raises:
+        NotInitializedError: init() has not been called.
+        MismatchError: ranks gave the same name different shapes, dtypes or arguments (every rank of
+            the set gets it, naming the tensor, the ranks and what each sent).
+        InvalidArgumentError: an argument this collective cannot take (an op for this dtype, a process
+            set this rank is not in), on the rank that gave it.
+        RankFailedError: a rank of the set died or stopped answering.
+        ShutDownError: a rank shut unison down while the op waited.
+    """
     if _compiling():
         return _graph.reducescatter(tensor, name, compression, op, process_set, prescale_factor,
                                     postscale_factor)
@@ -566,20 +668,38 @@ def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=A
 # ---- barrier and join -----------------------------------------------------------
 
 def barrier(process_set=global_process_set):
-    """Returns once every rank has called barrier()."""
+    """Returns once every rank of the process set has called barrier().
+
+    Raises:
+        RankFailedError: a rank of the set died or stopped answering.
+        ShutDownError: a rank shut unison down while this one waited.
+    """
     if _compiling():
         return _graph.barrier(process_set)
     collective.barrier(process_set)
 
 
 def join(device=-1):
-    """Declares this rank out of data: until every rank has joined, it takes
-    part in the others' allreduces with zeros. Returns the last rank to join."""
+    """Declares that this rank has no more data. Until every rank has joined, it takes part in the
+    others' allreduces with zeros (Average still divides by the full size), and their allgathers,
+    broadcasts, alltoalls and reducescatters fail with a MismatchError naming the joined ranks.
+
+    Args:
+        device: Horovod's argument, accepted and unused.
+
+    Returns:
+        The rank that joined last, the same on every rank.
+    """
     return collective.join()
 
 
 def synchronize(handle):
-    """Waits for the op and returns its result; raises if it failed."""
+    """Waits for the op that `handle` (from an `_async` call) stands for and returns its
+    result: a tensor, a list for a grouped call, (output, splits) for an alltoall with splits.
+
+    Raises:
+        The op's own error (see allreduce), once; the handle is then spent.
+    """
     if _compiling():
         return _graph.synchronize(handle)
     return _synchronize(handle)

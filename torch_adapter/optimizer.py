@@ -523,9 +523,32 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                          backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0,
                          num_groups=0, groups=None, sparse_as_dense=False, process_set=global_process_set):
     """Wraps a torch optimizer so that step() uses gradients averaged (op)
-    over every rank. See Horovod's documentation; the arguments mean the
-    same, in the same order. num_groups is Horovod's older spelling of an
-    integer `groups`, used when `groups` is not given."""
+    over the ranks, as Horovod's does: each gradient's allreduce starts
+    from its hook as backward produces it, and step() waits for them.
+
+    Args:
+        optimizer: the torch optimizer to wrap (any torch.optim optimizer, LBFGS included); its
+            state, if it has any, carries over.
+        named_parameters: the model's named_parameters(), so that each gradient's allreduce is
+            named after its parameter; where None, names are made from the parameters' order.
+        compression: Compression.none or Compression.fp16 for the gradients on the wire.
+        backward_passes_per_step: how many backward passes accumulate locally before the
+            gradients are averaged (gradient accumulation).
+        op: Average (the default), Sum or Adasum (which combines each rank's update, not its
+            gradient).
+        gradient_predivide_factor: divides the gradients by this before the sum and by size /
+            this after it (Average only).
+        num_groups: Horovod's older spelling of an integer `groups`.
+        groups: an integer (that many fused groups of gradients) or a list of lists of
+            parameters, each allreduced as one group.
+        sparse_as_dense: allreduce sparse gradients as dense tensors.
+        process_set: the ranks that average; on a rank outside it, a plain local optimizer.
+
+    Raises:
+        ValueError: gradient_predivide_factor with an op other than Average, or
+            backward_passes_per_step below 1.
+        InvalidArgumentError: at step(), a gradient changed while its allreduce was in flight
+            (clipping or unscaling without synchronize() first), naming the parameters."""
     check_compressor(compression, "DistributedOptimizer")
     if num_groups and groups is None:
         groups = num_groups
