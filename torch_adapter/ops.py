@@ -698,7 +698,7 @@ def synchronize(handle):
     result: a tensor, a list for a grouped call, (output, splits) for an alltoall with splits.
 
     Raises:
-        The op's own error (see allreduce), once; the handle is then spent.
+        UnisonError: the op's own error (see allreduce), once; the handle is then spent.
     """
     if _compiling():
         return _graph.synchronize(handle)
