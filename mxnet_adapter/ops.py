@@ -251,13 +251,7 @@ def broadcast(tensor, root_rank, name=None, priority=0, process_set=global_proce
         priority: the priority MXNet's engine gives the pushed op.
         process_set: the ranks that take part; every rank by default.
 
-    Raises:
-        MismatchError: ranks gave the same name different shapes, dtypes or arguments (every rank of
-            the set gets it, naming the tensor, the ranks and what each sent).
-        InvalidArgumentError: an argument this collective cannot take (an op for this dtype, a GPU
-            array, a process set this rank is not in), on the rank that gave it.
-        RankFailedError: a rank of the set died or stopped answering.
-        ShutDownError: a rank shut unison down while the op waited.
+    Raises what allreduce raises, and InvalidArgumentError for a root_rank outside the process set.
     """
     return broadcast_(_copy(tensor), root_rank, name, priority, process_set)
 
@@ -288,21 +282,11 @@ def reducescatter(tensor, op=Average, name=None, priority=0, process_set=global_
     Args:
         tensor: the same shape and dtype on every rank.
         op: Average (the default) or Sum.
-        name: what ranks match this array by; where None, one is made in call order, so every rank
-            must make its calls in the same order.
-        priority: the priority MXNet's engine gives the pushed op.
-        process_set: the ranks that take part; every rank by default.
-        prescale_factor: multiplies the input before the reduction.
-        postscale_factor: multiplies the result after it.
-        compression: Compression.none or Compression.fp16.
 
-    Raises:
-        MismatchError: ranks gave the same name different shapes, dtypes or arguments (every rank of
-            the set gets it, naming the tensor, the ranks and what each sent).
-        InvalidArgumentError: an argument this collective cannot take (an op for this dtype, a GPU
-            array, a process set this rank is not in), on the rank that gave it.
-        RankFailedError: a rank of the set died or stopped answering.
-        ShutDownError: a rank shut unison down while the op waited.
+    The other arguments (name, priority, process_set, prescale_factor, postscale_factor,
+    compression) are allreduce's.
+
+    Raises what allreduce raises.
     """
     return grouped_reducescatter([tensor], op, name, priority, process_set, prescale_factor, postscale_factor,
                                  compression)[0]
@@ -366,13 +350,7 @@ def allgather(tensor, name=None, priority=0, process_set=global_process_set):
         priority: the priority MXNet's engine gives the pushed op.
         process_set: the ranks that take part; every rank by default.
 
-    Raises:
-        MismatchError: ranks gave the same name different shapes, dtypes or arguments (every rank of
-            the set gets it, naming the tensor, the ranks and what each sent).
-        InvalidArgumentError: an argument this collective cannot take (an op for this dtype, a GPU
-            array, a process set this rank is not in), on the rank that gave it.
-        RankFailedError: a rank of the set died or stopped answering.
-        ShutDownError: a rank shut unison down while the op waited.
+    Raises what allreduce raises.
     """
     return _handles.synchronize(_start_now(tensor, "allgather", name, lib.UNISON_ALLGATHER, process_set))
 
@@ -400,13 +378,7 @@ def alltoall(tensor, splits=None, name=None, priority=0, process_set=global_proc
     Returns:
         The received rows; with `splits`, also how many came from each rank.
 
-    Raises:
-        MismatchError: ranks gave the same name different shapes, dtypes or arguments (every rank of
-            the set gets it, naming the tensor, the ranks and what each sent).
-        InvalidArgumentError: an argument this collective cannot take (an op for this dtype, a GPU
-            array, a process set this rank is not in), on the rank that gave it.
-        RankFailedError: a rank of the set died or stopped answering.
-        ShutDownError: a rank shut unison down while the op waited.
+    Raises what allreduce raises.
     """
     if isinstance(splits, mx.nd.NDArray):
         splits = splits.asnumpy()

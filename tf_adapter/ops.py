@@ -686,14 +686,7 @@ def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_pro
         ignore_name_scope: Horovod's; names here are never prefixed with the name scope.
         process_set: the ranks that take part; every rank by default.
 
-    Raises:
-        tf.errors.FailedPreconditionError: ranks gave the same name different shapes, dtypes or
-            arguments; eagerly it is also a unison.MismatchError, naming the tensor, the ranks and
-            what each sent.
-        tf.errors.InvalidArgumentError: an argument this collective cannot take (also a
-            unison.InvalidArgumentError eagerly), on the rank that gave it.
-        tf.errors.AbortedError: a rank of the set died or shut unison down (eagerly
-            unison.RankFailedError or ShutDownError, both HorovodInternalError).
+    Raises what allreduce raises.
     """
     return grouped_allgather([tensor], name=name, process_set=process_set)[0]
 
@@ -718,14 +711,7 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False, process_set
         ignore_name_scope: Horovod's; names here are never prefixed with the name scope.
         process_set: the ranks that take part; every rank by default.
 
-    Raises:
-        tf.errors.FailedPreconditionError: ranks gave the same name different shapes, dtypes or
-            arguments; eagerly it is also a unison.MismatchError, naming the tensor, the ranks and
-            what each sent.
-        tf.errors.InvalidArgumentError: an argument this collective cannot take (also a
-            unison.InvalidArgumentError eagerly), on the rank that gave it.
-        tf.errors.AbortedError: a rank of the set died or shut unison down (eagerly
-            unison.RankFailedError or ShutDownError, both HorovodInternalError).
+    Raises what allreduce raises, and InvalidArgumentError for a root_rank outside the process set.
     """
     tensor = _dense(tensor, name)
     _check(tensor, name)
@@ -799,14 +785,7 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_se
     Returns:
         The received rows; with `splits`, also how many came from each rank.
 
-    Raises:
-        tf.errors.FailedPreconditionError: ranks gave the same name different shapes, dtypes or
-            arguments; eagerly it is also a unison.MismatchError, naming the tensor, the ranks and
-            what each sent.
-        tf.errors.InvalidArgumentError: an argument this collective cannot take (also a
-            unison.InvalidArgumentError eagerly), on the rank that gave it.
-        tf.errors.AbortedError: a rank of the set died or shut unison down (eagerly
-            unison.RankFailedError or ShutDownError, both HorovodInternalError).
+    Raises what allreduce raises.
     """
     tensor = _dense(tensor, name)
     _check(tensor, name)
@@ -890,14 +869,7 @@ def reducescatter(tensor, op=Average, name=None, ignore_name_scope=False, proces
         prescale_factor: multiplies the input before the reduction.
         postscale_factor: multiplies the result after it.
 
-    Raises:
-        tf.errors.FailedPreconditionError: ranks gave the same name different shapes, dtypes or
-            arguments; eagerly it is also a unison.MismatchError, naming the tensor, the ranks and
-            what each sent.
-        tf.errors.InvalidArgumentError: an argument this collective cannot take (also a
-            unison.InvalidArgumentError eagerly), on the rank that gave it.
-        tf.errors.AbortedError: a rank of the set died or shut unison down (eagerly
-            unison.RankFailedError or ShutDownError, both HorovodInternalError).
+    Raises what allreduce raises.
     """
     return grouped_reducescatter([tensor], op=op, name=name, process_set=process_set,
                                  prescale_factor=prescale_factor, postscale_factor=postscale_factor)[0]

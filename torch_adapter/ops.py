@@ -471,14 +471,7 @@ def allgather(tensor, name=None, process_set=global_process_set):
     Returns:
         A new tensor of every rank's rows.
 
-    Raises:
-        NotInitializedError: init() has not been called.
-        MismatchError: ranks gave the same name different shapes, dtypes or arguments (every rank of
-            the set gets it, naming the tensor, the ranks and what each sent).
-        InvalidArgumentError: an argument this collective cannot take (an op for this dtype, a process
-            set this rank is not in), on the rank that gave it.
-        RankFailedError: a rank of the set died or stopped answering.
-        ShutDownError: a rank shut unison down while the op waited.
+    Raises what allreduce raises.
     """
     if _compiling():
         return _graph.allgather(tensor, name, process_set)
@@ -527,14 +520,7 @@ def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
         name: what ranks match this tensor by (see allreduce).
         process_set: the ranks that take part; every rank by default.
 
-    Raises:
-        NotInitializedError: init() has not been called.
-        MismatchError: ranks gave the same name different shapes, dtypes or arguments (every rank of
-            the set gets it, naming the tensor, the ranks and what each sent).
-        InvalidArgumentError: an argument this collective cannot take (an op for this dtype, a process
-            set this rank is not in), on the rank that gave it.
-        RankFailedError: a rank of the set died or stopped answering.
-        ShutDownError: a rank shut unison down while the op waited.
+    Raises what allreduce raises, and InvalidArgumentError for a root_rank outside the process set.
     """
     if _compiling():
         return _graph.broadcast(tensor, root_rank, name, process_set)
@@ -579,14 +565,7 @@ def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
     Returns:
         The received rows; with `splits`, also a tensor of how many came from each rank.
 
-    Raises:
-        NotInitializedError: init() has not been called.
-        MismatchError: ranks gave the same name different shapes, dtypes or arguments (every rank of
-            the set gets it, naming the tensor, the ranks and what each sent).
-        InvalidArgumentError: an argument this collective cannot take (an op for this dtype, a process
-            set this rank is not in), on the rank that gave it.
-        RankFailedError: a rank of the set died or stopped answering.
-        ShutDownError: a rank shut unison down while the op waited.
+    Raises what allreduce raises.
     """
     if _compiling():
         return _graph.alltoall(tensor, splits, name, process_set)
@@ -627,14 +606,7 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
         prescale_factor: multiplies the input before the reduction.
         postscale_factor: multiplies the result after it.
 
-    Raises:
-        NotInitializedError: init() has not been called.
-        MismatchError: ranks gave the same name different shapes, dtypes or arguments (every rank of
-            the set gets it, naming the tensor, the ranks and what each sent).
-        InvalidArgumentError: an argument this collective cannot take (an op for this dtype, a process
-            set this rank is not in), on the rank that gave it.
-        RankFailedError: a rank of the set died or stopped answering.
-        ShutDownError: a rank shut unison down while the op waited.
+    Raises what allreduce raises.
     """
     if _compiling():
         return _graph.reducescatter(tensor, name, compression, op, process_set, prescale_factor,
