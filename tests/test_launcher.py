@@ -866,8 +866,17 @@ ENGINE_THREAD_CORES = """
     import numpy as np
     import unison, unison.numpy as unp
 
+    def read(task, name):
+        # A thread can end between the glob and the open (init's Ctrl-C
+        # watcher, say): Linux then answers ENOENT or ESRCH, depending on
+        # how far the thread's exit had got.
+        try:
+            return open(task + "/" + name).read()
+        except (FileNotFoundError, ProcessLookupError):
+            return ""
+
     def cores(task):
-        for line in open(task + "/status"):
+        for line in read(task, "status").splitlines():
             if line.startswith("Cpus_allowed_list:"):
                 return line.split()[1]
 
@@ -883,10 +892,7 @@ ENGINE_THREAD_CORES = """
         os.environ["UNISON_THREAD_AFFINITY"] = ",".join(["0"] * unison_size_here)
         unison.init()
     def named(task):
-        try:
-            return open(task + "/comm").read().strip()
-        except FileNotFoundError:  # a thread that ended since the glob (init's Ctrl-C watcher, say)
-            return None
+        return read(task, "comm").strip()
 
     engine = [cores(t) for t in glob.glob("/proc/self/task/*") if named(t) == "unison-engine"]
     total = unp.allreduce(np.full(3, unison.rank() + 1.0), op=unison.Sum, name="x")

@@ -359,7 +359,7 @@ unison.init()
 def named(task):
     try:
         return open(task + "/comm").read().strip()
-    except FileNotFoundError:  # a thread that ended since the glob (init's Ctrl-C watcher, say)
+    except (FileNotFoundError, ProcessLookupError):  # a thread that ended since the glob (ENOENT or ESRCH)
         return None
 engine = [t for t in glob.glob("/proc/self/task/*") if named(t) == "unison-engine"]
 cores = [line.split()[1] for line in open(engine[0] + "/status") if line.startswith("Cpus_allowed_list:")]
