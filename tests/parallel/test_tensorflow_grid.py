@@ -27,27 +27,74 @@ def with_py_function_nodes(form):
     return run
 
 
+class LastGraph:
+    """The graph the last call built, kept for a call with the same tensor
+    shape and dtype and the same other arguments: a training step traced or
+    built once and then run step after step, as TensorFlow users run them,
+    so the grid's repeated calls (test_in_place_allreduce_repeated_step_...)
+    run the same graph's ops again. Any other call builds its own."""
+
+    def __init__(self, build):
+        self.build = build  # (x, *rest) -> the call on x
+        self.key = self.call = None
+
+    def __call__(self, x, *rest):
+        key = (x.dtype, tuple(x.shape), rest)
+        try:
+            repeat = key == self.key
+        except (TypeError, ValueError):  # an argument that does not compare (none of the grid's do)
+            repeat = False
+        if not repeat:
+            self.close()
+            self.key, self.call = key, self.build(x, *rest)
+        return self.call(x)
+
+    def close(self):
+        close = getattr(self.call, "close", None)
+        self.key = self.call = None
+        if close is not None:
+            close()
+
+
+def traced(fn):
+    """fn traced into a tf.function, whose argument is the tensor; the rest
+    is closed over."""
+    return LastGraph(lambda x, *rest: tf.function(lambda t: fn(t, *rest)))
+
+
+class InASession:
+    """fn built into a TF1 graph, whose placeholder is fed the tensor, run
+    by a tf.compat.v1.Session."""
+
+    def __init__(self, fn, x, *rest):
+        self.graph = tf.Graph()
+        with self.graph.as_default():
+            self.fed = tf.compat.v1.placeholder(x.dtype, x.shape)
+            self.out = fn(self.fed, *rest)
+        self.session = tf.compat.v1.Session(graph=self.graph)
+
+    def __call__(self, x):
+        return tf.constant(self.session.run(self.out, {self.fed: x.numpy()}))
+
+    def close(self):
+        self.session.close()
+
+
+def in_a_session(fn):
+    return LastGraph(lambda x, *rest: InASession(fn, x, *rest))
+
+
 def eager_and_traced(forms):
     """Each of Horovod's forms eagerly, traced into a tf.function, and built
-    into a TF1 graph run by a tf.compat.v1.Session: the tensor is the traced
-    function's argument or the graph's placeholder, the rest is closed over.
-    In graphs, each runs through the compiled kernels and once more through
-    the py_function nodes."""
-    def traced(fn):
-        return lambda x, *rest: tf.function(lambda t: fn(t, *rest))(x)
-
-    def in_a_session(fn):
-        def run(x, *rest):
-            with tf.Graph().as_default() as graph:
-                fed = tf.compat.v1.placeholder(x.dtype, x.shape)
-                out = fn(fed, *rest)
-                with tf.compat.v1.Session(graph=graph) as session:
-                    value = session.run(out, {fed: x.numpy()})
-            return tf.constant(value)
-        return run
-    graph_forms = {"tf.function": traced(forms["sync"]), "tf1-session": in_a_session(forms["sync"])}
-    fallback = {kind + "-py_function": with_py_function_nodes(form) for kind, form in graph_forms.items()}
-    return dict(eager=forms["sync"], **graph_forms, **fallback)
+    into a TF1 graph run by a tf.compat.v1.Session. In graphs, each runs
+    through the compiled kernels and once more through the py_function
+    nodes (graphs of their own: a graph's nodes are chosen when it is
+    built)."""
+    graph_forms = {"tf.function": traced, "tf1-session": in_a_session}
+    compiled = {kind: make(forms["sync"]) for kind, make in graph_forms.items()}
+    fallback = {kind + "-py_function": with_py_function_nodes(make(forms["sync"]))
+                for kind, make in graph_forms.items()}
+    return dict(eager=forms["sync"], **compiled, **fallback)
 
 
 class TensorFlowShim(Shim):
