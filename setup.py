@@ -199,7 +199,7 @@ setup(
     # What an adapter's extension is compiled from on the user's machine
     # (unison.adapter_extension): its source, and unison.h (a link to
     # native/unison.h, copied into the package as a file).
-    package_data={"unison": ["include/unison.h"], "unison.torch": ["fast_path.cc"], "unison.tensorflow": ["kernels.cc"]},
+    package_data={"unison": ["include/unison.h"], "unison.torch": ["fast_path.cc"], "unison.tensorflow": ["kernels.cc", "kernels_core.h", "kernels_xla.cc"]},
     cffi_modules=["native/build_ffi.py:ffibuilder"],
     cmdclass={"build": BuildInAFolderOfItsOwn, "build_ext": BuildExtInParallel},
     setup_requires=["cffi>=1.15"],

@@ -25,6 +25,7 @@ import hashlib
 import importlib.machinery
 import importlib.util
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -163,14 +164,24 @@ def _compile(command, target, log):
         raise Unavailable("the compiler %s exited without writing %s" % (command[0], target))
 
 
+def _local_headers(source):
+    """The headers in `source`'s folder that it includes ("kernels_core.h")."""
+    folder = os.path.dirname(source)
+    with open(source, "rb") as f:
+        included = re.findall(rb'^\s*#\s*include\s+"([^"/]+)"', f.read(), re.MULTILINE)
+    return [os.path.join(folder, name.decode()) for name in included
+            if os.path.isfile(os.path.join(folder, name.decode()))]
+
+
 def cache_key(source, headers, compiler, flags, versions, framework_root):
-    """What a build is cached under: the contents of `source` and of
-    unison.h (in `headers`), the compiler, Python, the flags and the
-    framework's `versions`. Where unison and the framework are installed
-    is left out (their files' contents are in the key), so that one build
-    serves every virtual environment with the same framework."""
+    """What a build is cached under: the contents of `source`, of the
+    headers beside it that it includes, and of unison.h (in `headers`),
+    the compiler, Python, the flags and the framework's `versions`. Where
+    unison and the framework are installed is left out (their files'
+    contents are in the key), so that one build serves every virtual
+    environment with the same framework."""
     key = hashlib.sha256()
-    for path in (source, os.path.join(headers, "unison.h")):
+    for path in [source] + _local_headers(source) + [os.path.join(headers, "unison.h")]:
         with open(path, "rb") as f:
             key.update(f.read())
     places = [(source, "<source>"), (headers, "<unison>"), (framework_root, "<framework>")]

@@ -1,6 +1,7 @@
 """The adapters' compiled paths as a user meets them, one fresh process
 each: unison.torch's per-tensor extension (torch_adapter/fast_path.cc) and
-unison.tensorflow's op kernels (tf_adapter/kernels.cc). Each is built at
+unison.tensorflow's op kernels (tf_adapter/kernels.cc, and the XLA lowering
+of kernels_xla.cc, which --check-build reports). Each is built at
 first import, loaded from the cache afterwards without compiling, refused
 with a warning that says why (and then the adapter's Python path), made an
 error by its setting =1, chosen off by =0. What they compute is the shared
@@ -164,5 +165,10 @@ def test_unisonrun_check_build_says_which_path_is_active(tmp_path, adapter):
     said = check_build()   # in the suite's own cache, which its other tests have filled by now
     assert "Compiled paths (built against the installed framework at first import):\n" in said, said
     assert "    [X] %s: compiled" % adapter.label in said, said
+    if adapter.framework == "tensorflow":   # and its XLA lowering, built by --check-build where not yet
+        assert "    [X] TensorFlow under XLA: compiled (" in said, said
     said = check_build(**{adapter.setting: "0"})
     assert "    [ ] %s: %s (%s=0)" % (adapter.label, adapter.python_path, adapter.setting) in said, said
+    if adapter.framework == "tensorflow":
+        assert ("    [ ] TensorFlow under XLA: collectives refused under XLA: allreduce lowers to it through the "
+                "compiled kernels\n") in said, said

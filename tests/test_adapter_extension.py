@@ -36,6 +36,24 @@ def test_environments_with_the_same_build_share_a_key_and_any_difference_makes_a
     assert key(str(tmp_path / "env5"), flags=("-O3",)) != first
 
 
+def test_a_header_beside_the_source_that_it_includes_is_part_of_the_key(tmp_path):
+    # kernels.cc and kernels_xla.cc share kernels_core.h: a change to it
+    # must rebuild both. A header it does not include, or one found
+    # elsewhere (<...> or a path), is not read.
+    text = b'#include "shared.h"\n#include <vector>\n#include "tensorflow/core/framework/op.h"\nint x;\n'
+
+    def key_with(root, header):
+        source, headers, framework = install(root, text)
+        with open(os.path.join(os.path.dirname(source), "shared.h"), "wb") as f:
+            f.write(header)
+        with open(os.path.join(os.path.dirname(source), "unrelated.h"), "wb") as f:
+            f.write(root.encode())
+        return adapter_extension.cache_key(source, headers, "/usr/bin/g++", ["-O2", source], ("2.13.0",), framework)
+    first = key_with(str(tmp_path / "env1"), b"int a;\n")
+    assert key_with(str(tmp_path / "env2"), b"int a;\n") == first
+    assert key_with(str(tmp_path / "env3"), b"int b;\n") != first
+
+
 def test_a_cache_folder_others_may_write_or_a_link_is_refused_naming_it(tmp_path, monkeypatch):
     shared = tmp_path / "shared"
     shared.mkdir()

@@ -21,8 +21,10 @@ from unison import adapter_extension
 from unison._native import ffi, lib
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels.cc")
+XLA_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels_xla.cc")
 SETTING = "UNISON_TF_KERNELS"
 LABEL = "TensorFlow"
+XLA_LABEL = "TensorFlow under XLA"
 
 # The core's functions the kernels call, in the order unison_tf_bind takes them.
 _BOUND = ["unison_enqueue", "unison_group_begin", "unison_group_end", "unison_on_done", "unison_handle_error",
@@ -41,6 +43,17 @@ def _flags():
     hundred: those are silenced, errors are not."""
     return list(tf.sysconfig.get_compile_flags()) + ["-Wno-deprecated-declarations"], \
         list(tf.sysconfig.get_link_flags())
+
+
+def _xla_flags():
+    """The kernels' flags, and what XLA's headers need beyond them: two
+    libraries the wheel ships headers of under external/, and
+    libtensorflow_cc, which holds XLA (and its FFI API)."""
+    compile_flags, link_flags = _flags()
+    include = tf.sysconfig.get_include()
+    extra = ["-I" + os.path.join(include, "external", "highwayhash"),
+             "-I" + os.path.join(include, "external", "farmhash_archive", "src")]
+    return compile_flags + extra, link_flags + ["-l:libtensorflow_cc.so.2"]
 
 
 def _versions():
@@ -70,12 +83,53 @@ def load(find_waiter):
         LABEL, SETTING, "unison.tensorflow's compiled kernels", "tf.py_function nodes",
         "about 0.2 ms more a collective in a graph, and a TensorFlow thread held while each waits", build)
     if built is None:
+        adapter_extension.ACTIVE[XLA_LABEL] = "collectives refused under XLA: allreduce lowers to it through the " \
+                                              "compiled kernels"
         return None
     module, _, library = built
-    functions = (ctypes.c_uint64 * len(_BOUND))(*[_address(f) for f in _BOUND])
-    ctypes.CDLL(library).unison_tf_bind(functions, len(_BOUND))
+    ctypes.CDLL(library).unison_tf_bind(_bound_functions(), len(_BOUND))
     _set_waiter_finder(find_waiter)
+    adapter_extension.ACTIVE[XLA_LABEL] = "not built yet: it is built when a collective is first traced under XLA"
     return module
+
+
+def _bound_functions():
+    return (ctypes.c_uint64 * len(_BOUND))(*[_address(f) for f in _BOUND])
+
+
+# Why allreduce does not lower to XLA in this process ("" where it does),
+# once it has been tried.
+_xla_problem = None
+
+
+def xla_problem():
+    """"" where allreduce and grouped allreduce lower to XLA in this
+    process, else why not, in words. The lowering (kernels_xla.cc) is a
+    library of its own, loaded after the kernels' (it registers the XLA
+    form of their UnisonAllreduce op) and built the first time a
+    collective is traced under XLA, not at import: XLA's headers take a
+    compiler as long again as the kernels, which a script that never
+    compiles with XLA should not pay, and they may not build where
+    TensorFlow's do (a wheel without them), which must cost the kernels
+    nothing. It is cached as the kernels are. Call only with the kernels
+    loaded."""
+    global _xla_problem
+    if _xla_problem is None:
+        try:
+            library, how = adapter_extension.build("unison_tf_xla", XLA_SOURCE, *_xla_flags(),
+                                                   versions=_versions(), framework_root=_root(), suffix=".so")
+            try:
+                tf.load_op_library(library)
+            except (tf.errors.OpError, OSError) as e:
+                raise adapter_extension.Unavailable("%s does not load: %s" % (library, e)) from None
+            if ctypes.CDLL(library).unison_tf_xla_bind(_bound_functions(), len(_BOUND)) != 0:
+                raise adapter_extension.Unavailable("%s loaded, but XLA did not take its kernel" % library)
+            _xla_problem = ""
+            adapter_extension.ACTIVE[XLA_LABEL] = "compiled (%s %s): allreduce and grouped allreduce" % (how, library)
+        except adapter_extension.Unavailable as e:
+            _xla_problem = str(e)
+            adapter_extension.ACTIVE[XLA_LABEL] = "collectives refused under XLA: %s" % e
+    return _xla_problem
 
 
 # The finder, as a C function: kept for the life of the process, since the

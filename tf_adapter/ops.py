@@ -37,7 +37,7 @@ import tensorflow as tf
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.ops import control_flow_util
 
-from unison import arguments, basics, collective, dtypes, elastic_worker, frontend, gradients
+from unison import adapter_extension, arguments, basics, collective, dtypes, elastic_worker, frontend, gradients
 from unison.dtypes import label as _label
 from unison.exceptions import DeadlockError, InvalidArgumentError, MismatchError, UnsupportedError
 from unison.handles import GraphNode, HandleGroup, synchronize
@@ -173,20 +173,65 @@ def _to_tensor(array, dtype):
 _NO_TENSOR = object()   # barrier and join: an op that names no tensor
 
 
-def _refuse_xla(kind, name):
-    """A collective is a py_function node, which XLA cannot compile: traced
-    under jit_compile=True it would fail only when the step first runs,
-    with TensorFlow's "No registered 'EagerPyFunc' OpKernel for XLA_..."
-    naming none of this. Say it while tracing, with the fix. Keras 3 turns
-    XLA on by itself (jit_compile="auto") wherever a GPU is visible."""
-    if control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
-        what = kind if name is _NO_TENSOR else "%s of %s" % (kind, _label(_group_label(name)))
-        raise UnsupportedError(
-            "unison: %s is traced inside a function compiled with XLA (jit_compile=True); unison's "
-            "collectives run outside XLA and cannot be compiled into it. Trace the step without XLA: "
-            "tf.function(jit_compile=False), or model.compile(..., jit_compile=False) in Keras, whose "
-            "default jit_compile='auto' turns XLA on wherever a GPU is visible (unison.keras's "
-            "callbacks turn it off for model.fit)" % what)
+def _lowered_to_xla(kind, name):
+    """True where this node is traced into a function that XLA compiles,
+    which allreduce then lowers to (kernels_xla.cc); False outside XLA.
+    Any other collective traced under XLA is refused here, while tracing,
+    naming it, why and the fix: XLA would otherwise fail only when the
+    step first runs, with TensorFlow's "No registered 'EagerPyFunc'
+    OpKernel for XLA_..." naming none of this. Keras 3 turns XLA on by
+    itself (jit_compile="auto") wherever a GPU is visible."""
+    if not control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
+        return False
+    why = xla_refusal(kind)
+    if not why:
+        return True
+    what = kind if name is _NO_TENSOR else "%s of %s" % (kind, _label(_group_label(name)))
+    raise UnsupportedError(
+        "unison: %s is traced inside a function compiled with XLA (jit_compile=True), and %s. Trace the step "
+        "without XLA: tf.function(jit_compile=False), or model.compile(..., jit_compile=False) in Keras, whose "
+        "default jit_compile='auto' turns XLA on wherever a GPU is visible (unison.keras's callbacks turn it off "
+        "for model.fit where the optimizer's collectives cannot be compiled)" % (what, why))
+
+
+def xla_refusal(kind="allreduce"):
+    """"" where a `kind` collective can be compiled into an XLA program in
+    this process, else why not, in words. Only allreduce (and grouped
+    allreduce) lowers to XLA, as in Horovod; only on the CPU, since its
+    GPU form needs the core's CUDA path (tf_adapter/README.md); and only
+    through the compiled kernels, whose op it lowers. The first call with
+    XLA possible builds the lowering (kernels.py, xla_problem)."""
+    if kind != "allreduce":
+        return "only allreduce and grouped allreduce are lowered to XLA; unison's %s runs outside XLA" % kind
+    if _kernels is None:
+        return ("allreduce lowers to XLA through unison's compiled kernels, which are not in use here (%s)"
+                % adapter_extension.ACTIVE.get("TensorFlow"))
+    if tf.config.list_logical_devices("GPU"):
+        return "allreduce lowers to XLA's CPU programs only, and with a GPU visible XLA compiles for the GPU"
+    problem = _kernel_library.xla_problem()
+    return "allreduce cannot be lowered to XLA here: %s" % problem if problem else ""
+
+
+# Per outermost function graph compiled by XLA: how many of its collective
+# nodes have been traced.
+_xla_nodes = weakref.WeakKeyDictionary()
+
+
+def _xla_names(graph, kind, names):
+    """The core's names for a node lowered to XLA, its unnamed tensors
+    named kind.xlaK.i for the Kth node of the function. Inside an XLA
+    program, the core cannot number them in program order: XLA may run
+    independent custom calls in any order, or at once on several threads.
+    Tracing order is the program's, the same on every rank, and counted
+    per function it survives a retrace on one rank only. The programs a
+    thread runs never overlap, so two functions' nodes may share names."""
+    root = graph
+    while getattr(getattr(root, "outer_graph", None), "building_function", False):
+        root = root.outer_graph
+    count = _xla_nodes.get(root, 0)
+    _xla_nodes[root] = count + 1
+    unnamed = itertools.count()
+    return [n if n else "%s.xla%d.%d" % (kind, count, next(unnamed)) for n in names]
 
 
 def _run(fn, inputs, out_dtypes, kind, name=_NO_TENSOR, compiled=None, names=(None,)):
@@ -210,11 +255,13 @@ def _run(fn, inputs, out_dtypes, kind, name=_NO_TENSOR, compiled=None, names=(No
         return [_to_tensor(o, d) for o, d in zip(outputs, out_dtypes)]
     if tf.executing_eagerly():
         return call(*inputs)
-    _refuse_xla(kind, name)
+    lowered = _lowered_to_xla(kind, name)   # the compiled kernels' node, then, lowered by XLA
     graph = tf.compat.v1.get_default_graph()
     chained = graph.building_function   # see "Ordering" above, and _session_node_name
     if compiled is not None and _kernels is not None:
-        if not chained:   # a TF1 session graph: every op named, as below for the py_function node
+        if lowered:
+            names = _xla_names(graph, kind, names)
+        elif not chained:   # a TF1 session graph: every op named, as below for the py_function node
             prefix = _session_node_name(graph, kind)
             unnamed = itertools.count()
             names = [n if n else "%s.%d" % (prefix, next(unnamed)) for n in names]
@@ -580,12 +627,22 @@ def _sparse_allreduce(slices, name, op, prescale_factor, postscale_factor, proce
     return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
 
 
+def _xla_reduces_dense():
+    """True when traced into a function XLA compiles, with allreduce lowered
+    to it: an IndexedSlices (a sparse gradient) is then reduced dense, as
+    sparse_as_dense does. XLA holds every tensor dense, and allgather,
+    Horovod's way for IndexedSlices, has no XLA lowering."""
+    return not tf.executing_eagerly() and \
+        control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()) and not xla_refusal()
+
+
 def allreduce(tensor, average=None, device_dense="", device_sparse="", compression=Compression.none,
               op=None, prescale_factor=1.0, postscale_factor=1.0, name=None,
               process_set=global_process_set, ignore_name_scope=False):
     """`tensor` reduced across the ranks of the process set (Average by default, as in
-    Horovod); an IndexedSlices (a sparse gradient) is allgathered instead. Eager, in a
-    tf.function and in a TF1 graph alike. Differentiable.
+    Horovod); an IndexedSlices (a sparse gradient) is allgathered instead, but for being
+    reduced dense under XLA. Eager, in a tf.function (jit_compile=True included, on the
+    CPU) and in a TF1 graph alike. Differentiable.
 
     Args:
         tensor: a tf.Tensor, variable value or IndexedSlices, the same shape and dtype on every rank.
@@ -612,7 +669,9 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="", compressi
     """
     op = arguments.resolve_op(op, average)
     if isinstance(tensor, tf.IndexedSlices):
-        return _sparse_allreduce(tensor, name, op, prescale_factor, postscale_factor, process_set)
+        if not _xla_reduces_dense():
+            return _sparse_allreduce(tensor, name, op, prescale_factor, postscale_factor, process_set)
+        tensor = tf.convert_to_tensor(tensor)
     tensor = _dense(tensor, name)
     wire, ctx = compression.compress(tensor)
     reduced = _grouped_allreduce([wire], name, op, prescale_factor, postscale_factor, process_set)[0]
@@ -629,7 +688,7 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
     op = arguments.resolve_op(op, average)
     if not tensors:
         return []
-    if any(isinstance(t, tf.IndexedSlices) for t in tensors):
+    if any(isinstance(t, tf.IndexedSlices) for t in tensors) and not _xla_reduces_dense():
         return [allreduce(t, op=op, compression=compression, prescale_factor=prescale_factor,
                           postscale_factor=postscale_factor, name=arguments.member_name(name, i),
                           process_set=process_set)

@@ -35,6 +35,9 @@ def compiled_paths():
             continue
         try:
             importlib.import_module(adapter)
+            if label == "TensorFlow" and adapter_extension.ACTIVE.get(label, "").startswith("compiled"):
+                # Its XLA lowering is built at the first collective traced under XLA: build it now.
+                importlib.import_module("unison.tensorflow.kernels").xla_problem()
         except Exception as e:  # noqa: BLE001 - reported, not raised: this is a diagnosis
             adapter_extension.ACTIVE.setdefault(label, "%s does not import: %s" % (adapter, e))
     return dict(adapter_extension.ACTIVE)

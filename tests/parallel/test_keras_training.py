@@ -3,6 +3,7 @@ DistributedOptimizer and the broadcast callback end every rank on the
 parameters of one process trained on the whole batch; the callbacks do
 what Horovod's do."""
 import os
+import warnings
 
 import pytest
 
@@ -13,6 +14,7 @@ import numpy as np  # noqa: E402
 import unison  # noqa: E402
 import unison.keras as hvd  # noqa: E402
 import unison.tensorflow.keras  # noqa: E402,F401  (Horovod's other import path)
+from unison.tensorflow import ops as tf_ops  # noqa: E402
 
 hvd.init()
 N, RANK = hvd.size(), hvd.rank()
@@ -70,17 +72,38 @@ def test_fit_matches_one_process(kind):
     assert int(optimizer.iterations) == EPOCHS * STEPS
 
 
-def test_fit_compiled_with_xla_trains_without_it_and_matches_one_process():
+def test_fit_compiled_with_xla_lowers_the_optimizers_allreduce_and_matches_one_process():
     # Keras 3's default jit_compile='auto' is True wherever a GPU is visible;
-    # asking for it here is the same on this CPU. XLA cannot compile the
-    # optimizer's collectives: the callback turns it off, saying so.
+    # asked for here, on the CPU, XLA compiles the train step with the
+    # optimizer's allreduce inside it (tf_adapter/kernels_xla.cc).
     x, y = data(9)
     model = make_model(RANK)
     initial = rank0_initial_weights(model)
     model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9)), loss="mse",
                   jit_compile=True)
-    assert model.jit_compile
-    with pytest.warns(UserWarning, match=r"model '%s' trains without XLA" % model.name):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(local(x), local(y), batch_size=B, epochs=EPOCHS, shuffle=False, verbose=0,
+                  callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+    assert model.jit_compile and not [w for w in caught if "without XLA" in str(w.message)]
+    reference = reference_fit(initial, x, y, keras.optimizers.SGD(0.1, momentum=0.9), N * B)
+    for got, want in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, atol=1e-10, rtol=0)
+
+
+def test_fit_compiled_with_xla_without_the_lowering_trains_without_it_and_matches_one_process(monkeypatch):
+    # Where allreduce cannot lower to XLA (here: the compiled kernels are
+    # not in use, as where no compiler is found), the callback turns XLA
+    # off, saying why, as Keras does for a layer XLA cannot compile.
+    monkeypatch.setattr(tf_ops, "_kernels", None)
+    x, y = data(12)
+    model = make_model(RANK)
+    initial = rank0_initial_weights(model)
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9)), loss="mse",
+                  jit_compile=True)
+    with pytest.warns(UserWarning, match=r"model '%s' trains without XLA \(jit_compile=False\): its "
+                                         r"DistributedOptimizer's collectives cannot be compiled into the train step, "
+                                         r"as allreduce lowers to XLA through unison's compiled kernels" % model.name):
         model.fit(local(x), local(y), batch_size=B, epochs=EPOCHS, shuffle=False, verbose=0,
                   callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
     assert not model.jit_compile
@@ -89,7 +112,9 @@ def test_fit_compiled_with_xla_trains_without_it_and_matches_one_process():
         np.testing.assert_allclose(got, want, atol=1e-10, rtol=0)
 
 
-def test_fit_compiled_with_xla_and_no_unison_callback_fails_on_every_rank_naming_the_fix():
+def test_fit_compiled_with_xla_without_the_lowering_or_a_unison_callback_fails_on_every_rank_naming_the_fix(
+        monkeypatch):
+    monkeypatch.setattr(tf_ops, "_kernels", None)
     x, y = data(10)
     model = make_model(0)
     model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse", jit_compile=True)
@@ -104,16 +129,17 @@ def test_fit_compiled_with_xla_and_no_unison_callback_fails_on_every_rank_naming
         np.testing.assert_array_equal(got, want)
 
 
-def test_load_model_of_a_model_compiled_with_xla_trains_without_it(tmp_path):
+def test_load_model_of_a_model_compiled_with_xla_trains_with_it(tmp_path):
     x, y = data(11)
     model = make_model(0)
     initial = model.get_weights()
     model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss="mse", jit_compile=True)
     path = os.path.join(str(tmp_path), "xla%d.keras" % RANK)
     model.save(path)
-    with pytest.warns(UserWarning, match="trains without XLA"):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         loaded = hvd.load_model(path)
-    assert not loaded.jit_compile
+    assert loaded.jit_compile and not [w for w in caught if "without XLA" in str(w.message)]
     loaded.fit(local(x), local(y), batch_size=B, epochs=EPOCHS, shuffle=False, verbose=0)
     reference = reference_fit(initial, x, y, keras.optimizers.SGD(0.1, momentum=0.9), N * B)
     for got, want in zip(loaded.get_weights(), reference.get_weights()):

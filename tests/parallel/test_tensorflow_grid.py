@@ -1,5 +1,6 @@
-"""The shared grid (shared_grid.py) for unison.tensorflow: every op eagerly
-and traced into a tf.function, and broadcast_ into variables."""
+"""The shared grid (shared_grid.py) for unison.tensorflow: every op eagerly,
+traced into a tf.function and into a TF1 session graph, allreduce also in
+a function XLA compiles, and broadcast_ into variables."""
 import numpy as np
 import pytest
 
@@ -62,6 +63,12 @@ def traced(fn):
     return LastGraph(lambda x, *rest: tf.function(lambda t: fn(t, *rest)))
 
 
+def compiled_by_xla(fn):
+    """fn traced into a tf.function that XLA compiles (jit_compile=True),
+    where allreduce is lowered to a custom call (tf_adapter/kernels_xla.cc)."""
+    return LastGraph(lambda x, *rest: tf.function(lambda t: fn(t, *rest), jit_compile=True))
+
+
 class InASession:
     """fn built into a TF1 graph, whose placeholder is fed the tensor, run
     by a tf.compat.v1.Session."""
@@ -112,7 +119,11 @@ class TensorFlowShim(Shim):
     # TensorFlow's ops have no async or in-place forms (but for broadcast_
     # into variables); they run eagerly and inside tf.function instead.
     def allreduce_forms(self):
-        return eager_and_traced(super().allreduce_forms())
+        # Allreduce alone lowers to XLA, grouped or not: in a function XLA
+        # compiles, each form runs as a custom call of the XLA program.
+        forms = super().allreduce_forms()
+        return dict(eager_and_traced(forms), **{"xla": compiled_by_xla(forms["sync"]),
+                                                "xla-grouped": compiled_by_xla(forms["grouped"])})
 
     def allgather_forms(self):
         return eager_and_traced(super().allgather_forms())

@@ -20,6 +20,8 @@ hvd.init()
 N, RANK = hvd.size(), hvd.rank()
 
 MODES = ["eager", "function", "tf1-session"]
+# Allreduce alone also lowers to XLA (tf_adapter/kernels_xla.cc).
+ALLREDUCE_MODES = MODES + ["xla"]
 
 
 def run(mode, fn, *args):
@@ -30,6 +32,8 @@ def run(mode, fn, *args):
         return fn(*args)
     if mode == "function":
         return tf.function(fn)(*args)
+    if mode == "xla":
+        return tf.function(fn, jit_compile=True)(*args)
     with tf.Graph().as_default() as graph:
         fed = [tf.compat.v1.placeholder(a.dtype, a.shape) for a in args]
         out = fn(*fed)
@@ -50,7 +54,7 @@ def as_float(t):
     return np.asarray(tf.cast(t, tf.float64))
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", ALLREDUCE_MODES)
 def test_allreduce_bool_and_scaling(mode):
     flags = tf.constant([RANK == 0, True, False])
     np.testing.assert_array_equal(run(mode, lambda x: hvd.allreduce(x, op=hvd.Max), flags), [True, True, False])
@@ -60,7 +64,7 @@ def test_allreduce_bool_and_scaling(mode):
     np.testing.assert_allclose(out, 1.5 * sum(values((4,), r) for r in range(N)), rtol=1e-12)
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", ALLREDUCE_MODES)
 def test_grouped_allreduce_and_fp16_compression(mode):
     tensors = [tf.constant(values((3,), RANK)), tf.constant(values((2, 2), RANK, "float32")),
                tf.constant(values((4,), RANK, "int32"))]
@@ -319,7 +323,7 @@ def test_alltoall_gradient(mode):
 
 # ---- errors --------------------------------------------------------------------
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", ALLREDUCE_MODES)
 def test_mismatched_shape_fails_on_every_rank_and_recovers(mode):
     x = tf.ones([RANK + 1])
     if mode == "eager":
@@ -339,6 +343,15 @@ def test_mismatched_shape_fails_on_every_rank_and_recovers(mode):
                                    match=r"MismatchError.*'allreduce\.graph\d+\.node0\.0'.*rank 0 \[1\].*rank 1 \[2\]"):
                     session.run(bad, {fed: np.ones(RANK + 1)})
                 np.testing.assert_array_equal(session.run(good, {fed: np.ones(2)}), [N, N])
+    elif mode == "xla":
+        # Horovod's class from inside the XLA program, unnamed tensors too
+        # (named by their place in the function, tf_ops._xla_names).
+        with pytest.raises(tf.errors.FailedPreconditionError,
+                           match=r"MismatchError: unison: allreduce 'bad\.shape\.x'.*rank 0 \[1\].*rank 1 \[2\]"):
+            tf.function(lambda t: hvd.allreduce(t, name="bad.shape.x"), jit_compile=True)(x)
+        with pytest.raises(tf.errors.FailedPreconditionError,
+                           match=r"MismatchError: unison: allreduce 'allreduce\.xla[01]\.0'.*rank 0 \[1\].*rank 1 \[2\]"):
+            tf.function(lambda t: hvd.allreduce(t, op=hvd.Sum) + hvd.allreduce(t, op=hvd.Max), jit_compile=True)(x)
     else:
         with pytest.raises(tf.errors.OpError, match=r"MismatchError.*'bad\.shape\.f'.*rank 0 \[1\].*rank 1 \[2\]"):
             tf.function(lambda t: hvd.allreduce(t, name="bad.shape.f"))(x)
@@ -421,23 +434,96 @@ def test_a_tf1_session_runs_more_independent_collectives_than_it_has_threads():
         assert value.tolist() == [float(i * N), everyone]
 
 
+def test_xla_programs_with_several_allreduces_pair_them_by_place_and_run_step_after_step():
+    """One function XLA compiles, with unnamed, named and grouped
+    allreduces, one in a tf.cond branch, run three steps: the program may
+    start its custom calls in any order, and the unnamed ones pair by
+    their place in the function. Its HLO holds one custom call a node."""
+    def step(x):
+        a = hvd.allreduce(x, op=hvd.Sum)
+        b, c = hvd.grouped_allreduce([x * 2, tf.cast(x, tf.int64)], op=hvd.Max)
+        d = hvd.allreduce(x + 1, op=hvd.Min, name="xla.named")
+        e = tf.cond(tf.reduce_sum(x) > -1, lambda: hvd.allreduce(x * 3, op=hvd.Sum), lambda: x)
+        return a, b, c, d, e
+    compiled = tf.function(step, jit_compile=True)
+    for s in range(3):
+        x = tf.constant(values((2, 3), RANK + s))
+        a, b, c, d, e = compiled(x)
+        each = [values((2, 3), r + s) for r in range(N)]
+        np.testing.assert_array_equal(a, sum(each))
+        np.testing.assert_array_equal(b, 2 * np.max(each, axis=0))
+        assert c.dtype == tf.int64
+        np.testing.assert_array_equal(c, np.max(each, axis=0))
+        np.testing.assert_array_equal(d, np.min(each, axis=0) + 1)
+        np.testing.assert_array_equal(e, 3 * sum(each))
+    hlo = compiled.experimental_get_compiler_ir(x)(stage="hlo")
+    assert hlo.count('custom_call_target="unison_allreduce"') == 4, hlo
+
+
+def test_allreduce_gradients_under_xla():
+    w = values((3,), RANK + 7)
+
+    def grads(x):
+        with tf.GradientTape(persistent=True) as tape:
+            tape.watch(x)
+            summed = hvd.allreduce(x * w, op=hvd.Sum, name="xg.sum")
+            averaged = hvd.grouped_allreduce([x * w], op=hvd.Average, name="xg.avg")[0]
+            losses = [tf.reduce_sum(summed * (RANK + 1)), tf.reduce_sum(averaged * (RANK + 1))]
+        out = [tape.gradient(loss, x) for loss in losses]
+        del tape
+        return out
+    g_sum, g_avg = run("xla", grads, tf.constant(values((3,), RANK)))
+    total = sum(r + 1 for r in range(N))
+    np.testing.assert_allclose(g_sum, total * w, rtol=1e-12)
+    np.testing.assert_allclose(g_avg, total / N * w, rtol=1e-12)
+
+
+def test_indexed_slices_are_reduced_dense_under_xla():
+    # XLA holds tensors dense and has no allgather: a sparse gradient is
+    # reduced as sparse_as_dense reduces it.
+    def reduce(values_, indices):
+        slices = tf.IndexedSlices(values_, indices, dense_shape=tf.constant([2, 2], tf.int64))
+        return hvd.allreduce(slices, op=hvd.Sum, name="xla.slices")
+    out = run("xla", reduce, tf.constant([[float(RANK + 1)] * 2]), tf.constant([RANK % 2], tf.int64))
+    assert not isinstance(out, tf.IndexedSlices)
+    want = np.zeros((2, 2))
+    for r in range(N):
+        want[r % 2] += r + 1
+    np.testing.assert_array_equal(out, want)
+
+
 @pytest.mark.parametrize("kind,call", [
-    ("allreduce of 'xla.allreduce'", lambda t: hvd.allreduce(t, name="xla.allreduce")),
     ("allgather of 'xla.allgather'", lambda t: hvd.allgather(t, name="xla.allgather")),
     ("broadcast of 'xla.broadcast'", lambda t: hvd.broadcast(t, 0, name="xla.broadcast")),
     ("alltoall of 'xla.alltoall'", lambda t: hvd.alltoall(t, name="xla.alltoall")),
     ("reducescatter of 'xla.reducescatter'", lambda t: hvd.reducescatter(t, name="xla.reducescatter")),
     ("barrier", lambda t: (hvd.barrier(), t)[1])])
-def test_a_collective_traced_under_xla_is_refused_while_tracing_naming_it_and_the_fix(kind, call):
-    # XLA cannot compile a collective (a py_function node). Without this
-    # check the error came only when the step first ran, from TensorFlow:
-    # "No registered 'EagerPyFunc' OpKernel for XLA_CPU_JIT devices".
+def test_a_collective_without_an_xla_lowering_is_refused_while_tracing_naming_it_and_the_fix(kind, call):
+    # Without this check the error came only when the step first ran, from
+    # TensorFlow: "No registered 'UnisonAllgather' OpKernel for XLA_CPU_JIT
+    # devices".
     with pytest.raises(unison.UnsupportedError,
-                       match=r"%s is traced inside a function compiled with XLA.*jit_compile=False" % kind):
+                       match=r"%s is traced inside a function compiled with XLA \(jit_compile=True\), and only "
+                             r"allreduce and grouped allreduce are lowered to XLA.*jit_compile=False" % kind):
         tf.function(call, jit_compile=True)(tf.ones([N * 2]))
     # Nothing was enqueued on any rank: the same op without XLA runs.
     np.testing.assert_array_equal(tf.function(lambda t: hvd.allreduce(t, op=hvd.Sum, name="xla.after"),
                                               jit_compile=False)(tf.ones([2])), [N, N])
+
+
+def test_allreduce_under_xla_with_the_py_function_nodes_is_refused_saying_why(monkeypatch):
+    monkeypatch.setattr(tf_ops, "_kernels", None)
+    with pytest.raises(unison.UnsupportedError,
+                       match=r"allreduce of 'xla\.fallback' is traced inside a function compiled with XLA "
+                             r"\(jit_compile=True\), and allreduce lowers to XLA through unison's compiled kernels, "
+                             r"which are not in use here"):
+        tf.function(lambda t: hvd.allreduce(t, name="xla.fallback"), jit_compile=True, autograph=False)(tf.ones([2]))
+
+
+def test_the_xla_lowering_is_in_use_and_said_by_check_build():
+    assert tf_ops.xla_refusal() == ""
+    assert tf_ops.xla_refusal("allgather").startswith("only allreduce and grouped allreduce are lowered to XLA")
+    assert adapter_extension.ACTIVE["TensorFlow under XLA"].startswith("compiled ("), adapter_extension.ACTIVE
 
 
 def test_mismatched_dtype_and_root_fail_on_every_rank():

@@ -20,7 +20,7 @@ import tensorflow as tf
 from unison.process_sets import global_process_set
 from unison.tensorflow.compression import Compression
 from unison.tensorflow.gradient_tape import GradientReducer
-from unison.tensorflow.ops import Average, Min, allreduce
+from unison.tensorflow.ops import Average, Min, allreduce, xla_refusal
 
 
 class _DistributedOptimizerMixin:
@@ -117,17 +117,24 @@ def agree_on_skipped_steps(optimizer):
 
 def keep_collectives_out_of_xla(model):
     """Turns XLA off for `model`'s train step when its optimizer is a
-    DistributedOptimizer, whose collectives XLA cannot compile. Keras 3's
-    default jit_compile='auto' turns XLA on wherever a GPU is visible, and
-    the optimizer never sees the model to say so: unison.keras's callbacks
-    and load_model call this, and Keras's own answer to a layer XLA cannot
-    compile is the same (a warning, then the step without XLA)."""
+    DistributedOptimizer whose collectives XLA cannot compile here (see
+    ops.xla_refusal: on the CPU, allreduce lowers to XLA; on a GPU, or
+    without the compiled kernels, it does not). Keras 3's default
+    jit_compile='auto' turns XLA on wherever a GPU is visible, and the
+    optimizer never sees the model to say so: unison.keras's callbacks and
+    load_model call this, and Keras's own answer to a layer XLA cannot
+    compile is the same (a warning, then the step without XLA). The
+    optimizer reduces only by allreduce: sparse gradients are reduced
+    dense under XLA."""
     if not isinstance(getattr(model, "optimizer", None), _DistributedOptimizerMixin) or not model.jit_compile:
+        return
+    why = xla_refusal("allreduce")
+    if not why:
         return
     model.jit_compile = False
     model.train_function = None  # one already made with XLA would fail at its first step
     warnings.warn("unison: model %r trains without XLA (jit_compile=False): its DistributedOptimizer's collectives "
-                  "run outside XLA and cannot be compiled into the train step" % model.name, stacklevel=3)
+                  "cannot be compiled into the train step, as %s" % (model.name, why), stacklevel=3)
 
 
 def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="", compression=Compression.none,
