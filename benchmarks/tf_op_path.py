@@ -4,13 +4,15 @@ tf.function and in a TF1 graph run by a tf.compat.v1.Session (on a
 variable's value), timed in the same processes. Graphs are timed through
 the compiled kernels (tf_adapter/kernels.cc) and through the tf.py_function
 nodes they fall back to, beside the same tf.function without the
-allreduce ("fn alone": what TensorFlow charges to call a function at all).
+allreduce ("fn alone": what TensorFlow charges to call a function at all),
+and once more with both functions compiled by XLA (jit_compile=True), where
+the allreduce is a custom call of the XLA program (tf_adapter/kernels_xla.cc).
 
     unisonrun -np 2 python benchmarks/tf_op_path.py
 
 "compiled - alone" is what an allreduce adds to a tf.function through the
 kernels (the issue's target: at most 30 us for a small one); the py_function
-column is what it added before them.
+column is what it added before them. "xla - alone" is the same under XLA.
 
     unisonrun -np 2 python benchmarks/tf_op_path.py --autograph-converts-unison
 
@@ -79,15 +81,17 @@ def main():
     if rank == 0:
         print("float32 allreduce, %d ranks: mean time per op; graphs through the compiled kernels (%s) and "
               "the py_function nodes" % (unison.size(), "loaded" if tf_ops._kernels is not None else "NOT LOADED"))
-        print("%10s %10s %10s %10s %10s %10s %12s %10s %10s" % (
+        print("%10s %10s %10s %10s %10s %10s %12s %10s %10s %10s %10s %11s" % (
             "bytes", "numpy", "tf eager", "fn alone", "fn kernel", "fn py_func", "kernel-alone", "sess kernel",
-            "sess py_fn"))
+            "sess py_fn", "xla alone", "xla allred", "xla-alone"))
     for nbytes in [int(s) for s in args.sizes.split(",")]:
         count = nbytes // 4
         repeats = max(5, min(500, int(2e8 // max(nbytes, 1) // 50)))
         array = np.ones(count, dtype=np.float32)
         tensor = tf.constant(array)
         alone = tf.function(lambda t: t * 1.0)
+        xla_alone = tf.function(lambda t: t * 1.0, jit_compile=True)
+        xla = tf.function(lambda t: hvd.allreduce(t * 1.0, op=hvd.Sum, name="bench.xla"), jit_compile=True)
         numpy_time = timed(lambda: unp.allreduce(array, op=unison.Sum, name="bench.numpy"), repeats)
         eager_time = timed(lambda: hvd.allreduce(tensor, op=hvd.Sum, name="bench.eager"), repeats)
         graphs, session_times = [], []
@@ -106,13 +110,15 @@ def main():
                     session.run(variable.initializer)
             session_times.append(timed(lambda: session.run(step), repeats))
             session.close()
-        alone_time, *graph_times = side_by_side([lambda: alone(tensor)] + [lambda g=g: g(tensor) for g in graphs],
-                                                repeats)
+        alone_time, *graph_times, xla_alone_time, xla_time = side_by_side(
+            [lambda: alone(tensor)] + [lambda g=g: g(tensor) for g in graphs]
+            + [lambda: xla_alone(tensor), lambda: xla(tensor)], repeats)
         if rank == 0:
-            print("%10d %8.1fus %8.1fus %8.1fus %8.1fus %8.1fus %+10.1fus %9.1fus %8.1fus" % (
+            print("%10d %8.1fus %8.1fus %8.1fus %8.1fus %8.1fus %+10.1fus %9.1fus %8.1fus %8.1fus %8.1fus %+9.1fus" % (
                 nbytes, numpy_time * 1e6, eager_time * 1e6, alone_time * 1e6, graph_times[0] * 1e6,
                 graph_times[1] * 1e6, (graph_times[0] - alone_time) * 1e6, session_times[0] * 1e6,
-                session_times[1] * 1e6), flush=True)
+                session_times[1] * 1e6, xla_alone_time * 1e6, xla_time * 1e6, (xla_time - xla_alone_time) * 1e6),
+                flush=True)
     for kernels, how in ((tf_ops._kernels, "compiled kernel"), (None, "py_function node")):
         with nodes(kernels):
             trace_time, step_time = tape_step()

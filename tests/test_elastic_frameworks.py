@@ -1,6 +1,6 @@
 """Elastic Keras (model.fit with KerasState and the elastic callbacks), a
 TensorFlow custom loop (TensorFlowKerasState, DistributedGradientTape in a
-tf.function), a TF1 session (TensorFlowState(session=...)) and MXNet Gluon (MXNetState over a DistributedTrainer) under the elastic
+tf.function, with and without XLA), a TF1 session (TensorFlowState(session=...)) and MXNet Gluon (MXNetState over a DistributedTrainer) under the elastic
 launcher with two simulated hosts: a worker dies mid-step and the job
 finishes on the rest; a host appears and the job grows. The final
 parameters are those of one process on the same committed steps
@@ -20,11 +20,15 @@ import reference  # noqa: E402
 pytestmark = pytest.mark.timeout(300)
 
 # framework: (the module it needs, its job, its reference, the growth case:
-# the first host's slots, the added host's slots)
+# the first host's slots, the added host's slots[, the job's environment])
 FRAMEWORKS = {
     "keras": ("tensorflow", "train_keras.py", "keras_reference", 2, 1),
     # A custom loop whose tf.function is traced in a job of one, then grows.
     "tensorflow": ("tensorflow", "train_tensorflow.py", "keras_reference", 1, 2),
+    # The same loop compiled by XLA, its allreduce a custom call of the XLA
+    # program: a lost rank fails the program with TensorFlow's Aborted, which
+    # hvd.elastic.run must take for a reset.
+    "tensorflow-xla": ("tensorflow", "train_tensorflow.py", "keras_reference", 1, 2, {"TRAIN_JIT_COMPILE": "1"}),
     "mxnet": ("mxnet", "train_mxnet.py", "mxnet_reference", 1, 2),  # grows from a job of one
     # A TF1 graph and session, built in a job of one, then grown.
     "tensorflow-session": ("tensorflow", "train_tf1_session.py", "keras_reference", 1, 2),
@@ -32,10 +36,10 @@ FRAMEWORKS = {
 
 
 def job_of(framework):
-    module, script, reference_name, first, added = FRAMEWORKS[framework]
+    module, script, reference_name, first, added, *env = FRAMEWORKS[framework]
     if importlib.util.find_spec(module) is None:
         pytest.skip("%s is not installed here; its tox env runs this" % module)
-    return script, getattr(reference, reference_name), first, added
+    return script, getattr(reference, reference_name), first, added, dict(*env)
 
 
 def check_final(events, size, expected):
@@ -47,9 +51,9 @@ def check_final(events, size, expected):
 
 @pytest.mark.parametrize("framework", sorted(FRAMEWORKS))
 def test_a_job_survives_a_killed_worker(tmp_path, framework):
-    script, expected, _, _ = job_of(framework)
+    script, expected, _, _, env = job_of(framework)
     proc, events = elastic_job(tmp_path, ["-np", "3", "--min-np", "1", "-H", "localhost:2,127.0.0.1:1"], script,
-                               env={"ELASTIC_FAULT": "127.0.0.1:0@9:sigkill"})
+                               env=dict(env, ELASTIC_FAULT="127.0.0.1:0@9:sigkill"))
     output = proc.stdout.decode(errors="replace")
     assert proc.returncode == 0, output[-6000:]
     check_final(events, 2, expected)
@@ -61,13 +65,13 @@ def test_a_job_survives_a_killed_worker(tmp_path, framework):
 
 @pytest.mark.parametrize("framework", sorted(FRAMEWORKS))
 def test_a_job_grows_when_a_host_is_added(tmp_path, framework):
-    script, expected, first, added = job_of(framework)
+    script, expected, first, added, env = job_of(framework)
     grown = first + added
     listing_script, listing = discovery_script(tmp_path, ["localhost:%d" % first])
     proc, events = elastic_job(tmp_path, ["-np", str(first), "--max-np", "3", "--host-discovery-script",
                                           listing_script], script,
-                               env={"ELASTIC_ADD": "5:%s:127.0.0.1:%d" % (listing, added),
-                                    "ELASTIC_GROW_TO": str(grown)})
+                               env=dict(env, ELASTIC_ADD="5:%s:127.0.0.1:%d" % (listing, added),
+                                        ELASTIC_GROW_TO=str(grown)))
     output = proc.stdout.decode(errors="replace")
     assert proc.returncode == 0, output[-6000:]
     check_final(events, grown, expected)

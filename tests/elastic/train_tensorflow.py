@@ -1,7 +1,8 @@
 """An elastic TensorFlow job with a custom loop, as Horovod's TF2 elastic
 example has it: TensorFlowKerasState over a model and its optimizer, and a
-tf.function step through DistributedGradientTape, traced once, at the size
-the job has then, and run at every later size. The fixed global batches of reference.py, each rank
+tf.function step through DistributedGradientTape (compiled by XLA with
+TRAIN_JIT_COMPILE=1), traced once, at the size the job has then, and run
+at every later size. The fixed global batches of reference.py, each rank
 training on its share of every step's batch, committed after every step."""
 import os
 import sys
@@ -23,7 +24,9 @@ def main():
 
     # One trace for every batch shape, so that the step traced in a job of
     # one is the step the grown job runs.
-    @tf.function(input_signature=[tf.TensorSpec([None, FEATURES], tf.float32), tf.TensorSpec([None, 1], tf.float32)])
+    # TRAIN_JIT_COMPILE=1: the step compiled by XLA, its allreduce lowered into it.
+    @tf.function(input_signature=[tf.TensorSpec([None, FEATURES], tf.float32), tf.TensorSpec([None, 1], tf.float32)],
+                 jit_compile=os.environ.get("TRAIN_JIT_COMPILE") == "1")
     def training_step(x, y):
         with tf.GradientTape() as tape:
             loss = tf.reduce_mean(tf.square(model(x, training=True) - y))
