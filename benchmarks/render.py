@@ -33,6 +33,8 @@ SHOWN = [
     ("threads", "Blocking collectives from several threads of a rank", r"."),
     ("poll", "Polling an asynchronous op until it is done", r"."),
     ("heap_trim", "CPU training and glibc's heap", r"^(MLP |unison / independent)"),
+    ("tf_op_path", "TensorFlow's op path: an allreduce eagerly, in a `tf.function`, a TF1 session and under XLA",
+     r"^(float32 allreduce|a tf\.function step)"),
 ]
 
 

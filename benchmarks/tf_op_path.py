@@ -81,9 +81,10 @@ def main():
     if rank == 0:
         print("float32 allreduce, %d ranks: mean time per op; graphs through the compiled kernels (%s) and "
               "the py_function nodes" % (unison.size(), "loaded" if tf_ops._kernels is not None else "NOT LOADED"))
-        print("%10s %10s %10s %10s %10s %10s %12s %10s %10s %10s %10s %11s" % (
-            "bytes", "numpy", "tf eager", "fn alone", "fn kernel", "fn py_func", "kernel-alone", "sess kernel",
-            "sess py_fn", "xla alone", "xla allred", "xla-alone"))
+        columns = ["bytes", "numpy", "tf eager", "fn alone", "fn kernel", "fn py_func", "kernel - alone",
+                   "sess kernel", "sess py_fn", "xla alone", "xla allreduce", "xla - alone"]
+        print("| " + " | ".join(columns) + " |")
+        print("|" + "|".join(" ---: " for _ in columns) + "|")
     for nbytes in [int(s) for s in args.sizes.split(",")]:
         count = nbytes // 4
         repeats = max(5, min(500, int(2e8 // max(nbytes, 1) // 50)))
@@ -114,7 +115,8 @@ def main():
             [lambda: alone(tensor)] + [lambda g=g: g(tensor) for g in graphs]
             + [lambda: xla_alone(tensor), lambda: xla(tensor)], repeats)
         if rank == 0:
-            print("%10d %8.1fus %8.1fus %8.1fus %8.1fus %8.1fus %+10.1fus %9.1fus %8.1fus %8.1fus %8.1fus %+9.1fus" % (
+            print("| %d | %.1f us | %.1f us | %.1f us | %.1f us | %.1f us | %+.1f us | %.1f us | %.1f us | %.1f us "
+                  "| %.1f us | %+.1f us |" % (
                 nbytes, numpy_time * 1e6, eager_time * 1e6, alone_time * 1e6, graph_times[0] * 1e6,
                 graph_times[1] * 1e6, (graph_times[0] - alone_time) * 1e6, session_times[0] * 1e6,
                 session_times[1] * 1e6, xla_alone_time * 1e6, xla_time * 1e6, (xla_time - xla_alone_time) * 1e6),
