@@ -172,3 +172,40 @@ def test_unisonrun_check_build_says_which_path_is_active(tmp_path, adapter):
     if adapter.framework == "tensorflow":
         assert ("    [ ] TensorFlow under XLA: collectives refused under XLA: allreduce lowers to it through the "
                 "compiled kernels\n") in said, said
+
+
+# Traces an allreduce under XLA, and the same without XLA, and says what
+# each did and what --check-build's table of paths holds.
+XLA_SCRIPT = r"""
+import json
+import tensorflow as tf
+import unison, unison.tensorflow as hvd
+from unison import adapter_extension
+hvd.init()
+try:
+    tf.function(lambda t: hvd.allreduce(t, name="x", op=hvd.Sum), jit_compile=True, autograph=False)(tf.ones(3))
+    refused = None
+except unison.UnsupportedError as e:
+    refused = str(e)
+plain = tf.function(lambda t: hvd.allreduce(t, name="y", op=hvd.Sum))(tf.ones(3))
+print(json.dumps({"refused": refused, "plain": plain.numpy().tolist(), "active": adapter_extension.ACTIVE}))
+"""
+
+
+def test_tensorflow_where_the_xla_lowering_does_not_build_xla_is_refused_saying_why_and_the_kernels_work(tmp_path):
+    pytest.importorskip("tensorflow")
+    compiler = tmp_path / "c++"   # builds the kernels, fails the XLA lowering
+    compiler.write_text("#!/bin/sh\ncase \"$*\" in *kernels_xla.cc*) echo 'kernels_xla.cc:1: error: no XLA here' >&2; "
+                        "exit 3;; esac\nexec g++ \"$@\"\n")
+    compiler.chmod(0o755)
+    done = subprocess.run([sys.executable, "-c", XLA_SCRIPT], capture_output=True, text=True, timeout=240,
+                          env=dict(os.environ, UNISON_CACHE_DIR=str(tmp_path / "cache"), CXX=str(compiler)))
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = json.loads(done.stdout.strip().splitlines()[-1])
+    assert said["plain"] == [1.0] * 3 and said["active"]["TensorFlow"].startswith("compiled (built "), said
+    assert said["refused"] is not None and ("allreduce of 'x' is traced inside a function compiled with XLA "
+                                            "(jit_compile=True), and allreduce cannot be lowered to XLA here: the "
+                                            "build failed (exit status 3; its output is in ") in said["refused"], said
+    assert "error: no XLA here" in said["refused"] and "jit_compile=False" in said["refused"], said
+    assert said["active"]["TensorFlow under XLA"].startswith("collectives refused under XLA: the build failed"), said
+
