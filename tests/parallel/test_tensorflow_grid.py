@@ -41,11 +41,7 @@ class LastGraph:
 
     def __call__(self, x, *rest):
         key = (x.dtype, tuple(x.shape), rest)
-        try:
-            repeat = key == self.key
-        except (TypeError, ValueError):  # an argument that does not compare (none of the grid's do)
-            repeat = False
-        if not repeat:
+        if key != self.key:
             self.close()
             self.key, self.call = key, self.build(x, *rest)
         return self.call(x)
@@ -57,16 +53,11 @@ class LastGraph:
             close()
 
 
-def traced(fn):
+def traced(fn, jit_compile=False):
     """fn traced into a tf.function, whose argument is the tensor; the rest
-    is closed over."""
-    return LastGraph(lambda x, *rest: tf.function(lambda t: fn(t, *rest)))
-
-
-def compiled_by_xla(fn):
-    """fn traced into a tf.function that XLA compiles (jit_compile=True),
-    where allreduce is lowered to a custom call (tf_adapter/kernels_xla.cc)."""
-    return LastGraph(lambda x, *rest: tf.function(lambda t: fn(t, *rest), jit_compile=True))
+    is closed over. With jit_compile, XLA compiles it, and allreduce is a
+    custom call of its program (tf_adapter/kernels_xla.cc)."""
+    return LastGraph(lambda x, *rest: tf.function(lambda t: fn(t, *rest), jit_compile=jit_compile))
 
 
 class InASession:
@@ -122,8 +113,8 @@ class TensorFlowShim(Shim):
         # Allreduce alone lowers to XLA, grouped or not: in a function XLA
         # compiles, each form runs as a custom call of the XLA program.
         forms = super().allreduce_forms()
-        return dict(eager_and_traced(forms), **{"xla": compiled_by_xla(forms["sync"]),
-                                                "xla-grouped": compiled_by_xla(forms["grouped"])})
+        return dict(eager_and_traced(forms), **{"xla": traced(forms["sync"], jit_compile=True),
+                                                "xla-grouped": traced(forms["grouped"], jit_compile=True)})
 
     def allgather_forms(self):
         return eager_and_traced(super().allgather_forms())

@@ -520,7 +520,7 @@ def test_allreduce_under_xla_with_the_py_function_nodes_is_refused_saying_why(mo
         tf.function(lambda t: hvd.allreduce(t, name="xla.fallback"), jit_compile=True, autograph=False)(tf.ones([2]))
 
 
-def test_the_xla_lowering_is_in_use_and_said_by_check_build():
+def test_the_xla_lowering_is_in_use_here_and_only_for_allreduce():
     assert tf_ops.xla_refusal() == ""
     assert tf_ops.xla_refusal("allgather").startswith("only allreduce and grouped allreduce are lowered to XLA")
     assert adapter_extension.ACTIVE["TensorFlow under XLA"].startswith("compiled ("), adapter_extension.ACTIVE
