@@ -48,34 +48,43 @@ ResponseCache::Lookup ResponseCache::lookup(const Request& request, int size, in
   return matches(entries_[it->second].response, request, size) ? Lookup::kHit : Lookup::kStale;
 }
 
+ResponseCache::ResponseCache(int capacity) : entries_(capacity) {
+  for (int p = 0; p < capacity; ++p) free_.push(p);
+}
+
 void ResponseCache::put(const Response& response) {
   if (entries_.empty()) return;
   const std::string& name = response.tensors[0].name;
   auto it = by_name_.find(name);
-  int position = -1;
+  int position;
   if (it != by_name_.end()) {
     position = it->second;
   } else {
-    uint64_t oldest = UINT64_MAX;
-    for (int p = 0; p < (int)entries_.size(); ++p) {
-      if (!entries_[p].occupied) { position = p; break; }
-      if (entries_[p].last_used < oldest) { oldest = entries_[p].last_used; position = p; }
-    }
-    if (entries_[position].occupied) erase(position);
+    if (free_.empty()) erase(in_use_.front());
+    position = free_.top();
+    free_.pop();
+    by_name_[name] = position;
   }
   Entry& e = entries_[position];
+  if (e.occupied) in_use_.erase(e.in_use_order);
   e.occupied = true;
   e.response = response;
-  e.last_used = ++clock_;
-  by_name_[name] = position;
+  e.in_use_order = in_use_.insert(in_use_.end(), position);
+}
+
+void ResponseCache::touch(int position) {
+  Entry& e = entries_[position];
+  if (e.occupied) in_use_.splice(in_use_.end(), in_use_, e.in_use_order);
 }
 
 void ResponseCache::erase(int position) {
   Entry& e = entries_[position];
   if (!e.occupied) return;
   by_name_.erase(e.response.tensors[0].name);
+  in_use_.erase(e.in_use_order);
   e.occupied = false;
   e.response = Response();
+  free_.push(position);
 }
 
 void set_bit(std::vector<uint64_t>* bits, int position) {

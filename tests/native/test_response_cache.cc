@@ -4,6 +4,8 @@
 // negotiated afresh. The least recently used entry goes first.
 #define UNIT_FILE "response_cache"
 #include <cstdint>
+#include <map>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -94,6 +96,55 @@ UNIT_TEST(the_least_recently_used_entry_goes_first) {
   EXPECT(look(cache, request("a")) == ResponseCache::Lookup::kHit);
   EXPECT(look(cache, request("b")) == ResponseCache::Lookup::kMiss);
   EXPECT(look(cache, request("c")) == ResponseCache::Lookup::kHit);
+}
+
+// Where each name sits after a long random run of puts (new names and
+// repeats), touches and erases on a small cache: the position a new name
+// takes is its cache bit on every rank, so the choice must be exactly the
+// rule, not merely some free or old position. The model states the rule as
+// plainly as it can: the lowest free position, else the entry used longest
+// ago.
+UNIT_TEST(positions_are_the_lowest_free_else_the_least_recently_used) {
+  const int capacity = 7;
+  ResponseCache cache(capacity);
+  std::vector<std::string> model_name(capacity);  // "" where free
+  std::vector<uint64_t> model_used(capacity, 0);
+  uint64_t clock = 0;
+  std::mt19937 draw(12345);
+  for (int step = 0; step < 5000; ++step) {
+    const int what = (int)(draw() % 10);
+    const std::string name = "t" + std::to_string(draw() % 12);
+    int position = -1;
+    const bool cached = cache.lookup(request(name), 2, &position) != ResponseCache::Lookup::kMiss;
+    if (what < 6) {  // put
+      cache.put(response_to(request(name), 2));
+      int p = -1;
+      for (int q = 0; q < capacity && p < 0; ++q)
+        if (model_name[q] == name) p = q;
+      for (int q = 0; q < capacity && p < 0; ++q)
+        if (model_name[q].empty()) p = q;
+      if (p < 0) {
+        p = 0;
+        for (int q = 1; q < capacity; ++q)
+          if (model_used[q] < model_used[p]) p = q;
+      }
+      model_name[p] = name;
+      model_used[p] = ++clock;
+    } else if (cached && what < 8) {
+      cache.touch(position);
+      model_used[position] = ++clock;
+    } else if (cached) {
+      cache.erase(position);
+      model_name[position].clear();
+    }
+    for (int q = 0; q < capacity; ++q) {
+      EXPECT_EQ(cache.occupied(q), !model_name[q].empty());
+      if (model_name[q].empty()) continue;
+      int found = -1;
+      EXPECT(cache.lookup(request(model_name[q]), 2, &found) == ResponseCache::Lookup::kHit);
+      EXPECT_EQ(found, q);
+    }
+  }
 }
 
 UNIT_TEST(a_cache_of_no_capacity_remembers_nothing) {
