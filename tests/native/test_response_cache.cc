@@ -4,7 +4,6 @@
 // negotiated afresh. The least recently used entry goes first.
 #define UNIT_FILE "response_cache"
 #include <cstdint>
-#include <map>
 #include <random>
 #include <string>
 #include <vector>
