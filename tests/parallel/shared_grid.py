@@ -213,10 +213,28 @@ def reduced(op, inputs, dtype, ranks):
     return np.asarray(out).astype(np_dtype(dtype))
 
 
+def assert_same(got, expected, err_msg=""):
+    """np.testing.assert_array_equal's verdict, at a fraction of its cost
+    where the arrays are equal, as they are in a passing run. It checks
+    each element twice (NaNs, infinities, then the rest), copying the
+    arrays to do so: 10% of a ThreadSanitizer run, whose runtime checks
+    every byte numpy copies. Equal shapes whose elements all compare
+    equal pass it; anything else (a NaN, a broadcast scalar, a difference)
+    goes to it, for its verdict and its message."""
+    a, b = np.asarray(got), np.asarray(expected)
+    if a.shape == b.shape and bool(np.all(a == b)):
+        return
+    np.testing.assert_array_equal(got, expected, err_msg=err_msg)
+
+
 def assert_exact(fw, tensor, expected):
     got = fw.numpy(tensor)
     assert got.dtype == expected.dtype, (got.dtype, expected.dtype)
     assert got.shape == expected.shape, (got.shape, expected.shape)
+    # Same dtype and shape: == compares exactly. Only a mismatch pays for
+    # widening (numpy's report cannot print bfloat16).
+    if bool(np.all(got == expected)):
+        return
     wide = np.complex128 if np.iscomplexobj(expected) else np.float64
     np.testing.assert_array_equal(got.astype(wide), expected.astype(wide))
 

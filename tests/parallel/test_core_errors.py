@@ -8,6 +8,7 @@ import pytest
 
 import unison
 import unison.numpy as unp
+from shared_grid import assert_same
 from unison import collective
 from unison._native import ffi, lib
 
@@ -82,7 +83,7 @@ def test_cached_tensor_changing_shape_is_renegotiated():
     for _ in range(2):  # the second time goes through the response cache
         assert unp.allreduce(np.ones(4), op=unison.Sum, name="reshaped")[0] == n
     result = unp.allreduce(np.ones(6), op=unison.Sum, name="reshaped")
-    np.testing.assert_array_equal(result, np.full(6, n))
+    assert_same(result, np.full(6, n))
     with pytest.raises(unison.MismatchError, match="shape"):
         unp.allreduce(np.ones(6 + unison.rank()), op=unison.Sum, name="reshaped")
 
@@ -124,7 +125,7 @@ def test_gpu_placement_of_host_memory_names_the_tensor_and_the_process_goes_on()
                                                  r"cannot use CUDA: |the input is not device memory)"):
         collective.enqueue(lib.UNISON_ALLREDUCE, "gpu.host", lib.UNISON_FLOAT32, (4,), pointer, pointer,
                            reduce_op=lib.UNISON_SUM, placement=(0, ffi.NULL))
-    np.testing.assert_array_equal(unp.allreduce(values, op=unison.Sum, name="gpu.after"),
+    assert_same(unp.allreduce(values, op=unison.Sum, name="gpu.after"),
                                   np.full(4, float(unison.size()), np.float32))
 
 
@@ -156,7 +157,7 @@ def test_splits_whose_sum_wraps_around_int64_are_refused_and_the_job_goes_on():
     even = [rows // n + (1 if d < rows % n else 0) for d in range(n)]
     start = sum(even[:me])
     out, received = unp.alltoall(np.arange(rows, dtype=np.float64), splits=even, name="wrap.after")
-    np.testing.assert_array_equal(out, np.tile(np.arange(start, start + even[me], dtype=np.float64), n))
+    assert_same(out, np.tile(np.arange(start, start + even[me], dtype=np.float64), n))
     assert received.tolist() == [even[me]] * n
 
 
@@ -182,7 +183,7 @@ def test_a_bad_argument_is_refused_on_its_rank_naming_it_and_the_job_goes_on(cal
     anything is sent (every rank makes it here)."""
     with pytest.raises(error, match=message):
         call()
-    np.testing.assert_array_equal(unp.allreduce(np.ones(2), op=unison.Sum, name="bad.arg.after"),
+    assert_same(unp.allreduce(np.ones(2), op=unison.Sum, name="bad.arg.after"),
                                   np.full(2, unison.size()))
 
 
@@ -198,7 +199,7 @@ def test_adasum_refusals_name_the_tensor_and_the_job_goes_on():
         unp.allreduce(np.ones(2), op=unison.Adasum, prescale_factor=2.0, name="adasum.scaled")
     with pytest.raises(unison.InvalidArgumentError, match="adasum.rs.*op Adasum is not one of"):
         unp.reducescatter(np.ones((2, 2)), op=unison.Adasum, name="adasum.rs")
-    np.testing.assert_array_equal(unp.allreduce(np.ones(2), op=unison.Adasum, name="adasum.after"), np.ones(2))
+    assert_same(unp.allreduce(np.ones(2), op=unison.Adasum, name="adasum.after"), np.ones(2))
 
 
 def test_bad_handle():
@@ -216,7 +217,7 @@ def test_an_in_place_op_is_released_by_the_wait_that_ends_it_and_a_failed_one_ke
     x = np.full(3, me + 1, np.int64)
     done = unp.allreduce_async_(x, op=unison.Sum, name="released.ok")
     assert unp.synchronize(done) is x
-    np.testing.assert_array_equal(x, np.full(3, sum(range(1, unison.size() + 1))))
+    assert_same(x, np.full(3, sum(range(1, unison.size() + 1))))
     assert lib.unison_release(done.id) == lib.UNISON_ERR_INVALID_ARGUMENT   # released already
     assert "unknown handle %d" % done.id in ffi.string(lib.unison_last_error()).decode()
 
@@ -256,7 +257,7 @@ def test_on_done_calls_back_once_with_the_status_from_the_completing_thread_or_a
     first = started(x, "on_done.ok", 7)
     assert ended.wait(60), "the callback never came"
     assert calls == [(7, first, lib.UNISON_OK, "", calls[0][4])]
-    np.testing.assert_array_equal(x, np.full(5, n * (n + 1) / 2))
+    assert_same(x, np.full(5, n * (n + 1) / 2))
     assert lib.unison_release(first) == lib.UNISON_ERR_INVALID_ARGUMENT   # the callback released it
 
     calls.clear()
@@ -273,7 +274,7 @@ def test_on_done_calls_back_once_with_the_status_from_the_completing_thread_or_a
     assert lib.unison_wait(finished.id, -1.0) == lib.UNISON_OK
     assert lib.unison_on_done(finished.id, done, ffi.cast("void*", 9)) == lib.UNISON_OK
     assert calls == [(9, finished.id, lib.UNISON_OK, "", threading.get_ident())]   # at once, here
-    np.testing.assert_array_equal(y, np.full(3, n * (n + 1) / 2))
+    assert_same(y, np.full(3, n * (n + 1) / 2))
     assert lib.unison_on_done(10 ** 9, done, ffi.NULL) == lib.UNISON_ERR_INVALID_ARGUMENT
 
 
@@ -371,4 +372,4 @@ def test_a_result_larger_than_memory_is_out_of_memory_on_every_rank_never_an_abo
         unp.allreduce(np.ones(1), name="oom.next")
     unison.shutdown()
     unison.init()
-    np.testing.assert_array_equal(unp.allgather(rows[:4], name="oom.after"), np.repeat(np.arange(n), 4).astype(float))
+    assert_same(unp.allgather(rows[:4], name="oom.after"), np.repeat(np.arange(n), 4).astype(float))

@@ -11,6 +11,7 @@ import pytest
 
 import unison
 import unison.numpy as unp
+from shared_grid import assert_same
 
 
 def test_mpi_queries_say_whether_mpi_carries_the_job():
@@ -33,7 +34,7 @@ def test_allreduce_in_place_and_large_multi_round():
     n = unison.size()
     expected = np.full(3_000_001, n * (n + 1) / 2, dtype=np.float32)
     expected[::7] = 0.5 * n
-    np.testing.assert_array_equal(x, expected)
+    assert_same(x, expected)
 
 
 def test_fused_large_allreduces_in_and_out_of_place_across_rounds():
@@ -51,7 +52,7 @@ def test_fused_large_allreduces_in_and_out_of_place_across_rounds():
             handles.append(unp.allreduce_async(a, op=unison.Sum, name="fused.large.%d" % i))
     for s, a, h in zip(sizes, arrays, handles):
         expected = (np.arange(s, dtype=np.float64) % 1000) * n + n * (n - 1) / 2
-        np.testing.assert_array_equal(unp.synchronize(h), expected)
+        assert_same(unp.synchronize(h), expected)
 
 @pytest.mark.parametrize("dtype", [np.int32, np.float16, np.float32, np.float64])
 def test_large_allreduces_with_every_op_and_scaling(dtype):
@@ -62,22 +63,22 @@ def test_large_allreduces_with_every_op_and_scaling(dtype):
     x = np.full(count, rank + 1, dtype=dtype)
     sums = unp.grouped_allreduce([x, x[:70_001].copy()], op=unison.Sum, name="large.sum.%s" % x.dtype)
     for out in sums:
-        np.testing.assert_array_equal(out, np.full(out.shape, n * (n + 1) // 2, dtype=dtype))
+        assert_same(out, np.full(out.shape, n * (n + 1) // 2, dtype=dtype))
     expected_average = n * (n + 1) // 2 // n if np.issubdtype(dtype, np.integer) else (n + 1) / 2
-    np.testing.assert_array_equal(unp.allreduce(x, op=unison.Average, name="large.avg.%s" % x.dtype),
+    assert_same(unp.allreduce(x, op=unison.Average, name="large.avg.%s" % x.dtype),
                                   np.full(count, expected_average, dtype=dtype))
     for op, expected in ((unison.Min, 1), (unison.Max, n), (unison.Product, np.prod(np.arange(1, n + 1)))):
-        np.testing.assert_array_equal(unp.allreduce(x, op=op, name="large.%s.%s" % (op, x.dtype)),
+        assert_same(unp.allreduce(x, op=op, name="large.%s.%s" % (op, x.dtype)),
                                       np.full(count, expected, dtype=dtype))
     if not np.issubdtype(dtype, np.integer):
         scaled = unp.allreduce(x, op=unison.Average, prescale_factor=3.0, postscale_factor=0.5,
                                name="large.scaled.%s" % x.dtype)
-        np.testing.assert_array_equal(scaled, np.full(count, 1.5 * (n + 1) / 2, dtype=dtype))
+        assert_same(scaled, np.full(count, 1.5 * (n + 1) / 2, dtype=dtype))
 
 
 def test_average_is_the_default_op_as_in_horovod():
     result = unp.allreduce(np.full(4, float(unison.rank())), name="default.op")
-    np.testing.assert_array_equal(result, np.full(4, (unison.size() - 1) / 2))
+    assert_same(result, np.full(4, (unison.size() - 1) / 2))
 
 
 def test_one_name_reused_with_other_dtype_shape_op_and_factors():
@@ -98,7 +99,7 @@ def test_one_name_reused_with_other_dtype_shape_op_and_factors():
             mine = np.full(shape, rank + 1, dtype=dtype)
             result = unp.allreduce(mine, op=op, prescale_factor=pre, postscale_factor=post, name="reused")
             assert result.dtype == np.dtype(dtype) and result.shape == shape
-            np.testing.assert_array_equal(result, expected.astype(dtype))
+            assert_same(result, expected.astype(dtype))
 
 
 def test_in_place_ops_beyond_those_a_thread_keeps_prepared(monkeypatch):
@@ -112,10 +113,10 @@ def test_in_place_ops_beyond_those_a_thread_keeps_prepared(monkeypatch):
         handles = [unp.allreduce_async_(a, op=unison.Sum, name="beyond.kept.%d" % i) for i, a in enumerate(arrays)]
         for i, (a, h) in enumerate(zip(arrays, handles)):
             assert unp.synchronize(h) is a
-            np.testing.assert_array_equal(a, np.full(5, n * i + n * (n - 1) // 2))
+            assert_same(a, np.full(5, n * i + n * (n - 1) // 2))
         x = np.full(3, float(rank), dtype=np.float32)
         assert unp.allreduce_(x, op=unison.Max, name="beyond.kept.blocking") is x
-        np.testing.assert_array_equal(x, np.full(3, n - 1.0, dtype=np.float32))
+        assert_same(x, np.full(3, n - 1.0, dtype=np.float32))
 
 
 def test_interrupted_blocking_allreduce_leaves_its_array_to_the_running_op():
@@ -151,7 +152,7 @@ def test_interrupted_blocking_allreduce_leaves_its_array_to_the_running_op():
     else:
         unp.allreduce(np.zeros(1), name="interrupted.go")
         unp.allreduce_(x, op=unison.Sum, name="interrupted.in_place")
-    np.testing.assert_array_equal(x, np.full(8, n * (n + 1) / 2))
+    assert_same(x, np.full(8, n * (n + 1) / 2))
 
 
 def test_thousand_small_async_allreduces_fused():
@@ -159,12 +160,12 @@ def test_thousand_small_async_allreduces_fused():
     handles = [unp.allreduce_async(np.full(7, i + unison.rank(), dtype=np.float32), op=unison.Sum,
                                    name="many.%d" % i) for i in range(1000)]
     for i, h in enumerate(handles):
-        np.testing.assert_array_equal(unp.synchronize(h), np.full(7, n * i + n * (n - 1) / 2, dtype=np.float32))
+        assert_same(unp.synchronize(h), np.full(7, n * i + n * (n - 1) / 2, dtype=np.float32))
     # The same names again go through the response cache.
     handles = [unp.allreduce_async(np.full(7, i, dtype=np.float32), op=unison.Sum, name="many.%d" % i)
                for i in range(1000)]
     for i, h in enumerate(handles):
-        np.testing.assert_array_equal(unp.synchronize(h), np.full(7, n * i, dtype=np.float32))
+        assert_same(unp.synchronize(h), np.full(7, n * i, dtype=np.float32))
 
 
 def test_bursts_past_the_queue_kept_capacity():
@@ -177,7 +178,7 @@ def test_bursts_past_the_queue_kept_capacity():
         arrays = [np.full(3, i + burst + unison.rank(), dtype=np.int32) for i in range(5000)]
         results = unp.synchronize(unp.grouped_allreduce_async(arrays, op=unison.Sum, name="burst%d" % burst))
         for i, x in enumerate(results):
-            np.testing.assert_array_equal(x, np.full(3, n * (i + burst) + n * (n - 1) // 2, dtype=np.int32))
+            assert_same(x, np.full(3, n * (i + burst) + n * (n - 1) // 2, dtype=np.int32))
 
 
 def test_ranks_enqueue_names_in_different_orders():
@@ -190,13 +191,13 @@ def test_ranks_enqueue_names_in_different_orders():
                                          name=names[i])
     n = unison.size()
     for i in range(len(names)):
-        np.testing.assert_array_equal(unp.synchronize(handles[i]), np.full(3, i * n * (n + 1) // 2))
+        assert_same(unp.synchronize(handles[i]), np.full(3, i * n * (n + 1) // 2))
 
 
 def test_broadcast_in_place_large():
     x = np.full(2_500_000, unison.rank(), dtype=np.float64)
     unp.broadcast_(x, 1, name="bc.inplace")
-    np.testing.assert_array_equal(x, np.ones(2_500_000))
+    assert_same(x, np.ones(2_500_000))
 
 # Buffers placed a chosen number of bytes past a page boundary: the data
 # planes copy with their own loop where memcpy would crawl, when the
@@ -223,7 +224,7 @@ def test_broadcast_into_buffers_at_every_short_distance_from_a_page():
         if unison.rank() == root:
             x[:] = sent
         unp.broadcast_(x, root, name="bc.offset.%d" % offset)
-        np.testing.assert_array_equal(x, sent, err_msg="offset %d" % offset)
+        assert_same(x, sent, err_msg="offset %d" % offset)
 
 
 @pytest.mark.parametrize("offset", [0, 4, 16, 28, 60, 2052])
@@ -236,7 +237,7 @@ def test_allreduce_and_allgather_of_buffers_off_a_page_boundary(offset):
     x = at_page_offset(offset, count, np.float32)
     x[:] = np.arange(count) % 1000 + rank
     assert unp.allreduce_(x, op=unison.Sum, name="off.large.%d" % offset) is x
-    np.testing.assert_array_equal(x, (np.arange(count) % 1000) * n + n * (n - 1) / 2)
+    assert_same(x, (np.arange(count) % 1000) * n + n * (n - 1) / 2)
     odd = np.full(3, rank + 1, dtype=np.float32)
     y = at_page_offset(offset, 50_001, np.float32)
     y[:] = np.arange(50_001) % 500 * (rank + 1)
@@ -244,8 +245,8 @@ def test_allreduce_and_allgather_of_buffers_off_a_page_boundary(offset):
                unp.allreduce_async_(y, op=unison.Sum, name="off.fused.%d" % offset)]
     for h in handles:
         unp.synchronize(h)
-    np.testing.assert_array_equal(odd, np.full(3, n * (n + 1) / 2))
-    np.testing.assert_array_equal(y, np.arange(50_001) % 500 * (n * (n + 1) / 2))
+    assert_same(odd, np.full(3, n * (n + 1) / 2))
+    assert_same(y, np.arange(50_001) % 500 * (n * (n + 1) / 2))
     # Ranks send different row counts, so each rank's rows land in the
     # output at offsets that are not whole pages apart.
     rows = at_page_offset(offset, (rank + 1) * 1001, np.float32).reshape(rank + 1, 1001)
@@ -253,14 +254,14 @@ def test_allreduce_and_allgather_of_buffers_off_a_page_boundary(offset):
     gathered = unp.allgather(rows, name="off.gather.%d" % offset)
     expected = np.concatenate([np.tile(r * 10_000 + np.arange(1001, dtype=np.float32), (r + 1, 1))
                                for r in range(n)])
-    np.testing.assert_array_equal(gathered, expected)
+    assert_same(gathered, expected)
 
 
 
 def test_reducescatter_average_default():
     n = unison.size()
     x = np.full((n * 2, 2), float(unison.rank()))
-    np.testing.assert_array_equal(unp.reducescatter(x, name="rs.avg"), np.full((2, 2), (n - 1) / 2))
+    assert_same(unp.reducescatter(x, name="rs.avg"), np.full((2, 2), (n - 1) / 2))
 
 
 def test_barrier_and_join():
@@ -276,7 +277,7 @@ def test_joined_rank_contributes_zeros():
         assert last != 0
     else:
         result = unp.allreduce(np.full(5, float(me)), op=unison.Sum, name="join.sum")
-        np.testing.assert_array_equal(result, np.full(5, float(sum(range(1, n)))))
+        assert_same(result, np.full(5, float(sum(range(1, n)))))
         last = unp.join()
     # Everyone agrees who joined last, and work goes on normally afterwards.
     assert unp.allreduce(np.array([last]), op=unison.Max, name="join.last")[0] == last
@@ -299,7 +300,7 @@ def test_placeholder_contributions_say_when_no_rank_had_the_tensor():
             out = unp.synchronize(front_end.allreduce_placeholder_async_(x, "placeholder.grad", unp.Sum))
         if holders:
             assert out is x, step
-            np.testing.assert_array_equal(out, np.full(5, float(sum(r + 1 for r in holders))))
+            assert_same(out, np.full(5, float(sum(r + 1 for r in holders))))
         else:
             assert out is None, step
     from unison import collective
@@ -330,12 +331,12 @@ def test_while_a_rank_has_joined_only_allreduce_runs():
             with pytest.raises(unison.MismatchError, match="rank 0 has joined; while a rank has joined only allreduce"):
                 attempt()
         result = unp.allreduce(np.full(2, float(me)), op=unison.Sum, name="joined.allreduce")
-        np.testing.assert_array_equal(result, np.full(2, float(sum(range(1, n)))))
+        assert_same(result, np.full(2, float(sum(range(1, n)))))
         last = unp.join()
     # The same last rank everywhere, and every collective works again.
     assert unp.allgather(np.array([last]), name="joined.last").tolist() == [last] * n
     assert last != 0
-    np.testing.assert_array_equal(unp.broadcast(np.arange(3) + me, root_rank=0, name="joined.after"), np.arange(3))
+    assert_same(unp.broadcast(np.arange(3) + me, root_rank=0, name="joined.after"), np.arange(3))
 
 
 def test_sync_ops_on_one_thread_beside_async_ops_on_another():
@@ -360,7 +361,7 @@ def test_sync_ops_on_one_thread_beside_async_ops_on_another():
         handles = [unp.allreduce_async_(a, op=unison.Sum, name="drive.async.%d.%d" % (batch, k))
                    for k, a in enumerate(arrays)]
         for k, h in enumerate(handles):
-            np.testing.assert_array_equal(unp.synchronize(h), np.full(1000, 10 * n * (n - 1) / 2 + n * k))
+            assert_same(unp.synchronize(h), np.full(1000, 10 * n * (n - 1) / 2 + n * k))
     worker.join()
     assert not failures, failures
 
@@ -409,7 +410,7 @@ def test_async_op_after_a_sync_streak_completes_with_no_wait():
     handle = unp.allreduce_async_(x, op=unison.Sum, name="streak.unwaited")
     while not unp.poll(handle):
         time.sleep(0.001)
-    np.testing.assert_array_equal(unp.synchronize(handle), np.full(4, n * (n + 1) / 2))
+    assert_same(unp.synchronize(handle), np.full(4, n * (n + 1) / 2))
 
 
 def test_ops_polled_to_completion_without_a_wait():
@@ -423,7 +424,7 @@ def test_ops_polled_to_completion_without_a_wait():
         while not unp.poll(handle):
             pass
         assert unp.poll(handle)
-        np.testing.assert_array_equal(unp.synchronize(handle), np.full(1 + i * 37, n * (n - 1) / 2 + n * i))
+        assert_same(unp.synchronize(handle), np.full(1 + i * 37, n * (n - 1) / 2 + n * i))
 
 
 def test_waiting_caller_outlasts_a_late_peer():
@@ -432,7 +433,7 @@ def test_waiting_caller_outlasts_a_late_peer():
     n, rank = unison.size(), unison.rank()
     time.sleep(0.3 * rank)
     out = unp.allreduce(np.full(5, float(rank)), op=unison.Max, name="late.peer")
-    np.testing.assert_array_equal(out, np.full(5, n - 1.0))
+    assert_same(out, np.full(5, n - 1.0))
 
 
 def test_shutdown_while_another_thread_waits():
@@ -465,4 +466,4 @@ def test_shutdown_then_init_again():
     assert not unison.is_initialized()
     unison.init()
     n = unison.size()
-    np.testing.assert_array_equal(unp.allreduce(np.ones(3), op=unison.Sum, name="reinit"), np.full(3, n))
+    assert_same(unp.allreduce(np.ones(3), op=unison.Sum, name="reinit"), np.full(3, n))

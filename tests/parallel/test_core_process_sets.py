@@ -10,6 +10,7 @@ import pytest
 
 import unison
 import unison.numpy as unp
+from shared_grid import assert_same
 from unison import process_sets
 
 
@@ -69,19 +70,19 @@ def test_allreduce_sums_and_averages_the_members_only(sets):
     for s in my_sets(sets):
         total = unp.allreduce(np.full(7, unison.rank() + 1, np.int64), op=unison.Sum, name="ps.sum",
                               process_set=s)
-        np.testing.assert_array_equal(total, np.full(7, sum(r + 1 for r in s.ranks)))
+        assert_same(total, np.full(7, sum(r + 1 for r in s.ranks)))
         mean = unp.allreduce(np.full((2, 3), float(unison.rank()), np.float64), name="ps.avg", process_set=s)
-        np.testing.assert_array_equal(mean, np.full((2, 3), np.mean(s.ranks)))
+        assert_same(mean, np.full((2, 3), np.mean(s.ranks)))
         scaled = unp.allreduce(np.full(3, 2.0, np.float32), op=unison.Sum, prescale_factor=0.5,
                                postscale_factor=3.0, name="ps.scaled", process_set=s)
-        np.testing.assert_array_equal(scaled, np.full(3, 3.0 * len(s.ranks), np.float32))
+        assert_same(scaled, np.full(3, 3.0 * len(s.ranks), np.float32))
 
 
 def test_in_place_async_and_grouped_in_a_set(sets):
     for s in my_sets(sets):
         a = np.full(5, float(unison.rank()), np.float32)
         unp.synchronize(unp.allreduce_async_(a, op=unison.Sum, name="ps.inplace", process_set=s))
-        np.testing.assert_array_equal(a, np.full(5, float(sum(s.ranks)), np.float32))
+        assert_same(a, np.full(5, float(sum(s.ranks)), np.float32))
         outs = unp.grouped_allreduce([np.full(2, unison.rank(), np.int32), np.full((), unison.rank(), np.int32)],
                                      op=unison.Max, name="ps.grouped", process_set=s)
         assert [o.tolist() for o in outs] == [[max(s.ranks)] * 2, max(s.ranks)]
@@ -92,24 +93,24 @@ def test_allgather_broadcast_alltoall_reducescatter_in_a_set(sets):
     for s in my_sets(sets):
         k = len(s.ranks)
         gathered = unp.allgather(np.full((me + 1, 2), me, np.int16), name="ps.gather", process_set=s)
-        np.testing.assert_array_equal(gathered, np.concatenate([np.full((r + 1, 2), r, np.int16) for r in s.ranks]))
+        assert_same(gathered, np.concatenate([np.full((r + 1, 2), r, np.int16) for r in s.ranks]))
         root = s.ranks[-1]  # roots are global ranks, as in Horovod
         b = unp.broadcast(np.full(4, me, np.float64), root_rank=root, name="ps.bcast", process_set=s)
-        np.testing.assert_array_equal(b, np.full(4, root, np.float64))
+        assert_same(b, np.full(4, root, np.float64))
         # Member i sends j+1 rows of value 10*me+j to member j.
         splits = [j + 1 for j in range(k)]
         send = np.concatenate([np.full(j + 1, 10 * me + j, np.int32) for j in range(k)])
         received, received_splits = unp.alltoall(send, splits=splits, name="ps.a2a", process_set=s)
         mine = s.ranks.index(me)
         assert list(received_splits) == [mine + 1] * k
-        np.testing.assert_array_equal(received, np.concatenate([np.full(mine + 1, 10 * r + mine, np.int32)
+        assert_same(received, np.concatenate([np.full(mine + 1, 10 * r + mine, np.int32)
                                                                 for r in s.ranks]))
         rows = 2 * k + 1
         part = unp.reducescatter(np.arange(rows * 2, dtype=np.float32).reshape(rows, 2) * (me + 1),
                                  op=unison.Sum, name="ps.rs", process_set=s)
         whole = np.arange(rows * 2, dtype=np.float32).reshape(rows, 2) * sum(r + 1 for r in s.ranks)
         start = sum(rows // k + (1 if i < rows % k else 0) for i in range(mine))
-        np.testing.assert_array_equal(part, whole[start:start + rows // k + (1 if mine < rows % k else 0)])
+        assert_same(part, whole[start:start + rows // k + (1 if mine < rows % k else 0)])
         unp.barrier(process_set=s)
 
 
@@ -125,9 +126,9 @@ def test_sets_loop_independently_while_the_global_set_runs(sets):
                                            name="ps.loop.%d" % step, process_set=half))
         if step % 10 == 9:
             g = unp.allreduce(np.full(3, me, np.int64), op=unison.Sum, name="ps.global.%d" % step)
-            np.testing.assert_array_equal(g, np.full(3, sum(range(unison.size()))))
+            assert_same(g, np.full(3, sum(range(unison.size()))))
     for step, h in enumerate(handles):
-        np.testing.assert_array_equal(unp.synchronize(h), np.full(16, sum(half.ranks) * step))
+        assert_same(unp.synchronize(h), np.full(16, sum(half.ranks) * step))
 
 
 def test_overlapping_sets_in_opposite_orders_do_not_deadlock(sets):
@@ -140,7 +141,7 @@ def test_overlapping_sets_in_opposite_orders_do_not_deadlock(sets):
     handles = [(s, unp.allreduce_async(np.full(3, me, np.int32), op=unison.Sum, name="ps.cross.%d" % s.process_set_id,
                                        process_set=s)) for s in mine]
     for s, h in handles:
-        np.testing.assert_array_equal(unp.synchronize(h), np.full(3, sum(s.ranks)))
+        assert_same(unp.synchronize(h), np.full(3, sum(s.ranks)))
 
 
 def test_a_rank_outside_the_set_is_refused(sets):
@@ -236,7 +237,7 @@ def test_a_set_of_one_rank(sets):
         for s in solo:
             if s.included():
                 out = unp.allreduce(np.full(3, me, np.float32), op=unison.Sum, name="ps.solo", process_set=s)
-                np.testing.assert_array_equal(out, np.full(3, me, np.float32))
+                assert_same(out, np.full(3, me, np.float32))
     finally:
         for s in solo:
             unison.remove_process_set(s)
@@ -251,11 +252,11 @@ def test_unnamed_ops_in_a_set_leave_the_numbering_of_the_others_in_step(sets):
     for round_ in range(3):
         if low.included():
             out = unp.allreduce(np.full(2, me + round_, np.int64), op=unison.Sum, process_set=low)
-            np.testing.assert_array_equal(out, np.full(2, sum(r + round_ for r in low.ranks), np.int64))
+            assert_same(out, np.full(2, sum(r + round_ for r in low.ranks), np.int64))
         out = unp.allreduce(np.full(2, me, np.int64), op=unison.Sum)
-        np.testing.assert_array_equal(out, np.full(2, n * (n - 1) // 2, np.int64))
+        assert_same(out, np.full(2, n * (n - 1) // 2, np.int64))
         rows = unp.allgather(np.full((1, 2), me, np.int64))
-        np.testing.assert_array_equal(rows[:, 0], np.arange(n))
+        assert_same(rows[:, 0], np.arange(n))
 
 
 def test_static_sets_through_init_then_reinit():
@@ -270,7 +271,7 @@ def test_static_sets_through_init_then_reinit():
         assert (low.process_set_id, high.process_set_id) == (1, 2)
         mine = low if low.included() else high
         total = unp.allreduce(np.full(2, unison.rank(), np.int64), op=unison.Sum, name="ps.static", process_set=mine)
-        np.testing.assert_array_equal(total, np.full(2, sum(mine.ranks)))
+        assert_same(total, np.full(2, sum(mine.ranks)))
     finally:
         unp.barrier()
         unison.shutdown()

@@ -9,6 +9,7 @@ import numpy as np
 
 import unison
 import unison.numpy as unp
+from shared_grid import assert_same
 
 
 def data(samples=96, features=7, seed=3):
@@ -52,4 +53,4 @@ def test_sgd_on_shards_equals_one_process_on_the_whole_batch():
     np.testing.assert_allclose(w, w_ref, rtol=0, atol=1e-12)
     np.testing.assert_allclose(b, b_ref, rtol=0, atol=1e-12)
     # Every rank holds the same bits.
-    np.testing.assert_array_equal(unp.broadcast(w, 0, name="train.w0"), w)
+    assert_same(unp.broadcast(w, 0, name="train.w0"), w)
