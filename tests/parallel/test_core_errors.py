@@ -126,7 +126,7 @@ def test_gpu_placement_of_host_memory_names_the_tensor_and_the_process_goes_on()
         collective.enqueue(lib.UNISON_ALLREDUCE, "gpu.host", lib.UNISON_FLOAT32, (4,), pointer, pointer,
                            reduce_op=lib.UNISON_SUM, placement=(0, ffi.NULL))
     assert_same(unp.allreduce(values, op=unison.Sum, name="gpu.after"),
-                                  np.full(4, float(unison.size()), np.float32))
+                np.full(4, float(unison.size()), np.float32))
 
 
 def test_invalid_root_rank():
@@ -184,7 +184,7 @@ def test_a_bad_argument_is_refused_on_its_rank_naming_it_and_the_job_goes_on(cal
     with pytest.raises(error, match=message):
         call()
     assert_same(unp.allreduce(np.ones(2), op=unison.Sum, name="bad.arg.after"),
-                                  np.full(2, unison.size()))
+                np.full(2, unison.size()))
 
 
 def test_average_of_bool_is_refused():

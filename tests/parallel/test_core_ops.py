@@ -66,10 +66,10 @@ def test_large_allreduces_with_every_op_and_scaling(dtype):
         assert_same(out, np.full(out.shape, n * (n + 1) // 2, dtype=dtype))
     expected_average = n * (n + 1) // 2 // n if np.issubdtype(dtype, np.integer) else (n + 1) / 2
     assert_same(unp.allreduce(x, op=unison.Average, name="large.avg.%s" % x.dtype),
-                                  np.full(count, expected_average, dtype=dtype))
+                np.full(count, expected_average, dtype=dtype))
     for op, expected in ((unison.Min, 1), (unison.Max, n), (unison.Product, np.prod(np.arange(1, n + 1)))):
         assert_same(unp.allreduce(x, op=op, name="large.%s.%s" % (op, x.dtype)),
-                                      np.full(count, expected, dtype=dtype))
+                    np.full(count, expected, dtype=dtype))
     if not np.issubdtype(dtype, np.integer):
         scaled = unp.allreduce(x, op=unison.Average, prescale_factor=3.0, postscale_factor=0.5,
                                name="large.scaled.%s" % x.dtype)

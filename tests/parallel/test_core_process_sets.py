@@ -104,7 +104,7 @@ def test_allgather_broadcast_alltoall_reducescatter_in_a_set(sets):
         mine = s.ranks.index(me)
         assert list(received_splits) == [mine + 1] * k
         assert_same(received, np.concatenate([np.full(mine + 1, 10 * r + mine, np.int32)
-                                                                for r in s.ranks]))
+                                              for r in s.ranks]))
         rows = 2 * k + 1
         part = unp.reducescatter(np.arange(rows * 2, dtype=np.float32).reshape(rows, 2) * (me + 1),
                                  op=unison.Sum, name="ps.rs", process_set=s)
