@@ -2,12 +2,30 @@
 (tests/test_parallel.py starts them). Each is written from one rank's point
 of view and checks exact values: what every rank computes from what every
 other rank sent."""
+import gc
 import os
 import sys
 
 import pytest
 
 import unison
+
+
+# A rank's session holds some 700,000 objects once torch or TensorFlow is
+# imported and the suites collected, and most are kept to the end: every
+# full collection walked them all (0.2 s each, 19 in a TensorFlow rank's
+# session: 8% of its time). Frozen objects are left out of collections.
+# They are frozen when collection ends and again after each suite, whose
+# graphs, compiled functions and models stay cached for the session; what a
+# test creates and drops is still collected as before.
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_finish(session):
+    gc.freeze()
+
+
+def pytest_runtest_teardown(item, nextitem):
+    if nextitem is None or nextitem.module is not item.module:
+        gc.freeze()
 
 
 @pytest.fixture(scope="session", autouse=True)
