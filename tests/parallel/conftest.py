@@ -23,6 +23,9 @@ def pytest_collection_finish(session):
     gc.freeze()
 
 
+# Last: after pytest's own teardown has finalized the suite's fixtures, so
+# that what they drop is not frozen with the rest.
+@pytest.hookimpl(trylast=True)
 def pytest_runtest_teardown(item, nextitem):
     if nextitem is None or nextitem.module is not item.module:
         gc.freeze()
