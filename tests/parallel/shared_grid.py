@@ -208,20 +208,24 @@ def rank_values(shape, dtype, rank):
 def reduced(op, inputs, dtype, ranks):
     """What op gives over `inputs` in `dtype`: integers wrap and their
     Average truncates, as the frameworks' own integer tensors do."""
-    if np.issubdtype(np_dtype(dtype), np.integer):
-        wide = [x.astype(np.int64) for x in inputs]
-        out = {"Sum": lambda: sum(wide), "Product": lambda: np.prod(wide, axis=0),
-               "Min": lambda: np.min(wide, axis=0), "Max": lambda: np.max(wide, axis=0),
-               "Average": lambda: np.trunc(sum(wide) / ranks).astype(np.int64)}[op]()
-        return np.asarray(out).astype(np_dtype(dtype))
-    wide = [x.astype(np.complex128 if dtype in COMPLEX else np.float64) for x in inputs]
-    # A complex average divides each part by the count: numpy's complex
-    # division by 3+0j can round differently.
-    average = (lambda t: t.real / ranks + 1j * (t.imag / ranks)) if dtype in COMPLEX else (lambda t: t / ranks)
-    out = {"Sum": lambda: sum(wide), "Product": lambda: np.prod(wide, axis=0),
-           "Min": lambda: np.min(wide, axis=0), "Max": lambda: np.max(wide, axis=0),
-           "Average": lambda: average(sum(wide))}[op]()
-    return np.asarray(out).astype(np_dtype(dtype))
+    integer = np.issubdtype(np_dtype(dtype), np.integer)
+    wide = np.int64 if integer else np.complex128 if dtype in COMPLEX else np.float64
+    combine = {"Sum": np.add, "Average": np.add, "Product": np.multiply, "Min": np.minimum, "Max": np.maximum}[op]
+    # Combined in rank order into one wide array, each input cast as the
+    # ufunc reads it (as astype(wide) would, uint64 included): no wide copy
+    # of each input. A random program's tensors have up to 300,000 elements,
+    # and ThreadSanitizer checks every byte numpy copies.
+    out = np.array(inputs[0], dtype=wide)
+    for x in inputs[1:]:
+        combine(out, x, out=out, dtype=wide, casting="unsafe")
+    if op == "Average":
+        if integer:
+            out = np.trunc(out / ranks).astype(np.int64)
+        elif dtype in COMPLEX:   # each part by the count: numpy's complex division by 3+0j can round differently
+            out = out.real / ranks + 1j * (out.imag / ranks)
+        else:
+            out = out / ranks
+    return out.astype(np_dtype(dtype))
 
 
 def assert_same(got, expected, err_msg=""):
@@ -723,13 +727,17 @@ SCALES = [1.0, 0.5, 2.0]   # powers of two: scaling is exact, so the results are
 
 
 def program_values(seed, index, rank, shape, dtype, low=0, high=6):
-    """Rank `rank`'s input to tensor `index` of program `seed`: small integers, exact in every dtype."""
+    """Rank `rank`'s input to tensor `index` of program `seed`: small integers, exact in every dtype.
+    Drawn as int8 and widened once: a program's large tensors (up to 300,000
+    elements, drawn for every member by every rank) then cost a byte an
+    element to draw, where int64 draws cost eight and a copy more."""
     rng = np.random.default_rng([seed, index, rank])
     if dtype == "bool":
-        return np.asarray(rng.integers(0, 2, size=shape)).astype(bool)
+        return np.asarray(rng.integers(0, 2, size=shape, dtype=np.int8)).astype(bool)
     if dtype in COMPLEX:
-        return (rng.integers(low, high, size=shape) + 1j * rng.integers(low, high, size=shape)).astype(dtype)
-    return np.asarray(rng.integers(low, high, size=shape)).astype(np_dtype(dtype))
+        real, imag = (rng.integers(low, high, size=shape, dtype=np.int8) for _ in range(2))
+        return (real + 1j * imag).astype(dtype)
+    return np.asarray(rng.integers(low, high, size=shape, dtype=np.int8)).astype(np_dtype(dtype), copy=False)
 
 
 def random_op(rng, fw, seed, index, name, on_part):
@@ -850,10 +858,10 @@ def program_inputs(op, rank, members):
     return out
 
 
-def program_expected(op, members, me):
-    """What `op` gives rank `me`: an array per tensor, and for alltoall the
-    received splits after them."""
-    inputs = {r: program_inputs(op, r, members) for r in members}
+def program_expected(op, members, me, mine):
+    """What `op` gives rank `me`, whose inputs were `mine`: an array per
+    tensor, and for alltoall the received splits after them."""
+    inputs = {r: mine if r == me else program_inputs(op, r, members) for r in members}
     kind, k, position = op["kind"], len(members), members.index(me)
     if kind in ("broadcast", "broadcast_"):
         return [inputs[members[op["choice"] % k]][0]]
@@ -932,14 +940,15 @@ def test_random_programs_of_asynchronous_collectives(fw, part, program_seed):
             op = wave[position]
             process_set, members = (part, part_members) if op["on_part"] else (None, everyone)
             given = as_the_odd_rank(op, fw) if odd_rank(op, members) == me else op
-            tensors = [fw.tensor(x) for x in program_inputs(given, me, members)]
+            arrays = program_inputs(given, me, members)
+            tensors = [fw.tensor(x) for x in arrays]   # copies: `arrays` stay as given, for the expected values
             if mine.random() < 0.2:
                 time.sleep(mine.uniform(0, 0.003))
-            started.append((op, tensors, members, start_program_op(fw, given, tensors, process_set, members)))
+            started.append((op, arrays, tensors, members, start_program_op(fw, given, tensors, process_set, members)))
         for position in mine.permutation(len(started)):
-            op, tensors, members, handle = started[position]
-            if odd_rank(op, members) is None:
-                check_program_op(fw, op, tensors, fw.api.synchronize(handle), program_expected(op, members, me))
+            op, arrays, tensors, members, handle = started[position]
+            if odd_rank(op, members) is None:   # then `given` was `op`
+                check_program_op(fw, op, tensors, fw.api.synchronize(handle), program_expected(op, members, me, arrays))
                 continue
             with pytest.raises(unison.MismatchError, match="'%s'" % re.escape(op["name"])):
                 fw.api.synchronize(handle)
