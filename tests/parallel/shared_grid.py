@@ -95,6 +95,21 @@ class Shim:
                  "grouped_in_place": ["grouped_allreduce_"]}
         return {form: f for form, f in forms.items() if self._has(*needs[form])}
 
+    def allreduce_step_forms(self):
+        """{form: f(xs, ops, names) -> [tensor]}: a training step's
+        allreduces, xs[i] reduced by ops[i] as names[i], one after another;
+        in place where the front end has in-place forms, as a step's
+        gradients are. Eagerly that is one call per tensor; a shim whose
+        form builds a graph per call builds one graph for the whole step
+        instead, and runs it again at the next step, as a traced training
+        step is run."""
+        forms = self.allreduce_forms()
+        forms = {form: f for form, f in forms.items() if "in_place" in form} or forms
+
+        def step(allreduce):
+            return lambda xs, ops, names: [allreduce(x, op, name, 1.0, 1.0, None) for x, op, name in zip(xs, ops, names)]
+        return {form: step(allreduce) for form, allreduce in forms.items()}
+
     def grouped_allreduce(self, xs, op, name, process_set):
         return self.api.grouped_allreduce(xs, op=op, name=name, process_set=self.ps(process_set))
 
@@ -374,18 +389,19 @@ def test_in_place_allreduce_repeated_step_after_step(fw, reduce_dtype):
     frontend.FrontEnd.allreduce_async_; in unison.torch, the compiled
     path of fast_path.cc): every repeat must reduce this step's values, in
     this call's tensor. A framework without in-place forms (TensorFlow)
-    repeats its out-of-place ones, whose options its front end keeps too."""
+    repeats its out-of-place ones, whose options its front end keeps too.
+    Each step here reduces a tensor of each shape by Sum and by Max."""
     n, me = unison.size(), unison.rank()
-    forms = ({form: f for form, f in fw.allreduce_forms().items() if "in_place" in form}
-             or fw.allreduce_forms())
-    for shape in [(), (0,), (7,), (2, 3)]:
-        for form, allreduce in forms.items():
-            for op in ["Sum", "Max"]:
-                for step in range(3):
-                    inputs = [rank_values(shape, reduce_dtype, r + step) for r in range(n)]
-                    out = allreduce(fw.tensor(inputs[me]), getattr(fw.api, op),
-                                    tag("step", form, op, reduce_dtype, shape), 1.0, 1.0, None)
-                    assert_exact(fw, out, reduced(op, inputs, reduce_dtype, n))
+    calls = [(shape, op) for shape in [(), (0,), (7,), (2, 3)] for op in ["Sum", "Max"]]
+    ops = [getattr(fw.api, op) for _, op in calls]
+    for form, run_step in fw.allreduce_step_forms().items():
+        names = [tag("step", form, op, reduce_dtype, shape) for shape, op in calls]
+        for step in range(3):
+            inputs = [[rank_values(shape, reduce_dtype, r + step) for r in range(n)] for shape, _ in calls]
+            outs = run_step([fw.tensor(x[me]) for x in inputs], ops, names)
+            assert len(outs) == len(calls)
+            for (shape, op), x, out in zip(calls, inputs, outs):
+                assert_exact(fw, out, reduced(op, x, reduce_dtype, n))
 
 
 def test_one_name_reused_with_another_dtype_shape_op_scale_or_set(fw, part):

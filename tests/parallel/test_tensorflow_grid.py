@@ -28,19 +28,27 @@ def with_py_function_nodes(form):
     return run
 
 
+def signature(x):
+    """The dtypes and shapes of a tensor, or of a list of them."""
+    if isinstance(x, (list, tuple)):
+        return tuple(signature(t) for t in x)
+    return x.dtype, tuple(x.shape)
+
+
 class LastGraph:
     """The graph the last call built, kept for a call with the same tensor
-    shape and dtype and the same other arguments: a training step traced or
-    built once and then run step after step, as TensorFlow users run them,
-    so the grid's repeated calls (test_in_place_allreduce_repeated_step_...)
-    run the same graph's ops again. Any other call builds its own."""
+    shapes and dtypes (x is a tensor or a list of them) and the same other
+    arguments: a training step traced or built once and then run step
+    after step, as TensorFlow users run them, so the grid's repeated steps
+    (test_in_place_allreduce_repeated_step_...) run the same graph's ops
+    again. Any other call builds its own."""
 
     def __init__(self, build):
         self.build = build  # (x, *rest) -> the call on x
         self.key = self.call = None
 
     def __call__(self, x, *rest):
-        key = (x.dtype, tuple(x.shape), rest)
+        key = (signature(x), rest)
         if key != self.key:
             self.close()
             self.key, self.call = key, self.build(x, *rest)
@@ -61,18 +69,20 @@ def traced(fn, jit_compile=False):
 
 
 class InASession:
-    """fn built into a TF1 graph, whose placeholder is fed the tensor, run
-    by a tf.compat.v1.Session."""
+    """fn built into a TF1 graph, whose placeholders are fed the tensor (or
+    each tensor of a list), run by a tf.compat.v1.Session."""
 
     def __init__(self, fn, x, *rest):
+        self.many = isinstance(x, (list, tuple))
         self.graph = tf.Graph()
         with self.graph.as_default():
-            self.fed = tf.compat.v1.placeholder(x.dtype, x.shape)
-            self.out = fn(self.fed, *rest)
+            self.fed = [tf.compat.v1.placeholder(t.dtype, t.shape) for t in (x if self.many else [x])]
+            self.out = fn(self.fed if self.many else self.fed[0], *rest)
         self.session = tf.compat.v1.Session(graph=self.graph)
 
     def __call__(self, x):
-        return tf.constant(self.session.run(self.out, {self.fed: x.numpy()}))
+        values = self.session.run(self.out, {f: t.numpy() for f, t in zip(self.fed, x if self.many else [x])})
+        return [tf.constant(v) for v in values] if self.many else tf.constant(values)
 
     def close(self):
         self.session.close()
@@ -115,6 +125,18 @@ def in_root_order(fn, tensors, names, process_set):
     return outs
 
 
+def in_step_order(allreduce):
+    """A step of allreduce's calls, each after the last (in_root_order says
+    why a graph must order them)."""
+    def step(xs, ops, names):
+        outs = []
+        for x, op, name in zip(xs, ops, names):
+            with tf.control_dependencies(outs[-1:]):
+                outs.append(allreduce(x, op, name, 1.0, 1.0, None))
+        return outs
+    return step
+
+
 def eager_and_traced(forms):
     """Each of Horovod's forms eagerly, traced into a tf.function, and built
     into a TF1 graph run by a tf.compat.v1.Session. In graphs, each runs
@@ -148,6 +170,14 @@ class TensorFlowShim(Shim):
         forms = super().allreduce_forms()
         return dict(eager_and_traced(forms), **{"xla": traced(forms["sync"], jit_compile=True),
                                                 "xla-grouped": traced(forms["grouped"], jit_compile=True)})
+
+    def allreduce_step_forms(self):
+        # Each graph form builds one graph for the whole step, run again at
+        # the next: 6 graphs a dtype, where a graph per call built 48.
+        forms = super().allreduce_forms()
+        step, grouped_step = in_step_order(forms["sync"]), in_step_order(forms["grouped"])
+        return dict(eager_and_traced({"sync": step}), **{"xla": traced(step, jit_compile=True),
+                                                         "xla-grouped": traced(grouped_step, jit_compile=True)})
 
     def allgather_forms(self):
         return eager_and_traced(super().allgather_forms())
