@@ -7,6 +7,8 @@ give bit for bit: halves and bfloat16 are summed in float and rounded once.
 Small tensors (every rank reduces everything) and large ones (each rank
 reduces its chunk, across shared-memory rounds); counts that are not a
 multiple of 8 leave a tail for the portable kernel."""
+import functools
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -18,25 +20,38 @@ from shared_grid import assert_same
 DTYPES = [np.float32, np.float64, np.float16, ml_dtypes.bfloat16]
 
 
+POWERS_OF_TEN = 10.0 ** np.arange(-3, 4)
+
+
 def contribution(rank, count, dtype):
     # Values whose sum depends on the order they are added in, so that a
-    # kernel combining the inputs out of rank order gives other bits.
+    # kernel combining the inputs out of rank order gives other bits. The
+    # powers of ten are looked up, not raised per element (the same values).
     rng = np.random.default_rng(1000 + rank)
-    return (rng.standard_normal(count) * 10.0 ** rng.integers(-3, 4, count)).astype(dtype)
+    return (rng.standard_normal(count) * POWERS_OF_TEN[rng.integers(-3, 4, count) + 3]).astype(dtype)
 
 
 def widened(x):
     return x.astype(np.float64 if x.dtype == np.float64 else np.float32)
 
 
-def expected_result(count, dtype, scale=1.0, divisor=1):
-    # The kernel's steps: widen, scale each input, add in rank order,
-    # divide, round back once.
+@functools.lru_cache(maxsize=1)
+def wide_total(count, dtype, scale, ranks):
+    """The kernel's steps up to the division: widen, scale each input, add
+    in rank order. Kept for the next call: a test's sum and average share
+    it (at 9 ranks, 700,001 elements: nine inputs drawn and widened)."""
     wide = widened(np.zeros(1, dtype)).dtype
     total = widened(contribution(0, count, dtype)) * wide.type(scale)
-    for r in range(1, unison.size()):
-        total = total + widened(contribution(r, count, dtype)) * wide.type(scale)
-    return (total / wide.type(divisor)).astype(dtype)
+    for r in range(1, ranks):
+        total += widened(contribution(r, count, dtype)) * wide.type(scale)
+    total.flags.writeable = False
+    return total
+
+
+def expected_result(count, dtype, scale=1.0, divisor=1):
+    # The kernel's steps: wide_total's, then divide, and round back once.
+    total = wide_total(count, dtype, scale, unison.size())
+    return (total / total.dtype.type(divisor)).astype(dtype)
 
 
 def name(what, dtype, count):
