@@ -1,6 +1,8 @@
 """The shared grid (shared_grid.py) for unison.tensorflow: every op eagerly,
 traced into a tf.function and into a TF1 session graph, allreduce also in
 a function XLA compiles, and broadcast_ into variables."""
+import functools
+
 import numpy as np
 import pytest
 
@@ -112,28 +114,30 @@ def in_a_session_every_root(fn):
     return run
 
 
-def in_root_order(fn, tensors, names, process_set):
-    """The broadcasts of one graph, each after the last: every rank then
-    starts them in the same order, as the eager loop does (the py_function
-    nodes block their thread until their op completes, and a graph free to
-    run them in any order could hold every thread of a rank in an op whose
-    peers started another)."""
+def one_after_another(calls):
+    """Each call's op, in one graph, after the op of the call before: every
+    rank then starts them in the same order, as the eager loop does (the
+    py_function nodes block their thread until their op completes, and a
+    graph free to run them in any order could hold every thread of a rank
+    in an op whose peers started another). Eagerly it only runs them."""
     outs = []
-    for root, (t, name) in enumerate(zip(tensors, names)):
+    for call in calls:
         with tf.control_dependencies(outs[-1:]):
-            outs.append(fn(t, root, name, process_set))
+            outs.append(call())
     return outs
 
 
+def in_root_order(fn, tensors, names, process_set):
+    """The broadcasts of one graph, from root 0 on."""
+    return one_after_another(functools.partial(fn, t, root, name, process_set)
+                             for root, (t, name) in enumerate(zip(tensors, names)))
+
+
 def in_step_order(allreduce):
-    """A step of allreduce's calls, each after the last (in_root_order says
-    why a graph must order them)."""
+    """A step of allreduce's calls, in the order given."""
     def step(xs, ops, names):
-        outs = []
-        for x, op, name in zip(xs, ops, names):
-            with tf.control_dependencies(outs[-1:]):
-                outs.append(allreduce(x, op, name, 1.0, 1.0, None))
-        return outs
+        return one_after_another(functools.partial(allreduce, x, op, name, 1.0, 1.0, None)
+                                 for x, op, name in zip(xs, ops, names))
     return step
 
 
