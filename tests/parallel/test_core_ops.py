@@ -420,7 +420,7 @@ def test_ops_polled_to_completion_without_a_wait():
     # every rank gets every rank's values; a done op stays done when polled again.
     # Between polls the rank gives up its core, as a step's compute would:
     # bare spinning at 5 ranks on 2 cores kept the peers it waited for off
-    # the cores (2.4 s a rank, against 0.1 s at 2 ranks).
+    # the cores (2.4-2.6 s a rank, against 0.06 s at 2 ranks).
     n, rank = unison.size(), unison.rank()
     for i in range(60):
         x = np.full(1 + i * 37, rank + i, np.float64)
