@@ -163,13 +163,23 @@ def test_a_mismatch_of_a_learned_op_fails_on_every_rank_naming_it_and_the_job_go
 
 
 def test_a_name_already_in_flight_is_refused_by_the_python_path_s_error(fast):
-    x, y = torch.ones(3), torch.ones(3)
-    hvd.allreduce_(x, name="fp.twice", op=hvd.Sum)
-    first = hvd.allreduce_async_(x, name="fp.twice", op=hvd.Sum)
-    with pytest.raises(unison.InvalidArgumentError, match="fp.twice"):
-        hvd.allreduce_async_(y, name="fp.twice", op=hvd.Sum)
-    hvd.synchronize(first)
-    assert x.tolist() == [hvd.size() ** 2] * 3
+    # Each rank repeats its own name while the others hold theirs back
+    # behind the barrier, so its first op cannot have completed yet. (One
+    # shared name raced: a rank descheduled between its two calls could
+    # find the first op done, and start a second the others never did.)
+    me, n = hvd.rank(), hvd.size()
+    tensors = [torch.ones(3) for _ in range(n)]
+    for r in range(n):   # learned on every rank, so that the compiled path starts the repeats
+        hvd.allreduce_(tensors[r], name="fp.twice.%d" % r, op=hvd.Sum)
+    own, count = started_through(fast, lambda: hvd.allreduce_async_(tensors[me], name="fp.twice.%d" % me, op=hvd.Sum))
+    assert count == 1
+    with pytest.raises(unison.InvalidArgumentError, match=r"fp\.twice\.%d" % me):
+        hvd.allreduce_async_(torch.ones(3), name="fp.twice.%d" % me, op=hvd.Sum)
+    hvd.barrier()
+    others = [hvd.allreduce_async_(tensors[r], name="fp.twice.%d" % r, op=hvd.Sum) for r in range(n) if r != me]
+    for handle in [own] + others:
+        hvd.synchronize(handle)
+    assert [t.tolist() for t in tensors] == [[n ** 2] * 3] * n
 
 
 def test_each_thread_learns_its_own_ops(fast):
