@@ -174,3 +174,45 @@ def test_a_started_allreduce_and_the_work_before_its_wait_give_the_eager_values_
     w = torch.eye(4, dtype=torch.float64)
     exact(compiled(torch.full((4,), float(r + 1), dtype=torch.float64), w),
           torch.full((4,), n * (n + 1) / 2 + 4, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_one_graph_with_symbolic_sizes_serves_every_size_with_the_eager_values(backend):
+    # A step compiled once for any length (dynamic=True), as a model fed
+    # batches of varying size is: every collective's fake kernel sees
+    # symbolic sizes, no size recompiles, and the one graph gives each
+    # size's eager values.
+    r, n = hvd.rank(), hvd.size()
+
+    def step(x):
+        total = hvd.allreduce(x, op=hvd.Sum, name="sym.ar")
+        rows = hvd.allgather(x[: r + 1], name="sym.ag")
+        root = hvd.broadcast(x, root_rank=n - 1, name="sym.bc")
+        spread = hvd.alltoall(x.repeat(n), name="sym.a2a")
+        share = hvd.reducescatter(x.repeat(n), op=hvd.Sum, name="sym.rs")
+        first, second = hvd.grouped_allreduce([x * 2, x[:1]], op=hvd.Max, name="sym.gar")
+        inplace = hvd.allreduce_(x.clone(), op=hvd.Min, name="sym.ar_")
+        return total, rows, root, spread, share, first, second, inplace
+
+    compiled = torch.compile(step, backend=backend, fullgraph=True, dynamic=True)
+    graphs = []
+    torch._dynamo.reset()
+    for length in (3, 5, 4):
+        x = torch.arange(length, dtype=torch.float64) + 10 * r
+        got = compiled(x)
+        expected = step(x)
+        assert len(got) == len(expected)
+        for g, e in zip(got, expected):
+            exact(g, e)
+        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    assert graphs[0] == graphs[-1], "a size recompiled the step: %s" % graphs
+    # What each rank computed, exactly, for the last length (4).
+    base = torch.arange(4, dtype=torch.float64)
+    exact(got[0], base * n + 10 * sum(range(n)))
+    exact(got[1], torch.cat([base[: k + 1] + 10 * k for k in range(n)]))
+    exact(got[2], base + 10 * (n - 1))
+    exact(got[3], torch.cat([base + 10 * k for k in range(n)]))
+    exact(got[4], base * n + 10 * sum(range(n)))
+    exact(got[5], base * 2 + 20 * (n - 1))
+    exact(got[6], torch.full((1,), 10.0 * (n - 1), dtype=torch.float64))
+    exact(got[7], base)
