@@ -166,6 +166,13 @@ def started(handle_id):
         group.append(handle_id)
 
 
+def started_many(handle_ids):
+    """started() for several ops."""
+    group = _scratch.group
+    if group is not None:
+        group.extend(handle_ids)
+
+
 def start_in_place(key, pointer, stream, prepared=None):
     """Starts this thread's prepared in-place allreduce `key` on the memory
     at `pointer`, produced on `stream` (NULL for host memory), and returns

@@ -12,6 +12,9 @@ from unison._native import ffi, lib
 _in_flight = {}
 _OK, _TIMEOUT = lib.UNISON_OK, lib.UNISON_ERR_TIMEOUT
 _wait, _wait_release = lib.unison_wait, lib.unison_wait_release
+# An adapter's compiled path that waits for a group's members in one call
+# (set_group_waiter), or None.
+_group_waiter = None
 
 
 class Handle:
@@ -69,10 +72,15 @@ def poll(handle):
 def synchronize(handle):
     """Waits for the op and returns its result; raises if it failed."""
     if isinstance(handle, HandleGroup):
+        members = handle.handles
+        # The leading members the compiled waiter could finish (in-place
+        # ops that succeeded), their results their tensors.
+        first = _group_waiter(members) if _group_waiter is not None else 0
+        results = [h._result for h in members[:first]] if first else []
         # Wait for every member even if one fails, so none is left running
         # on buffers the caller may free; then raise the first failure.
-        results, failure = [], None
-        for h in handle.handles:
+        failure = None
+        for h in members[first:] if first else members:
             try:
                 results.append(synchronize(h))
             except Exception as e:  # noqa: BLE001 - re-raised below
@@ -106,6 +114,16 @@ def synchronize(handle):
     finally:
         handle._buffers = None
         lib.unison_release(handle_id)
+
+
+def set_group_waiter(waiter):
+    """waiter(handles) -> n: waits for the leading handles of a
+    HandleGroup as synchronize() would, and says how many it finished; the
+    rest, from the first it could not, are synchronize()'s
+    (torch_adapter/fast_path.cc: synchronize_many, one C call where
+    synchronize makes a Python call a member). None: synchronize() alone."""
+    global _group_waiter
+    _group_waiter = waiter
 
 
 def wait_in_place(handle_id, name, buffers):

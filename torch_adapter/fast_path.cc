@@ -31,6 +31,7 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -219,21 +220,28 @@ void fill_slot(PyObject* object, int slot, PyObject* value) {
   *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(object) + handle_class.offset[slot]) = value;
 }
 
-// allreduce_async_(the start_in_place arguments) -> the op's Handle, as
+// The op's unison.handles.Handle once start() has started it, as
 // FrontEnd.allreduce_async_ returns it for a tensor that is its own
-// buffer, or None: take the Python path.
-PyObject* allreduce_async_(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+// buffer; None, declined; nullptr with a Python error (out of memory) once
+// it was started but no Handle could be made. Then nothing holds the
+// tensor, so the op must not touch it afterwards: outside a group this
+// waits for it first; inside one (in_group: the caller's group is
+// discarded when the error reaches it, so the held op never runs) waiting
+// would never end, and it does not.
+PyObject* start_handle(PyObject* const* args, Py_ssize_t nargs, bool in_group) {
   unison_handle handle;
   if (handle_class.type == nullptr || !start(args, nargs, &handle)) return declined();
-  PyObject* id = PyLong_FromLongLong(handle);
-  PyObject* object = id == nullptr ? nullptr : handle_class.type->tp_alloc(handle_class.type, 0);
-  if (object == nullptr) {
-    // The op is started and nothing holds its tensor: wait for it, so the
-    // memory outlives it, before saying that Python is out of memory.
-    Py_XDECREF(id);
+  auto let_op_go = [&] {
+    if (in_group) return;
     Py_BEGIN_ALLOW_THREADS
     wait_release(handle, -1.0);
     Py_END_ALLOW_THREADS
+  };
+  PyObject* id = PyLong_FromLongLong(handle);
+  PyObject* object = id == nullptr ? nullptr : handle_class.type->tp_alloc(handle_class.type, 0);
+  if (object == nullptr) {
+    Py_XDECREF(id);
+    let_op_go();
     return nullptr;
   }
   fill_slot(object, 0, id);
@@ -246,12 +254,136 @@ PyObject* allreduce_async_(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   Py_DECREF(id);
   if (kept != 0) {
     Py_DECREF(object);
-    Py_BEGIN_ALLOW_THREADS
-    wait_release(handle, -1.0);
-    Py_END_ALLOW_THREADS
+    let_op_go();
     return nullptr;
   }
   return object;
+}
+
+// allreduce_async_(the start_in_place arguments) -> the op's Handle, or
+// None: take the Python path.
+PyObject* allreduce_async_(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  return start_handle(args, nargs, false);
+}
+
+// allreduce_many_(tensors, names, reduce_op, prescale_factor,
+// postscale_factor, process_set_id) -> the Handles of the leading tensors
+// it started, in order: a grouped in-place allreduce's members, one C call
+// for the whole group instead of one Python call a member. It stops at
+// the first member start_in_place would decline; the caller starts that
+// one and the rest the Python way. Called inside the caller's group
+// (collective.enqueued_together), which holds the ops until all are in.
+PyObject* allreduce_many_(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 6) {
+    PyErr_SetString(PyExc_TypeError, "unison: allreduce_many_(tensors, names, reduce_op, prescale_factor, "
+                                     "postscale_factor, process_set_id)");
+    return nullptr;
+  }
+  PyObject* tensors = PySequence_Fast(args[0], "unison: allreduce_many_ takes a sequence of tensors");
+  if (tensors == nullptr) return nullptr;
+  PyObject* names = PySequence_Fast(args[1], "unison: allreduce_many_ takes a sequence of names");
+  PyObject* started = names == nullptr ? nullptr : PyList_New(0);
+  if (started == nullptr) {
+    Py_DECREF(tensors);
+    Py_XDECREF(names);
+    return nullptr;
+  }
+  const Py_ssize_t count = std::min(PySequence_Fast_GET_SIZE(tensors), PySequence_Fast_GET_SIZE(names));
+  bool failed = false;
+  for (Py_ssize_t i = 0; i < count && !failed; ++i) {
+    PyObject* call[6] = {PySequence_Fast_GET_ITEM(tensors, i), PySequence_Fast_GET_ITEM(names, i), args[2], args[3],
+                         args[4], args[5]};
+    PyObject* handle = start_handle(call, 6, true);
+    if (handle == Py_None) {
+      Py_DECREF(handle);
+      break;
+    }
+    failed = handle == nullptr || PyList_Append(started, handle) != 0;
+    if (failed && handle != nullptr) {  // started, but not in the list the caller would forget
+      PyObject* id = *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(handle) + handle_class.offset[0]);
+      if (PyDict_DelItem(handle_class.in_flight, id) != 0) PyErr_Clear();
+    }
+    Py_XDECREF(handle);
+  }
+  if (failed) {
+    // The error discards the caller's group, so none of these ops runs and
+    // nobody will wait for them: they leave the table of handles in flight.
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(started); ++i) {
+      PyObject* handle = PyList_GET_ITEM(started, i);
+      PyObject* id = *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(handle) + handle_class.offset[0]);
+      if (PyDict_DelItem(handle_class.in_flight, id) != 0) PyErr_Clear();
+    }
+    PyErr_Restore(type, value, traceback);
+    Py_CLEAR(started);
+  }
+  Py_DECREF(tensors);
+  Py_DECREF(names);
+  return started;
+}
+
+// A Handle's slot (borrowed; nullptr where unset).
+PyObject* slot(PyObject* object, int index) {
+  return *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(object) + handle_class.offset[index]);
+}
+
+void replace_slot(PyObject* object, int index, PyObject* value) {
+  PyObject** field = reinterpret_cast<PyObject**>(reinterpret_cast<char*>(object) + handle_class.offset[index]);
+  PyObject* old = *field;
+  Py_INCREF(value);
+  *field = value;
+  Py_XDECREF(old);
+}
+
+// synchronize_many(handles) -> how many of the leading handles are now
+// synchronized: a HandleGroup's members waited for in one C call, where
+// handles.synchronize takes a Python call each. It does for each what
+// synchronize does for an in-place op whose result is its tensor (no
+// finisher), waiting in slices so that Ctrl-C is seen, and stops at the
+// first handle it cannot finish so (another kind of op, or an op that
+// failed): synchronize does that one and the rest, and raises.
+PyObject* synchronize_many(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 1 || handle_class.type == nullptr) {
+    PyErr_SetString(PyExc_TypeError, "unison: synchronize_many(handles), after bind()");
+    return nullptr;
+  }
+  PyObject* members = PySequence_Fast(args[0], "unison: synchronize_many takes a sequence of handles");
+  if (members == nullptr) return nullptr;
+  const Py_ssize_t count = PySequence_Fast_GET_SIZE(members);
+  Py_ssize_t done = 0;
+  for (; done < count; ++done) {
+    PyObject* handle = PySequence_Fast_GET_ITEM(members, done);
+    if (Py_TYPE(handle) != handle_class.type) break;
+    PyObject *id = slot(handle, 0), *finish = slot(handle, 3), *finished = slot(handle, 4);
+    if (id == nullptr || finish != Py_None || finished == nullptr) break;
+    if (finished == Py_True) continue;  // synchronized before: its result stands
+    if (finished != Py_False || !PyLong_CheckExact(id)) break;
+    const long long handle_id = PyLong_AsLongLong(id);
+    if (handle_id == -1 && PyErr_Occurred()) {
+      PyErr_Clear();
+      break;
+    }
+    int code;
+    for (;;) {
+      Py_BEGIN_ALLOW_THREADS
+      code = wait_release(handle_id, 0.2);
+      Py_END_ALLOW_THREADS
+      if (code != UNISON_ERR_TIMEOUT) break;
+      if (PyErr_CheckSignals() != 0) {  // Ctrl-C: this op stays in flight, and its tensor with it
+        Py_DECREF(members);
+        return nullptr;
+      }
+    }
+    if (code != UNISON_OK) break;  // not released: synchronize asks again, and raises the op's error
+    Py_INCREF(id);  // the table's reference may be the last but the slot's
+    if (PyDict_DelItem(handle_class.in_flight, id) != 0) PyErr_Clear();
+    Py_DECREF(id);
+    replace_slot(handle, 2, Py_None);  // its buffers: the op no longer needs them
+    replace_slot(handle, 4, Py_True);
+  }
+  Py_DECREF(members);
+  return PyLong_FromSsize_t(done);
 }
 
 // learn(tensor, name, reduce_op, prescale_factor, postscale_factor,
@@ -560,6 +692,11 @@ PyMethodDef methods[] = {
     {"allreduce_async_", (PyCFunction)(void (*)(void))allreduce_async_, METH_FASTCALL,
      "allreduce_async_(the arguments of start_in_place): the op's unison.handles.Handle, or None to take the "
      "Python path."},
+    {"allreduce_many_", (PyCFunction)(void (*)(void))allreduce_many_, METH_FASTCALL,
+     "allreduce_many_(tensors, names, reduce_op, prescale_factor, postscale_factor, process_set_id): the Handles "
+     "of the leading members of a grouped in-place allreduce it started, inside the caller's group."},
+    {"synchronize_many", (PyCFunction)(void (*)(void))synchronize_many, METH_FASTCALL,
+     "synchronize_many(handles): how many of the leading handles it synchronized (in-place ops that succeeded)."},
     {"started", started, METH_NOARGS, "started(): how many ops this path has started in this process"},
     {"hooked", hooked, METH_NOARGS, "hooked(): how many of them the C gradient hook started itself"},
     {"gradient_hook", (PyCFunction)(void (*)(void))gradient_hook, METH_FASTCALL,

@@ -60,4 +60,5 @@ def load():
     module = built[0]
     module.bind(_address("unison_enqueue"), _address("unison_wait_release"), handles.Handle, handles._in_flight,
                 _address("unison_graph_node_begin"), _address("unison_graph_node_end"))
+    handles.set_group_waiter(module.synchronize_many)
     return module

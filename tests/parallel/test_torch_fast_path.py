@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 
 import unison  # noqa: E402
 import unison.torch as hvd  # noqa: E402
-from unison import adapter_extension  # noqa: E402
+from unison import adapter_extension, handles  # noqa: E402
 from unison.torch import ops  # noqa: E402
 
 torch.set_num_threads(1)
@@ -83,6 +83,111 @@ def test_every_in_place_form_and_the_optimizers_hook_take_it(fast):
         optimizer.step()
         counts.append(fast.started() - before)
     assert counts == [0, 2, 2], counts   # the weight's and the bias's, from the second step on
+
+
+def exact(got, expected):
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def in_flight(group):
+    return [h.id for h in group.handles if h.id in handles._in_flight]
+
+
+@pytest.fixture
+def group_waits(monkeypatch):
+    """How many members each HandleGroup's synchronize had the compiled
+    waiter (synchronize_many) finish."""
+    counts, waiter = [], handles._group_waiter
+    assert waiter is not None
+
+    def counted(members):
+        counts.append(waiter(members))
+        return counts[-1]
+    monkeypatch.setattr(handles, "_group_waiter", counted)
+    return counts
+
+
+def test_a_grouped_in_place_allreduce_starts_and_waits_for_its_members_in_one_call_each(fast, group_waits):
+    # From the second call on, allreduce_many_ starts all three members;
+    # synchronize_many finishes every member each time (those the Python
+    # path started on the first call are in-place handles too).
+    shapes = [(3,), (2, 2), (5,)]
+    for step in range(3):
+        xs = [values(s, torch.float32, hvd.rank(), step + i) for i, s in enumerate(shapes)]
+        group, count = started_through(fast, lambda: hvd.grouped_allreduce_async_(xs, name="fp.many", op=hvd.Sum))
+        results = hvd.synchronize(group)
+        assert count == (0 if step == 0 else 3) and group_waits[-1] == 3, (step, count, group_waits)
+        assert all(r is x for r, x in zip(results, xs))
+        for i, (x, s) in enumerate(zip(xs, shapes)):
+            exact(x, summed(s, torch.float32, step + i))
+        assert in_flight(group) == []
+        assert hvd.synchronize(group) == results   # a second synchronize gives the same tensors
+
+
+def test_a_member_the_compiled_path_declines_and_the_ones_after_it_go_the_python_way(fast, group_waits):
+    # The strided member stops allreduce_many_: the Python path starts it
+    # (on a contiguous copy, copied back at the wait) and the one after it
+    # (through the compiled path's single start). The waiter finishes the
+    # first member and leaves the copy-back to synchronize.
+    def members(rank, step):
+        return [values((4,), torch.float32, rank, step), values((4, 6), torch.float32, rank, step)[:, ::2],
+                values((3,), torch.float32, rank, step)]
+    for step in range(3):
+        xs = members(hvd.rank(), step)
+        group, count = started_through(fast, lambda: hvd.grouped_allreduce_async_(xs, name="fp.many.mixed",
+                                                                                  op=hvd.Sum))
+        results = hvd.synchronize(group)
+        assert count == (0 if step == 0 else 2) and group_waits[-1] == 1, (step, count, group_waits)
+        expected = [sum(m[i] for m in (members(r, step) for r in range(hvd.size()))) for i in range(3)]
+        for got, x, e in zip(results, xs, expected):
+            assert got is x
+            exact(x, e)
+        assert in_flight(group) == []
+
+
+def test_a_group_refused_after_the_compiled_path_started_members_starts_none_and_the_process_goes_on(fast):
+    # The third member repeats the first's name: the core refuses it, after
+    # allreduce_many_ has started the first two (held by the group). None
+    # runs: the tensors keep their values, no handle stays in flight, and
+    # the same group then runs with every member's sum.
+    names = ["fp.many.refused.a", "fp.many.refused.b"]
+    for step in range(2):
+        xs = [values((4,), torch.float32, hvd.rank(), step), values((2,), torch.float32, hvd.rank(), step)]
+        hvd.synchronize(hvd.grouped_allreduce_async_(xs, name=names, op=hvd.Sum))
+    xs = [values((4,), torch.float32, hvd.rank()), values((2,), torch.float32, hvd.rank()),
+          values((4,), torch.float32, hvd.rank())]
+    before_values, before_in_flight = [x.clone() for x in xs], set(handles._in_flight)
+    with pytest.raises(unison.InvalidArgumentError, match=r"fp\.many\.refused\.a.*already in flight"):
+        started_through(fast, lambda: hvd.grouped_allreduce_async_(xs, name=names + names[:1], op=hvd.Sum))
+    assert set(handles._in_flight) == before_in_flight
+    hvd.barrier()
+    for x, before in zip(xs, before_values):
+        exact(x, before)
+    group, count = started_through(fast, lambda: hvd.grouped_allreduce_async_(xs[:2], name=names, op=hvd.Sum))
+    hvd.synchronize(group)
+    assert count == 2
+    exact(xs[0], summed((4,), torch.float32))
+    exact(xs[1], summed((2,), torch.float32))
+
+
+def test_a_member_that_fails_stops_the_waiter_and_the_group_raises_its_error_after_the_rest_complete(
+        fast, group_waits):
+    names = ["fp.many.fails.%d" % i for i in range(3)]
+    for step in range(2):
+        hvd.synchronize(hvd.grouped_allreduce_async_([torch.ones(4) for _ in names], name=names, op=hvd.Sum))
+    # Rank 0 repeats the learned shapes; the others change the middle one's.
+    xs = [torch.ones(4), torch.ones(4 if hvd.rank() == 0 else 5), torch.ones(4)]
+    group = hvd.grouped_allreduce_async_(xs, name=names, op=hvd.Sum)
+    with pytest.raises(unison.MismatchError, match=r"fp\.many\.fails\.1.*shape"):
+        hvd.synchronize(group)
+    assert group_waits[-1] == 1
+    exact(xs[0], torch.full((4,), float(hvd.size())))
+    exact(xs[2], torch.full((4,), float(hvd.size())))
+    assert in_flight(group) == []
+    ys = [torch.ones(4) for _ in names]
+    hvd.synchronize(hvd.grouped_allreduce_async_(ys, name=names, op=hvd.Sum))
+    for y in ys:
+        exact(y, torch.full((4,), float(hvd.size())))
 
 
 def test_it_gives_what_the_python_path_gives(fast, monkeypatch):
