@@ -8,6 +8,7 @@ CI builds it (the build must work there), so a run without it fails here
 rather than passing on the Python path alone; UNISON_TORCH_FAST_PATH=0 is
 the one way to run these on the Python path."""
 import os
+import signal
 import threading
 
 import numpy as np
@@ -188,6 +189,44 @@ def test_a_member_that_fails_stops_the_waiter_and_the_group_raises_its_error_aft
     hvd.synchronize(hvd.grouped_allreduce_async_(ys, name=names, op=hvd.Sum))
     for y in ys:
         exact(y, torch.full((4,), float(hvd.size())))
+
+
+class _Interrupted(Exception):
+    pass
+
+
+def test_a_signal_during_the_waiter_s_wait_raises_and_leaves_the_group_in_flight(fast, group_waits):
+    # Rank 0 waits for a group the others have not started; a signal
+    # handler that raises (as Ctrl-C's does) ends the wait between its
+    # slices. The members stay in flight, their tensors with them, and
+    # once the others start theirs the same group is synchronized.
+    names = ["fp.many.signal.%d" % i for i in range(3)]
+    for step in range(2):
+        hvd.synchronize(hvd.grouped_allreduce_async_([torch.ones(4) for _ in names], name=names, op=hvd.Sum))
+    xs = [torch.ones(4) * (i + 1) for i in range(len(names))]
+    if hvd.rank() == 0:
+        def interrupted(*_):
+            raise _Interrupted()
+        previous = signal.signal(signal.SIGUSR1, interrupted)
+        try:
+            group, count = started_through(fast, lambda: hvd.grouped_allreduce_async_(xs, name=names, op=hvd.Sum))
+            assert count == len(names)
+            threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGUSR1)).start()
+            with pytest.raises(_Interrupted):
+                hvd.synchronize(group)
+        finally:
+            signal.signal(signal.SIGUSR1, previous)
+        assert sorted(in_flight(group)) == sorted(h.id for h in group.handles)
+        hvd.barrier()
+    else:
+        hvd.barrier()
+        group = hvd.grouped_allreduce_async_(xs, name=names, op=hvd.Sum)
+    results = hvd.synchronize(group)
+    assert group_waits[-1] == len(names)   # the compiled waiter finished them all
+    for i, (got, x) in enumerate(zip(results, xs)):
+        assert got is x
+        exact(x, torch.full((4,), float((i + 1) * hvd.size())))
+    assert in_flight(group) == []
 
 
 def test_it_gives_what_the_python_path_gives(fast, monkeypatch):
