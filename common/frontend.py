@@ -106,10 +106,10 @@ class FrontEnd:
     for an op it has not learned (learn(), with the same arguments and the
     dtype's code, after this front end has checked and started the op
     once) or a tensor it does not take; the front end then goes its own way.
-    allreduce_many_(tensors, names, op, prescale, postscale, process set
-    id) starts the leading members of a grouped in-place allreduce the
-    same way, inside the caller's group, and gives the Handles of those it
-    started, stopping at the first it would decline."""
+    Where it has allreduce_many_(tensors, names, op, prescale, postscale,
+    process set id), that starts the leading members of a grouped in-place
+    allreduce the same way, inside the caller's group, and gives the
+    Handles of those it started, stopping at the first it would decline."""
 
     def __init__(self, tensors, fast=None):
         self.tensors = tensors
@@ -264,14 +264,14 @@ class FrontEnd:
         stand_ins = placeholders or [False] * len(tensors)
         with collective.enqueued_together():
             handles = []
-            if in_place and self.fast is not None:
+            many = getattr(self.fast, "allreduce_many_", None) if in_place else None
+            if many is not None:
                 # An adapter's compiled path starts the leading members
                 # (up to the first stand-in) in one call; a member it
                 # declines, and every one after it, is started here.
                 lead = stand_ins.index(True) if True in stand_ins else len(tensors)
                 set_id = 0 if process_set is None or process_set is global_process_set else process_set_id(process_set)
-                handles = self.fast.allreduce_many_(tensors[:lead], names[:lead], op, prescale_factor,
-                                                    postscale_factor, set_id)
+                handles = many(tensors[:lead], names[:lead], op, prescale_factor, postscale_factor, set_id)
                 collective.started_many([h.id for h in handles])
             done = len(handles)
             handles += [(self.allreduce_placeholder_async_ if stands_in else start)(
