@@ -2,6 +2,7 @@
 (odd sizes find bugs), and more or fewer where a suite needs them
 (sizes()). Each rank runs pytest on the same file; a test that hangs is
 failed by pytest-timeout inside the ranks and by the timeout here."""
+import functools
 import glob
 import importlib.util
 import os
@@ -550,6 +551,23 @@ def run_suite(suite, np_, env=None, launcher=(), wrapper=()):
     run_suites([suite], np_, env, launcher, wrapper)
 
 
+# TensorFlow's XLA lowering (tf_adapter/kernels_xla.cc) is built the first
+# time a collective is traced under XLA: in the ranks, inside whichever test
+# traces one first. Its headers alone take a compiler some 40 CPU-s; on a
+# slow 2-core VM shared with the other envs (a run under .ci/throttled 1.15)
+# the build outlived that test's 120 s timeout in every TensorFlow launch.
+# So the launches' ranks find it built: it is built here once, with the
+# kernels, into the cache they read, under a build's own time limit. A
+# failed build is not judged here; the ranks build again and the suites
+# show what it means.
+@functools.lru_cache(maxsize=None)
+def build_extensions_for_the_ranks(framework):
+    if framework != "tensorflow":
+        return
+    script = "import unison.tensorflow\nfrom unison.tensorflow import kernels\nkernels.xla_problem()\n"
+    subprocess.run([sys.executable, "-c", script], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=900)
+
+
 def run_suites(suites, np_, env=None, launcher=(), wrapper=()):
     """The suites, one after another, in one job of np_ ranks."""
     if not torch_has_cuda():  # a GPU suite among others is left out; alone, it skips saying why
@@ -559,6 +577,7 @@ def run_suites(suites, np_, env=None, launcher=(), wrapper=()):
     framework = framework_of(suites[0])
     if framework and importlib.util.find_spec(framework) is None:
         pytest.skip("%s is not installed here; the tox env '%s' runs these suites" % (framework, framework))
+    build_extensions_for_the_ranks(framework)
     command = [sys.executable, "-m", "unison.run", "-np", str(np_), *launcher, *wrapper, *pytest_command(*suites)]
     # Each suite gets what one launch of it alone had.
     assert_every_rank_passed(run_job(command, 580 * len(suites), env=dict(os.environ, **(env or {}))), np_)
