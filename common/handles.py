@@ -76,11 +76,11 @@ def synchronize(handle):
         # The leading members the compiled waiter could finish (in-place
         # ops that succeeded), their results their tensors.
         first = _group_waiter(members) if _group_waiter is not None else 0
-        results = [h._result for h in members[:first]] if first else []
+        results = [h._result for h in members[:first]]
         # Wait for every member even if one fails, so none is left running
         # on buffers the caller may free; then raise the first failure.
         failure = None
-        for h in members[first:] if first else members:
+        for h in members[first:]:
             try:
                 results.append(synchronize(h))
             except Exception as e:  # noqa: BLE001 - re-raised below

@@ -215,6 +215,11 @@ struct HandleClass {
   Py_ssize_t offset[6] = {};
 } handle_class;
 
+// A Handle's slot (borrowed; nullptr where unset).
+PyObject* slot(PyObject* object, int index) {
+  return *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(object) + handle_class.offset[index]);
+}
+
 void fill_slot(PyObject* object, int slot, PyObject* value) {
   Py_INCREF(value);
   *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(object) + handle_class.offset[slot]) = value;
@@ -300,8 +305,7 @@ PyObject* allreduce_many_(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     }
     failed = handle == nullptr || PyList_Append(started, handle) != 0;
     if (failed && handle != nullptr) {  // started, but not in the list the caller would forget
-      PyObject* id = *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(handle) + handle_class.offset[0]);
-      if (PyDict_DelItem(handle_class.in_flight, id) != 0) PyErr_Clear();
+      if (PyDict_DelItem(handle_class.in_flight, slot(handle, 0)) != 0) PyErr_Clear();
     }
     Py_XDECREF(handle);
   }
@@ -312,8 +316,7 @@ PyObject* allreduce_many_(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     PyErr_Fetch(&type, &value, &traceback);
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(started); ++i) {
       PyObject* handle = PyList_GET_ITEM(started, i);
-      PyObject* id = *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(handle) + handle_class.offset[0]);
-      if (PyDict_DelItem(handle_class.in_flight, id) != 0) PyErr_Clear();
+      if (PyDict_DelItem(handle_class.in_flight, slot(handle, 0)) != 0) PyErr_Clear();
     }
     PyErr_Restore(type, value, traceback);
     Py_CLEAR(started);
@@ -321,11 +324,6 @@ PyObject* allreduce_many_(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   Py_DECREF(tensors);
   Py_DECREF(names);
   return started;
-}
-
-// A Handle's slot (borrowed; nullptr where unset).
-PyObject* slot(PyObject* object, int index) {
-  return *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(object) + handle_class.offset[index]);
 }
 
 void replace_slot(PyObject* object, int index, PyObject* value) {
