@@ -9,6 +9,10 @@ each environment's JUnit report, which tox.ini has pytest write to
 
     python3 .ci/summary.py OUTPUT_LOG WALL_SECONDS [PROC_STAT_AT_START]
 
+The heading gives the machine's single-core memcpy speed and its Python
+speed (a fixed interpreter loop), which say how far runs on different VMs
+compare.
+
 PROC_STAT_AT_START, the first line of /proc/stat saved as the run began,
 adds how busy the machine's cores were over the run: a run whose cores
 idle much of the time could run more environments side by side; one whose
@@ -40,6 +44,27 @@ def memcpy_gigabytes_per_second(nbytes=64 << 20):
             target[:] = source
         best = min(best, (time.perf_counter() - start) / 10)
     return nbytes / best / 1e9
+
+
+def python_nanoseconds_an_iteration(iterations=200000):
+    """The interpreter's speed: a fixed loop of dict, int and str work, the
+    best of 5. Most of the suite's CPU is Python (the tests, and the
+    frameworks' imports in every rank), and a VM's Python speed can change
+    where its memcpy does not: one VM ran the same suite in 28 and 41
+    minutes, sessions apart, at 10.3 and 10.2 GB/s. A quiet VM of
+    2026-12-07 ran this loop at 180-200 ns an iteration."""
+    def loop():
+        table, total = {}, 0
+        for i in range(iterations):
+            table[i & 255] = i
+            total += len(str(i)) + table[i & 255]
+        return total
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        loop()
+        best = min(best, time.perf_counter() - start)
+    return best / iterations * 1e9
 
 
 def env_times(log_path):
@@ -124,7 +149,8 @@ def main(log_path, wall_seconds, stat_path=None):
         print("%8.1f s %8.1f s  %s" % (seconds, cpu, name))
     # The table last: where only the end of CI's output is shown, it is
     # what shows.
-    print("\n==== CI summary (single-core memcpy %.1f GB/s) ====" % memcpy_gigabytes_per_second())
+    print("\n==== CI summary (single-core memcpy %.1f GB/s, Python %.0f ns a loop iteration) ===="
+          % (memcpy_gigabytes_per_second(), python_nanoseconds_an_iteration()))
     print("%-12s %-6s %8s %8s %8s %8s %8s %8s %9s" % ("env", "status", "time", "set-up", "tests' CPU", "passed",
                                                       "failed", "skipped", "in ranks"))
     totals = {"passed": 0, "failed": 0, "skipped": 0, "in ranks": 0, "cpu": 0.0}
