@@ -50,9 +50,9 @@ def python_nanoseconds_an_iteration(iterations=200000):
     """The interpreter's speed: a fixed loop of dict, int and str work, the
     best of 5. Most of the suite's CPU is Python (the tests, and the
     frameworks' imports in every rank), and a VM's Python speed can change
-    where its memcpy does not: one VM ran the same suite in 28 and 41
-    minutes, sessions apart, at 10.3 and 10.2 GB/s. A quiet VM of
-    2026-12-07 ran this loop at 180-200 ns an iteration."""
+    where its memcpy does not: on 2026-12-07 one VM ran this loop at
+    173-200 ns an iteration, and for a few minutes at 306-397 ns, at 9-10
+    GB/s throughout."""
     def loop():
         table, total = {}, 0
         for i in range(iterations):

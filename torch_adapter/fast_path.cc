@@ -220,9 +220,9 @@ PyObject* slot(PyObject* object, int index) {
   return *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(object) + handle_class.offset[index]);
 }
 
-void fill_slot(PyObject* object, int slot, PyObject* value) {
+void fill_slot(PyObject* object, int index, PyObject* value) {
   Py_INCREF(value);
-  *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(object) + handle_class.offset[slot]) = value;
+  *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(object) + handle_class.offset[index]) = value;
 }
 
 // The op's unison.handles.Handle once start() has started it, as
