@@ -7,11 +7,14 @@ Reads tox's report at the end of the run's saved output (ENV_LINE), and
 each environment's JUnit report, which tox.ini has pytest write to
 .tox/<env>/junit.xml.
 
-    python3 .ci/summary.py OUTPUT_LOG WALL_SECONDS [PROC_STAT_AT_START]
+    python3 .ci/summary.py --machine > MACHINE_AT_START
+    python3 .ci/summary.py OUTPUT_LOG WALL_SECONDS [PROC_STAT_AT_START [MACHINE_AT_START]]
 
-The heading gives the machine's single-core memcpy speed and its Python
-speed (a fixed interpreter loop), which say how far runs on different VMs
-compare.
+The heading gives the machine's CPU, its single-core memcpy speed and its
+Python speed (a fixed interpreter loop), which say how far runs on
+different VMs compare: measured as the run ends, and as it began where
+MACHINE_AT_START was saved then, since a VM's speed can change within a
+run.
 
 PROC_STAT_AT_START, the first line of /proc/stat saved as the run began,
 adds how busy the machine's cores were over the run: a run whose cores
@@ -65,6 +68,32 @@ def python_nanoseconds_an_iteration(iterations=200000):
         loop()
         best = min(best, time.perf_counter() - start)
     return best / iterations * 1e9
+
+
+def machine_speed():
+    """(single-core memcpy GB/s, Python ns a loop iteration), now."""
+    return memcpy_gigabytes_per_second(), python_nanoseconds_an_iteration()
+
+
+def cpu_model():
+    """The CPU as /proc/cpuinfo names it ("" where it does not)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def speed_heading(at_start, at_end):
+    """The heading's figures: each at the run's start and end, where the
+    start was measured."""
+    def both(index, form):
+        end = form % at_end[index]
+        return end if at_start is None else "%s at the start, %s at the end" % (form % at_start[index], end)
+    return "single-core memcpy %s; Python loop iteration %s" % (both(0, "%.1f GB/s"), both(1, "%.0f ns"))
 
 
 def env_times(log_path):
@@ -131,7 +160,7 @@ def minutes(seconds):
     return "%d:%02d" % (seconds // 60, seconds % 60)
 
 
-def main(log_path, wall_seconds, stat_path=None):
+def main(log_path, wall_seconds, stat_path=None, machine_path=None):
     times = env_times(log_path)
     reports = {env: junit(env) for env in times}
     everything = [case for counts, cases, skips in reports.values() for case in cases]
@@ -149,8 +178,12 @@ def main(log_path, wall_seconds, stat_path=None):
         print("%8.1f s %8.1f s  %s" % (seconds, cpu, name))
     # The table last: where only the end of CI's output is shown, it is
     # what shows.
-    print("\n==== CI summary (single-core memcpy %.1f GB/s, Python %.0f ns a loop iteration) ===="
-          % (memcpy_gigabytes_per_second(), python_nanoseconds_an_iteration()))
+    at_start = None
+    if machine_path:
+        with open(machine_path) as f:
+            at_start = tuple(float(x) for x in f.read().split())
+    model = cpu_model()
+    print("\n==== CI summary (%s%s) ====" % (model + "; " if model else "", speed_heading(at_start, machine_speed())))
     print("%-12s %-6s %8s %8s %8s %8s %8s %8s %9s" % ("env", "status", "time", "set-up", "tests' CPU", "passed",
                                                       "failed", "skipped", "in ranks"))
     totals = {"passed": 0, "failed": 0, "skipped": 0, "in ranks": 0, "cpu": 0.0}
@@ -176,4 +209,7 @@ def main(log_path, wall_seconds, stat_path=None):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], float(sys.argv[2]), sys.argv[3] if len(sys.argv) > 3 else None)
+    if sys.argv[1:] == ["--machine"]:
+        print("%.3f %.1f" % machine_speed())
+    else:
+        main(sys.argv[1], float(sys.argv[2]), *sys.argv[3:5])

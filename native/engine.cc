@@ -134,7 +134,7 @@ void Engine::take_new_requests() {
     if (found_set == sets_.end()) {  // removed after this op was enqueued
       {
         std::lock_guard<std::mutex> lock(queue_mutex_);
-        in_flight_[e.process_set].erase(e.request.name);
+        unmark_in_flight(e.process_set, e.request.name);
       }
       handles_->complete(e.handle, Status::Error(UNISON_ERR_SHUT_DOWN, "unison: " + std::string(op_name(e.request.op)) +
                                                                           " '" + e.request.name + "': process set " +
@@ -177,13 +177,28 @@ void Engine::take_new_requests() {
       if (found == ResponseCache::Lookup::kStale) set_bit(&set.invalid_bits, position);
       set.to_send.push_back(name);
     }
-    // try_emplace copies the key before it moves the entry, so the key may
-    // be the entry's own name: one copy of it instead of two.
-    set.pending.try_emplace(name, std::move(e));
+    add_pending(set, std::move(e));
   }
   fresh.clear();
   // A burst of tens of thousands of ops should not pin its memory for good.
   if (fresh.capacity() > kKeptQueueCapacity) std::vector<Entry>().swap(fresh);
+}
+
+void Engine::add_pending(ProcessSetState& set, Entry&& e) {
+  PendingTable::node_type node = spare_pending_.take();
+  if (node.empty()) {
+    // try_emplace copies the key before it moves the entry, so the key may
+    // be the entry's own name: one copy of it instead of two.
+    set.pending.try_emplace(e.request.name, std::move(e));
+    return;
+  }
+  node.key() = e.request.name;  // into the kept key's memory
+  node.mapped() = std::move(e);
+  auto placed = set.pending.insert(std::move(node));
+  if (!placed.inserted) {  // never: in_flight_ refused the name at enqueue
+    placed.node.mapped() = Entry();
+    spare_pending_.keep(std::move(placed.node));
+  }
 }
 
 void Engine::build_message(ProcessSetState& set, CycleMessage* message, double now) {
@@ -523,9 +538,14 @@ void Engine::complete(ProcessSetState& set, const std::string& name, const Statu
     if (result.core_allocated) free_result_memory(result.data);
     return;
   }
-  finished_.push_back(Completion{it->second.handle, status, std::move(result)});
-  finished_names_.emplace_back(set.id, name);
-  set.pending.erase(it);
+  PendingTable::node_type node = set.pending.extract(it);
+  Entry& e = node.mapped();
+  finished_.push_back(Completion{e.handle, status, std::move(result)});
+  // The entry's own copy of the name serves publish_completions (`name`
+  // may be that copy: it is not read again).
+  finished_names_.emplace_back(set.id, std::move(e.request.name));
+  e = Entry();  // its memory, and a GPU op's event, go now, not at the node's reuse
+  spare_pending_.keep(std::move(node));
 }
 
 void Engine::publish_completions() {
@@ -533,10 +553,7 @@ void Engine::publish_completions() {
   caller_activity::note_completion(monotonic_seconds());
   {
     std::lock_guard<std::mutex> lock(queue_mutex_);
-    for (const auto& [id, name] : finished_names_) {
-      auto names = in_flight_.find(id);
-      if (names != in_flight_.end()) names->second.erase(name);
-    }
+    for (const auto& [id, name] : finished_names_) unmark_in_flight(id, name);
   }
   finished_names_.clear();
   handles_->complete(&finished_);

@@ -218,7 +218,7 @@ Status Engine::enqueue(const unison_op_options& o, int64_t* handle) {
     r.name = std::string(op_name(o.op)) + ".noname." + std::to_string(++unnamed_ops_[o.process_set_id]);
   }
   // One hash of the name: the insert is the check.
-  if (!in_flight_[o.process_set_id].insert(r.name).second)
+  if (!mark_in_flight(o.process_set_id, r.name))
     return invalid(std::string(op_name(o.op)) + " '" + r.name + "': a tensor of this name is already in flight on rank " +
                    std::to_string(my_rank) + "; wait for it, or give the new one another name");
   e.handle = handles_->create(o.awaited_by);
@@ -236,6 +236,23 @@ Status Engine::enqueue(const unison_op_options& o, int64_t* handle) {
   queue_for_cycle(std::move(e), now);
   wake_for(*handle);
   return Status::OK();
+}
+
+bool Engine::mark_in_flight(int process_set, const std::string& name) {
+  NameSet& names = in_flight_[process_set];
+  NameSet::node_type node = spare_in_flight_.take();
+  if (node.empty()) return names.insert(name).second;
+  node.value() = name;  // into the kept string's memory
+  auto placed = names.insert(std::move(node));
+  if (!placed.inserted) spare_in_flight_.keep(std::move(placed.node));
+  return placed.inserted;
+}
+
+void Engine::unmark_in_flight(int process_set, const std::string& name) {
+  auto names = in_flight_.find(process_set);
+  if (names == in_flight_.end()) return;
+  auto it = names->second.find(name);
+  if (it != names->second.end()) spare_in_flight_.erase(names->second, it);
 }
 
 void Engine::queue_for_cycle(Entry&& e, double now) {
@@ -294,7 +311,8 @@ Status Engine::accept_device_op(const unison_op_options& o, const std::string& w
 
 void Engine::group_begin() {
   std::lock_guard<std::mutex> lock(queue_mutex_);
-  ++open_groups_[std::this_thread::get_id()].depth;
+  OpenGroup& group = open_groups_[std::this_thread::get_id()];
+  if (group.depth++ == 0) group.held.swap(spare_held_);
 }
 
 void Engine::group_end(bool discard) {
@@ -314,9 +332,11 @@ void Engine::group_end(bool discard) {
       const int64_t last = held.back().handle;
       for (Entry& e : held) queue_for_cycle(std::move(e), now);
       wake_for(last);
+      held.clear();
+      if (held.capacity() > spare_held_.capacity()) spare_held_.swap(held);
       return;
     }
-    for (const Entry& e : held) in_flight_[e.process_set].erase(e.request.name);
+    for (const Entry& e : held) unmark_in_flight(e.process_set, e.request.name);
     terminal = terminal_;
   }
   // Discarded (the caller's group failed part way) or too late to run.

@@ -23,7 +23,15 @@ int64_t HandleTable::create(int64_t awaited_by) {
   if (awaited_by != 0) caller_activity::awaited_begin(awaited_by);
   std::lock_guard<std::mutex> lock(mutex_);
   int64_t h = next_++;
-  states_.emplace(h, State()).first->second.awaited_by = awaited_by;
+  auto node = spare_states_.take();
+  if (node.empty()) {
+    states_.emplace(h, State()).first->second.awaited_by = awaited_by;
+    return h;
+  }
+  node.key() = h;
+  node.mapped() = State();
+  node.mapped().awaited_by = awaited_by;
+  states_.insert(std::move(node));
   return h;
 }
 
@@ -95,7 +103,7 @@ Status HandleTable::wait(int64_t handle, double timeout_seconds, bool release_if
   if (it == states_.end()) return unknown(handle);
   if (!release_if_ok || !it->second.status.ok()) return it->second.status;
   if (it->second.result.core_allocated) free_result_memory(it->second.result.data);
-  states_.erase(it);
+  spare_states_.erase(states_, it);
   return Status::OK();
 }
 
@@ -128,7 +136,7 @@ Status HandleTable::release(int64_t handle) {
     if (it == states_.end()) return unknown(handle);
     if (it->second.result.core_allocated) free_result_memory(it->second.result.data);
     awaited_by = it->second.awaited_by;  // still pending: nobody waits for it any more
-    states_.erase(it);
+    spare_states_.erase(states_, it);
   }
   if (awaited_by != 0) caller_activity::awaited_end(awaited_by);
   return Status::OK();

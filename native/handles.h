@@ -10,6 +10,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "node_pool.h"
 #include "status.h"  // and unison.h
 
 namespace unison {
@@ -89,6 +90,7 @@ class HandleTable {
   std::mutex mutex_;
   std::condition_variable completed_;
   std::unordered_map<int64_t, State> states_;
+  NodePool<std::unordered_map<int64_t, State>> spare_states_;  // released handles' nodes
   int64_t next_ = 1;
   // Read without the lock (every blocking wait reads it first); changed
   // under it, so a waiter checking it under the lock misses no wake.

@@ -215,14 +215,19 @@ struct HandleClass {
   Py_ssize_t offset[6] = {};
 } handle_class;
 
-// A Handle's slot (borrowed; nullptr where unset).
-PyObject* slot(PyObject* object, int index) {
-  return *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(object) + handle_class.offset[index]);
+// Where a Handle keeps its slot `index`: the one place that does the
+// pointer arithmetic the three below share.
+PyObject** slot_field(PyObject* object, int index) {
+  return reinterpret_cast<PyObject**>(reinterpret_cast<char*>(object) + handle_class.offset[index]);
 }
 
+// A Handle's slot (borrowed; nullptr where unset).
+PyObject* slot(PyObject* object, int index) { return *slot_field(object, index); }
+
+// Sets a slot of a new Handle, still unset.
 void fill_slot(PyObject* object, int index, PyObject* value) {
   Py_INCREF(value);
-  *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(object) + handle_class.offset[index]) = value;
+  *slot_field(object, index) = value;
 }
 
 // The op's unison.handles.Handle once start() has started it, as
@@ -326,8 +331,9 @@ PyObject* allreduce_many_(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return started;
 }
 
+// Sets a slot that holds a reference, releasing that one.
 void replace_slot(PyObject* object, int index, PyObject* value) {
-  PyObject** field = reinterpret_cast<PyObject**>(reinterpret_cast<char*>(object) + handle_class.offset[index]);
+  PyObject** field = slot_field(object, index);
   PyObject* old = *field;
   Py_INCREF(value);
   *field = value;
