@@ -56,9 +56,14 @@ def machine_words_of(runs):
     words = "%s, %d cores, %s GiB" % (machine["cpu"], machine["cores"], machine["memory_gib"])
     if machine.get("gpu"):
         words = machine["gpu"] + "; " + words
-    speeds = sorted(run["machine"]["memcpy_gbps"] for run in runs)
-    return words + "; single-core memcpy %s GB/s" % (
-        "%.1f" % speeds[0] if speeds[0] == speeds[-1] else "%.1f-%.1f" % (speeds[0], speeds[-1]))
+    def span(values, form):
+        values = sorted(values)
+        return form % values[0] if values[0] == values[-1] else (form + "-" + form) % (values[0], values[-1])
+    words += "; single-core memcpy %s GB/s" % span([run["machine"]["memcpy_gbps"] for run in runs], "%.1f")
+    # Runs recorded since 2026-12-07 also give the Python speed CI's summary gives.
+    if all("python_loop_ns" in run["machine"] for run in runs):
+        words += ", Python loop iteration %s ns" % span([run["machine"]["python_loop_ns"] for run in runs], "%d")
+    return words
 
 
 def machine_key(run):

@@ -14,6 +14,7 @@ torch_train.py does, with glibc's heap kept) or ranks that a script starts
 still know it; only rank 0 of a job writes."""
 import atexit
 import datetime
+import importlib.util
 import io
 import json
 import os
@@ -135,6 +136,17 @@ def _memcpy_gbps():
     return round(a.nbytes / best / 1e9, 1)
 
 
+def _python_loop_ns():
+    """The interpreter's speed, as CI's summary measures it (.ci/summary.py's
+    fixed loop, the same code so that the figures compare): a VM's Python
+    can slow by half for minutes at unchanged memcpy, and a per-tensor
+    figure in microseconds moves with it."""
+    spec = importlib.util.spec_from_file_location("ci_summary", os.path.join(ROOT, ".ci", "summary.py"))
+    summary = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(summary)
+    return round(summary.python_nanoseconds_an_iteration())
+
+
 def machine():
     cpu = platform.processor() or platform.machine()
     try:
@@ -148,7 +160,8 @@ def machine():
             memory = round(int(re.search(r"MemTotal:\s*(\d+)", f.read()).group(1)) / (1 << 20))
     except (OSError, AttributeError):
         pass
-    described = {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": memory, "memcpy_gbps": _memcpy_gbps()}
+    described = {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": memory, "memcpy_gbps": _memcpy_gbps(),
+                 "python_loop_ns": _python_loop_ns()}
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available():
         described["gpu"] = torch.cuda.get_device_name(0)
