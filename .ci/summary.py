@@ -8,13 +8,17 @@ each environment's JUnit report, which tox.ini has pytest write to
 .tox/<env>/junit.xml.
 
     python3 .ci/summary.py --machine > MACHINE_AT_START
-    python3 .ci/summary.py OUTPUT_LOG WALL_SECONDS [PROC_STAT_AT_START [MACHINE_AT_START]]
+    python3 .ci/summary.py --sample PYTHON_SAMPLES &   # until killed
+    python3 .ci/summary.py OUTPUT_LOG WALL_SECONDS [PROC_STAT_AT_START [MACHINE_AT_START [PYTHON_SAMPLES]]]
 
 The heading gives the machine's CPU, its single-core memcpy speed and its
 Python speed (a fixed interpreter loop), which say how far runs on
 different VMs compare: measured as the run ends, and as it began where
 MACHINE_AT_START was saved then, since a VM's speed can change within a
-run.
+run. PYTHON_SAMPLES, the loop timed every SAMPLE_SECONDS through the run
+beside the tests, adds its median and range: one sample at either end
+said little about a 40-minute run (two runs of the same time and CPU
+ended at 173 and 347 ns).
 
 PROC_STAT_AT_START, the first line of /proc/stat saved as the run began,
 adds how busy the machine's cores were over the run: a run whose cores
@@ -31,6 +35,7 @@ import xml.etree.ElementTree as ElementTree
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SLOWEST = 15
+SAMPLE_SECONDS = 120  # each sample costs about a second of one core
 # tox's report at the end of the run: "  core: OK (799.78=setup[66.71]+cmd[733.07] seconds)", or
 # "  mpi: FAIL code 1 (506.69=...)", with a cmd entry per command (an env's own build, in commands_pre, comes before its pytest).
 ENV_LINE = re.compile(r"^\s*(\S+): (OK|FAIL|SKIP)[^(]* \(([\d.]+)=setup\[([\d.]+)\]\+cmd\[([\d.,]*)\] seconds\)")
@@ -94,6 +99,34 @@ def speed_heading(at_start, at_end):
         end = form % at_end[index]
         return end if at_start is None else "%s at the start, %s at the end" % (form % at_start[index], end)
     return "single-core memcpy %s; Python loop iteration %s" % (both(0, "%.1f GB/s"), both(1, "%.0f ns"))
+
+
+def sample_forever(path):
+    """Appends the Python loop's time to `path` every SAMPLE_SECONDS, until
+    killed or until the run that started it is gone (a CI run stopped from
+    outside leaves no sampler behind)."""
+    parent = os.getppid()
+    while True:
+        time.sleep(SAMPLE_SECONDS)
+        if os.getppid() != parent:
+            return
+        with open(path, "a") as f:
+            f.write("%.1f\n" % python_nanoseconds_an_iteration())
+
+
+def samples_line(path):
+    """What the samples taken through the run say, or None without any."""
+    samples = []
+    with open(path) as f:
+        for line in f:
+            if line.endswith("\n"):  # not a line cut short as the sampler was stopped
+                samples.append(float(line))
+    samples.sort()
+    if not samples:
+        return None
+    return ("the Python loop through the run, beside the tests: median %.0f ns an iteration, %.0f-%.0f ns "
+            "(%d samples, one every %d s)" % (samples[len(samples) // 2], samples[0], samples[-1], len(samples),
+                                              SAMPLE_SECONDS))
 
 
 def env_times(log_path):
@@ -160,7 +193,7 @@ def minutes(seconds):
     return "%d:%02d" % (seconds // 60, seconds % 60)
 
 
-def main(log_path, wall_seconds, stat_path=None, machine_path=None):
+def main(log_path, wall_seconds, stat_path=None, machine_path=None, samples_path=None):
     times = env_times(log_path)
     reports = {env: junit(env) for env in times}
     everything = [case for counts, cases, skips in reports.values() for case in cases]
@@ -206,10 +239,16 @@ def main(log_path, wall_seconds, stat_path=None, machine_path=None):
         with open(stat_path) as f:
             busy, cores = busy_fraction(f.readline())
         print("the %d cores were busy %.0f%% of the run" % (cores, 100 * busy))
+    if samples_path:
+        line = samples_line(samples_path)
+        if line:
+            print(line)
 
 
 if __name__ == "__main__":
     if sys.argv[1:] == ["--machine"]:
         print("%.3f %.1f" % machine_speed())
+    elif sys.argv[1] == "--sample":
+        sample_forever(sys.argv[2])
     else:
-        main(sys.argv[1], float(sys.argv[2]), *sys.argv[3:5])
+        main(sys.argv[1], float(sys.argv[2]), *sys.argv[3:6])
