@@ -69,9 +69,13 @@ def test_the_installed_core_is_the_sanitized_one():
     # Found, not imported: this process has no sanitizer runtime preloaded.
     package = os.path.dirname(importlib.util.find_spec("unison").origin)
     (core,) = glob.glob(os.path.join(package, "_native*.so"))
-    symbol = {"address": b"__asan_init", "thread": b"__tsan_init"}.get(SANITIZER, b"UNISON_SANITIZE unset")
+    # `address` is AddressSanitizer and UndefinedBehaviorSanitizer both.
+    symbols = {"address": [b"__asan_init", b"__ubsan_handle_"], "thread": [b"__tsan_init"]}.get(
+        SANITIZER, [b"UNISON_SANITIZE unset"])
     with open(core, "rb") as f:
-        assert symbol in f.read(), "%s was not built with UNISON_SANITIZE=%s" % (core, SANITIZER)
+        binary = f.read()
+    for symbol in symbols:
+        assert symbol in binary, "%s was not built with UNISON_SANITIZE=%s: no %s" % (core, SANITIZER, symbol)
 
 
 def sanitized_environment():
