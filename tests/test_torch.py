@@ -170,13 +170,15 @@ def test_rpc_suite_across_hosts(hosts, np_):
     assert_every_rank_passed(proc, np_)
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("optimizer,backward_on,model", [
-    ("distributed", "caller", "linear"), ("distributed", "worker", "linear"), ("zero", "worker", "linear"),
-    ("distributed", "worker", "syncbn")])
+# (optimizer, backward_on, model): each runs in turn in one job per size, so
+# each also shows that the job is left clean by the deadlock before it.
+BRANCH_CASES = [("distributed", "caller", "linear"), ("distributed", "worker", "linear"), ("zero", "worker", "linear"),
+                ("distributed", "worker", "syncbn")]
+
+
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("np_", [2, 3])
-def test_a_rank_that_takes_another_branch_mid_training_fails_every_rank_instead_of_hanging(tmp_path, np_, optimizer,
-                                                                                         backward_on, model):
+def test_a_rank_that_takes_another_branch_mid_training_fails_every_rank_instead_of_hanging(tmp_path, np_):
     # Rank 0 averages a metric at step 2 that the others skip. They finish
     # step 2 (rank 0's gradients were already in) and wait on step 3's in
     # optimizer.step(); rank 0 waits on 'metric'. Every rank gets the
@@ -187,6 +189,9 @@ def test_a_rank_that_takes_another_branch_mid_training_fails_every_rank_instead_
     # must not count as a busy rank. ZeroRedundancyOptimizer's hooks start
     # its reductions there too, and SyncBatchNorm's backward its allreduce:
     # with it the others finish step 2 and wait in step 3's forward.
+    # The cases share one job (each rank imports torch once, not four
+    # times): each case's report must name only its own collectives, and
+    # the next case trains from a clean start.
     import textwrap
     script = tmp_path / "branch.py"
     script.write_text(textwrap.dedent("""
@@ -196,58 +201,77 @@ def test_a_rank_that_takes_another_branch_mid_training_fails_every_rank_instead_
         import unison.torch as hvd
         torch.set_num_threads(1)
         hvd.init()
-        worker = concurrent.futures.ThreadPoolExecutor(1) if sys.argv[1] == "worker" else None
-        def backward(loss):
-            if worker is None:
-                loss.backward()
+
+        def run_case(case, optimizer, backward_on, model_kind):
+            worker = concurrent.futures.ThreadPoolExecutor(1) if backward_on == "worker" else None
+            def backward(loss):
+                if worker is None:
+                    loss.backward()
+                else:
+                    worker.submit(loss.backward).result()
+            torch.manual_seed(0)
+            if model_kind == "syncbn":
+                model = torch.nn.Sequential(torch.nn.Linear(4, 3), hvd.SyncBatchNorm(3, name="bn"),
+                                            torch.nn.Linear(3, 1))
             else:
-                worker.submit(loss.backward).result()
-        torch.manual_seed(0)
-        if sys.argv[3] == "syncbn":
-            model = torch.nn.Sequential(torch.nn.Linear(4, 3), hvd.SyncBatchNorm(3, name="bn"), torch.nn.Linear(3, 1))
-        else:
-            model = torch.nn.Linear(4, 1)
-        if sys.argv[2] == "zero":
-            opt = hvd.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
-        else:
-            opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                           named_parameters=model.named_parameters())
-        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        for step in range(5):
-            opt.zero_grad()
-            try:
-                backward(model(torch.arange(8.0).reshape(2, 4) * (hvd.rank() + 1)).sum())
-                if step == 2 and hvd.rank() == 0:
-                    hvd.allreduce(torch.ones(1), name="metric")
-                opt.step()
-            except unison.DeadlockError as e:
-                print("rank %d step %d: %s" % (hvd.rank(), step, e), flush=True)
-                break
-        if hvd.rank() != 0:
-            opt.zero_grad()  # the failed step() left no allreduce in flight
-            print("rank %d zero_grad ok" % hvd.rank(), flush=True)
-        total = hvd.allreduce(torch.ones(1), op=hvd.Sum, name="after").item()
-        print("rank %d after: %s" % (hvd.rank(), total), flush=True)
+                model = torch.nn.Linear(4, 1)
+            if optimizer == "zero":
+                opt = hvd.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+            else:
+                opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                               named_parameters=model.named_parameters())
+            hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+            for step in range(5):
+                opt.zero_grad()
+                try:
+                    backward(model(torch.arange(8.0).reshape(2, 4) * (hvd.rank() + 1)).sum())
+                    if step == 2 and hvd.rank() == 0:
+                        hvd.allreduce(torch.ones(1), name="metric")
+                    opt.step()
+                except unison.DeadlockError as e:
+                    # On one line, so that the test can tell the cases apart.
+                    print("case %d rank %d step %d: %s" % (case, hvd.rank(), step, str(e).replace("\\n", " | ")),
+                          flush=True)
+                    break
+            if hvd.rank() != 0:
+                opt.zero_grad()  # the failed step() left no allreduce in flight
+                print("case %d rank %d zero_grad ok" % (case, hvd.rank()), flush=True)
+            total = hvd.allreduce(torch.ones(1), op=hvd.Sum, name="after").item()
+            print("case %d rank %d after: %s" % (case, hvd.rank(), total), flush=True)
+            # Its idle thread lives on into the next cases, as a framework's
+            # backward thread would.
+
+        for case, spec in enumerate(sys.argv[1:]):
+            run_case(case, *spec.split(","))
     """))
     proc = run_job([sys.executable, "-m", "unison.run", "-np", str(np_), "--stall-check-warning-time-seconds",
-                    "1.5", sys.executable, str(script), backward_on, optimizer, model], 100, cwd=str(tmp_path),
-                   stderr=subprocess.PIPE)
+                    "1.5", sys.executable, str(script)] + [",".join(case) for case in BRANCH_CASES], 220,
+                   cwd=str(tmp_path), stderr=subprocess.PIPE)
     out, err = proc.stdout.decode(), proc.stderr.decode()
     assert proc.returncode == 0, out + err
     others = "[%s]" % ", ".join(str(r) for r in range(1, np_))
-    for r in range(np_):
-        # ZeroRedundancyOptimizer's step first agrees, by an allreduce,
-        # whether to send the gradients again: the others wait there,
-        # still in step 2.
-        step = 2 if r == 0 or optimizer == "zero" else 3
-        assert ("rank %d step %d: unison: deadlock: every rank is blocked" % (r, step)) in out, out
-        assert ("rank %d after: %d.0" % (r, np_)) in out, out
-        assert r == 0 or ("rank %d zero_grad ok" % r) in out, out
-    # The ages depend on when each rank last moved: any will do.
-    assert re.search(r"allreduce 'metric' waited \d+ s: submitted by ranks \[0\], missing from ranks "
-                     + re.escape(others), out), out
-    theirs = {"linear": "allreduce 'allreduce.weight'", "syncbn": "allgather 'bn.stats'"}[model]
-    if optimizer == "zero":
-        theirs = r"allreduce 'zero\d+\.again'"
-    assert re.search(theirs + r" waited \d+ s: submitted by ranks " + re.escape(others)
-                     + r", missing from ranks \[0\]", out), out
+    for case, (optimizer, _, model) in enumerate(BRANCH_CASES):
+        tag = "case %d " % case
+        mine = "\n".join(line[line.index(tag) + len(tag):] for line in out.splitlines() if tag in line)
+        for r in range(np_):
+            # ZeroRedundancyOptimizer's step first agrees, by an allreduce,
+            # whether to send the gradients again: the others wait there,
+            # still in step 2.
+            step = 2 if r == 0 or optimizer == "zero" else 3
+            assert ("rank %d step %d: unison: deadlock: every rank is blocked" % (r, step)) in mine, out
+            assert ("rank %d after: %d.0" % (r, np_)) in mine, out
+            assert r == 0 or ("rank %d zero_grad ok" % r) in mine, out
+        # Each report names this case's collectives and no earlier case's:
+        # 'metric' and the others' one wait (a linear model's weight and
+        # bias are two).
+        reports = [line for line in mine.splitlines() if "deadlock" in line]
+        waits = 3 if (optimizer, model) == ("distributed", "linear") else 2
+        assert len(reports) == np_ and all(line.count(" waited ") == waits for line in reports), out
+        # The ages depend on when each rank last moved: any will do.
+        assert re.search(r"allreduce 'metric' waited \d+ s: submitted by ranks \[0\], missing from ranks "
+                         + re.escape(others), mine), out
+        theirs = {"linear": "allreduce 'allreduce.weight'", "syncbn": "allgather 'bn.stats'"}[model]
+        if optimizer == "zero":
+            theirs = r"allreduce 'zero\d+\.again'"
+        assert re.search(theirs + r" waited \d+ s: submitted by ranks " + re.escape(others)
+                         + r", missing from ranks \[0\]", mine), out
