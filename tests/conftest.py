@@ -18,22 +18,25 @@ def cpu_seconds_so_far():
     return t.user + t.system + t.children_user + t.children_system
 
 
-@pytest.fixture(autouse=True)
-def count_the_tests_run_inside_ranks(record_property):
-    """A test that runs suites inside a job's ranks counts as one test
-    here; jobs.assert_every_rank_passed adds what rank 0 ran to the JUnit
-    report as the property `rank_tests`, which .ci/summary.py adds up.
+# Outside ranks only: inside one (tests/parallel's suites, some 100,000
+# tests a CI run), it would record for nobody, at 0.15 ms a test.
+if not os.environ.get("UNISON_SIZE"):
+    @pytest.fixture(autouse=True)
+    def count_the_tests_run_inside_ranks(record_property):
+        """A test that runs suites inside a job's ranks counts as one test
+        here; jobs.assert_every_rank_passed adds what rank 0 ran to the JUnit
+        report as the property `rank_tests`, which .ci/summary.py adds up.
 
-    Each test's CPU time, its jobs' ranks included, goes there too, as
-    `cpu_seconds`: CI runs its environments side by side on cores that are
-    busy nearly all the run, so a test costs the run its CPU time, which
-    its wall time (waits, sleeps, timeouts) does not show."""
-    import jobs
-    jobs.record_property = record_property
-    start = cpu_seconds_so_far()
-    yield
-    jobs.record_property = None
-    record_property("cpu_seconds", "%.1f" % (cpu_seconds_so_far() - start))
+        Each test's CPU time, its jobs' ranks included, goes there too, as
+        `cpu_seconds`: CI runs its environments side by side on cores that are
+        busy nearly all the run, so a test costs the run its CPU time, which
+        its wall time (waits, sleeps, timeouts) does not show."""
+        import jobs
+        jobs.record_property = record_property
+        start = cpu_seconds_so_far()
+        yield
+        jobs.record_property = None
+        record_property("cpu_seconds", "%.1f" % (cpu_seconds_so_far() - start))
 
 
 class Namespaces(list):

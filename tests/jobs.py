@@ -39,13 +39,25 @@ def unisonrun(options, command, env=None, timeout=300, base=None):
     return run_job(full, timeout, env=dict(base if base is not None else os.environ, **(env or {})))
 
 
-def pytest_command(*suites):
-    """pytest inside a rank, running the suites in one session. The thread method ends a rank whose test
-    outlives --timeout even when it is blocked in native code (the signal
-    method waits for Python code to run), after printing every thread's
-    stack; the launcher then ends the job."""
-    return [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--timeout=120",
-            "--timeout-method=thread", "-x"] + [os.path.join(HERE, "parallel", suite) for suite in suites]
+def pytest_command(*suites, seconds=120, options=("-x",)):
+    """pytest inside a rank, running the suites in one session. A test that
+    outlives `seconds` (--rank-timeout), even blocked in native code, ends
+    its rank after the rank prints every thread's stack
+    (tests/parallel/conftest.py's watchdog, which stands in for
+    pytest-timeout there); the launcher then ends the job.
+
+    Two plugins stay out of the ranks:
+    - pytest's logging plugin, whose capture attaches a handler to every
+      logger that does not propagate, three times a test: torch has 54,
+      and that cost torch's grid 15% of a rank's CPU. What the suites log
+      still reaches the captured stderr, from WARNING up as before, and
+      no suite reads captured records (caplog);
+    - hypothesis's, which imports hypothesis into every rank (0.1-0.3 s of
+      CPU each): test_core_fuzz.py's @given runs the same without it, and
+      the failing case it found still reaches the report, in the error."""
+    return [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:logging",
+            "-p", "no:hypothesispytest", "-p", "no:timeout", "--rank-timeout=%g" % seconds, *options] + \
+        [os.path.join(HERE, "parallel", suite) for suite in suites]
 
 
 # conftest.py's: how the running test reports the tests its ranks ran.

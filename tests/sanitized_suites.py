@@ -25,7 +25,7 @@ import pytest
 
 import fake_cuda as fake_cuda_library
 import layouts
-from jobs import CORE_SUITES, assert_every_rank_passed, run_job, run_random_kills
+from jobs import CORE_SUITES, assert_every_rank_passed, pytest_command, run_job, run_random_kills
 from test_parallel import FAKE_GPU_LAYOUTS, fake_cuda_env
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -102,12 +102,9 @@ def fail_on_reports(output, what):
 
 
 def suites_command(launcher, suites):
-    return [sys.executable, "-m", "unison.run"] + launcher + [
-        # -s: a sanitizer stops the process as it reports, so pytest would
-        # never print the report it captured.
-        sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "--timeout=300",
-        "--timeout-method=thread"
-    ] + [os.path.join(HERE, "parallel", s) for s in suites]
+    # -s: a sanitizer stops the process as it reports, so pytest would
+    # never print the report it captured.
+    return [sys.executable, "-m", "unison.run"] + launcher + pytest_command(*suites, seconds=300, options=("-s",))
 
 
 @pytest.mark.timeout(900)

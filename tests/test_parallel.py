@@ -7,8 +7,10 @@ import glob
 import importlib.util
 import os
 import re
+import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -581,3 +583,53 @@ def run_suites(suites, np_, env=None, launcher=(), wrapper=()):
     command = [sys.executable, "-m", "unison.run", "-np", str(np_), *launcher, *wrapper, *pytest_command(*suites)]
     # Each suite gets what one launch of it alone had.
     assert_every_rank_passed(run_job(command, 580 * len(suites), env=dict(os.environ, **(env or {}))), np_)
+
+
+# The ranks' own per-test time limit (the watchdog in parallel/conftest.py,
+# which pytest_command turns on), here 2 s for the job. The first test
+# outlives it but sets a limit of its own with a marker, and passes. In the
+# second, rank 0 waits in an allreduce that rank 1 never joins, blocked in
+# native code: the watchdog must still end it at 2 s, naming the test and
+# showing where every thread was, and the launcher then ends rank 1, which
+# sleeps under a longer limit of its own.
+HANGS = '''
+import os
+import time
+import numpy as np
+import pytest
+import unison.numpy as unp
+
+RANK = int(os.environ["UNISON_RANK"])
+
+@pytest.mark.timeout(30)
+def test_takes_longer_than_the_job_limit_but_sets_its_own():
+    time.sleep(3)
+
+@pytest.mark.timeout(2 if RANK == 0 else 60)
+def test_hangs():
+    if RANK == 0:
+        unp.allreduce(np.ones(4), name="never.joined")
+    else:
+        time.sleep(3600)
+'''
+
+
+@pytest.mark.timeout(120)
+def test_a_test_that_hangs_in_the_ranks_fails_the_job_with_every_threads_stack(tmp_path):
+    shutil.copy(os.path.join(HERE, "parallel", "conftest.py"), tmp_path / "conftest.py")
+    (tmp_path / "test_hangs.py").write_text(HANGS)
+    command = [sys.executable, "-m", "unison.run", "-np", "2", *pytest_command(seconds=2), "test_hangs.py"]
+    started = time.monotonic()
+    proc = run_job(command, 60, cwd=str(tmp_path))
+    took = time.monotonic() - started
+    output = proc.stdout.decode(errors="replace")
+    assert proc.returncode != 0, output
+    assert "test_takes_longer" not in output, output  # it passed: no report names it
+    assert output.count("E   ran past its time limit of") == 1, output
+    digest = failure_digest(output)
+    assert digest.startswith("each rank's first failure"), digest
+    assert "unison test: test_hangs.py::test_hangs failed in call on rank 0:\nE   ran past its time limit of 2 s" in digest
+    # Rank 0's stack, its own thread last: in the test, in the allreduce.
+    assert re.search(r"test_hangs\.py:\d+: in test_hangs\n.*numpy\.py:\d+: in allreduce", digest, re.S), digest
+    assert "rank 0 exited with status 1" in output, output
+    assert took < 40, took

@@ -5,6 +5,9 @@ other rank sent."""
 import gc
 import os
 import sys
+import threading
+import time
+import traceback
 
 import pytest
 
@@ -29,6 +32,99 @@ def pytest_collection_finish(session):
 def pytest_runtest_teardown(item, nextitem):
     if nextitem is None or nextitem.module is not item.module:
         gc.freeze()
+
+
+# Each test in a rank runs under a time limit, so that a hang is a failure
+# (tests/jobs.py and tests/sanitized_suites.py set it). pytest-timeout's
+# way that also ends a test blocked in native code started a thread per
+# test and waited for it to start and to stop: 0.7 ms of CPU a test, and
+# 2 ms of wall time on CI's busy cores, in which the test's peers wait
+# for it. Ranks run some 110,000 tests in a CI run. So the ranks leave
+# pytest-timeout out (-p no:timeout) and one watchdog thread a session
+# does its job: each test sets a deadline, which the watchdog reads once a
+# second. A test that has not ended by it is reported like a failure
+# (failure_digest in tests/jobs.py picks the report up), with every
+# thread's stack, and the rank exits, which ends the job.
+def pytest_addoption(parser):
+    parser.addoption("--rank-timeout", type=float, default=None,
+                     help="seconds each test may take, fixtures included, before the rank reports it and exits")
+
+
+class Watchdog:
+    """A pytest plugin: registered by pytest_configure when --rank-timeout is given."""
+    POLL_SECONDS = 1.0
+
+    def __init__(self, config, seconds):
+        self.config = config
+        self.seconds = seconds
+        self.running = None  # (deadline, the test's id, its phase, its limit) of the test running now
+        threading.Thread(target=self._watch, name="unison-test-watchdog", daemon=True).start()
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(self, item, nextitem):
+        marker = item.get_closest_marker("timeout")  # @pytest.mark.timeout(s) still sets a test's own limit
+        seconds = float(marker.args[0]) if marker is not None and marker.args else self.seconds
+        self.running = (time.monotonic() + seconds, item.nodeid, "setup", seconds)
+        try:
+            yield
+        finally:
+            self.running = None
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_call(self, item):
+        self._phase("call")
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_teardown(self, item, nextitem):
+        self._phase("teardown")
+
+    def _phase(self, when):
+        running = self.running
+        if running is not None:
+            self.running = running[:2] + (when,) + running[3:]
+
+    def _watch(self):
+        while True:
+            time.sleep(self.POLL_SECONDS)
+            running = self.running  # one read: the tuple is replaced whole, never changed
+            if running is not None and time.monotonic() > running[0]:
+                self._report_and_exit(*running[1:])
+
+    def _report_and_exit(self, nodeid, when, seconds):
+        names = {t.ident: t.name for t in threading.enumerate()}
+        lines = ["", "unison test: %s failed in %s on rank %s:" % (nodeid, when, os.environ.get("UNISON_RANK", "?")),
+                 "E   ran past its time limit of %g s; every thread's stack follows" % seconds]
+        frames = sys._current_frames()
+        frames.pop(threading.get_ident(), None)
+        # The test's own thread last: a digest of the output keeps the last lines.
+        main = threading.main_thread().ident
+        for ident, frame in sorted(frames.items(), key=lambda pair: pair[0] == main):
+            lines.append("---- thread %s ----" % names.get(ident, ident))
+            for place in traceback.extract_stack(frame):
+                lines.append("%s:%d: in %s" % (place.filename, place.lineno, place.name))
+                if place.line:
+                    lines.append("    " + place.line)
+        # pytest holds the rank's stdout and stderr in files while a test
+        # runs: give them back, with what the test had printed so far.
+        capture = self.config.pluginmanager.getplugin("capturemanager")
+        printed = ("", "")
+        if capture is not None:
+            try:
+                capture.suspend_global_capture(in_=True)
+                printed = capture.read_global_capture()
+            except Exception:  # a capture in an odd state must not keep the rank alive
+                pass
+        sys.stdout.write("".join(printed) + "\n".join(lines) + "\n")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "timeout(seconds): this test's own time limit in a rank")
+    seconds = config.getoption("--rank-timeout")
+    if seconds is not None:
+        config.pluginmanager.register(Watchdog(config, seconds), "unison-rank-watchdog")
 
 
 @pytest.fixture(scope="session", autouse=True)
