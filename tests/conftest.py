@@ -18,7 +18,7 @@ def cpu_seconds_so_far():
     return t.user + t.system + t.children_user + t.children_system
 
 
-# Outside ranks only: inside one (tests/parallel's suites, some 100,000
+# Outside ranks only: inside one (tests/parallel's suites, some 115,000
 # tests a CI run), it would record for nobody, at 0.15 ms a test.
 if not os.environ.get("UNISON_SIZE"):
     @pytest.fixture(autouse=True)

@@ -203,18 +203,29 @@ def _end_with_unison():
     try:
         shutdown()
     except UnisonError:
-        torch_rpc.shutdown(graceful=False)
+        if is_initialized():  # the first barrier failed; a failure of the last finds RPC ended
+            torch_rpc.shutdown(graceful=False)
 
 
 def shutdown(graceful=True):
     """Ends RPC on this rank. First a unison barrier: it returns when every
     rank has finished its RPC work, and fails fast, naming the rank, when
     one has died (torch's own graceful shutdown would wait for it until
-    its RPC timeout)."""
+    its RPC timeout). Gracefully, it also returns only when every rank is
+    through torch's shutdown (below)."""
     _require_rpc("shutdown()")
-    if graceful:
-        collective.barrier(name="unison.rpc.shutdown")
-    torch_rpc.shutdown(graceful=graceful)
+    if not graceful:
+        torch_rpc.shutdown(graceful=False)
+        return
+    collective.barrier(name="unison.rpc.shutdown")
+    torch_rpc.shutdown(graceful=True)
+    # torch's graceful shutdown ends with the ranks counting in through the
+    # store that rank 0 hosts, and a rank can be through it while another
+    # still waits for the store's answer. A rank 0 that went on to exit
+    # took the store with it, and the other rank's shutdown failed
+    # ("DistNetworkError: Failed to recv, got 0 bytes"; once in CI, under
+    # mpirun). So no rank leaves before every rank is through.
+    collective.barrier(name="unison.rpc.shutdown.done")
 
 
 def _owner_check(params_rref):

@@ -39,7 +39,7 @@ def pytest_runtest_teardown(item, nextitem):
 # way that also ends a test blocked in native code started a thread per
 # test and waited for it to start and to stop: 0.7 ms of CPU a test, and
 # 2 ms of wall time on CI's busy cores, in which the test's peers wait
-# for it. Ranks run some 110,000 tests in a CI run. So the ranks leave
+# for it. Ranks run some 115,000 tests in a CI run. So the ranks leave
 # pytest-timeout out (-p no:timeout) and one watchdog thread a session
 # does its job: each test sets a deadline, which the watchdog reads once a
 # second. A test that has not ended by it is reported like a failure

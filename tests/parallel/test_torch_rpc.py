@@ -250,11 +250,26 @@ def test_clear_errors(rpc_job):
     hvd.barrier()
 
 
-def test_hvd_shutdown_ends_rpc(rpc_job):
+def test_hvd_shutdown_ends_rpc(rpc_job, monkeypatch):
     # The last test: it ends the RPC the module's fixture started.
     assert rpc.is_initialized()
+    # No rank is through shutdown() before every rank is through torch's
+    # (rank 0 hosts torch's store, which the others' shutdown still reads):
+    # here the last rank takes a second longer over torch's, and every
+    # rank waits for it.
+    if hvd.rank() == hvd.size() - 1:
+        torch_shutdown = torch_rpc.shutdown
+
+        def slow_shutdown(*args, **kwargs):
+            torch_shutdown(*args, **kwargs)
+            time.sleep(1.0)
+        monkeypatch.setattr(torch_rpc, "shutdown", slow_shutdown)
+    started = time.monotonic()
     hvd.shutdown()
+    took = time.monotonic() - started
+    monkeypatch.undo()
     assert not rpc.is_initialized() and not hvd.is_initialized()
+    assert took >= 0.9, took
     hvd.init()
     rpc.init_rpc()  # and it can start again
     assert torch_rpc.get_worker_info().name == "worker%d" % hvd.rank()
